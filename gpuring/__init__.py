@@ -1,0 +1,39 @@
+"""gpuring: ring allreduce and its family for CuPy and NumPy arrays across processes."""
+
+from ._errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    GpuringError,
+    PeerFailureError,
+)
+from ._ops import ReduceOp
+from ._world import (
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    init,
+    reduce,
+    reduce_scatter,
+)
+from .communicator import Communicator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init",
+    "Communicator",
+    "ReduceOp",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "GpuringError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "PeerFailureError",
+    "CommunicatorClosedError",
+]

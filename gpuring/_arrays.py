@@ -1,0 +1,52 @@
+"""What the library needs to know about array types: which device, and how to make one."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["device_kind", "array_module", "dtype_name", "contiguous", "same_memory"]
+
+
+def _is_cupy(x: Any) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def device_kind(x: Any) -> str:
+    """"cpu" for NumPy arrays, "cuda" for CuPy arrays; TypeError otherwise."""
+    if isinstance(x, np.ndarray):
+        return "cpu"
+    if _is_cupy(x):
+        return "cuda"
+    raise TypeError(
+        f"expected a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__}; "
+        "convert it with numpy.asarray() or cupy.asarray()")
+
+
+def array_module(x: Any) -> Any:
+    if _is_cupy(x):
+        return sys.modules["cupy"]
+    return np
+
+
+def dtype_name(x: Any) -> str:
+    return str(np.dtype(x.dtype).name)
+
+
+def contiguous(x: Any) -> Any:
+    """`x` itself when C-contiguous, else a C-contiguous copy."""
+    if x.flags.c_contiguous:
+        return x
+    return array_module(x).ascontiguousarray(x)
+
+
+def _address(x: Any) -> int:
+    return int(x.data.ptr) if _is_cupy(x) else int(x.ctypes.data)
+
+
+def same_memory(a: Any, b: Any) -> bool:
+    """True when `a` and `b` cover exactly the same bytes."""
+    return bool(_address(a) == _address(b) and a.nbytes == b.nbytes)

@@ -1,0 +1,45 @@
+"""Reduction operators and the dtypes each one accepts."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_op_dtype"]
+
+INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+FLOAT_DTYPES = ("float16", "float32", "float64")
+COMPLEX_DTYPES = ("complex64", "complex128")
+SUPPORTED_DTYPES = INTEGER_DTYPES + FLOAT_DTYPES + COMPLEX_DTYPES
+
+
+class ReduceOp(str, enum.Enum):
+    """Element-wise reduction applied across ranks."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        """Accept a member or its name ("sum", "SUM", ...)."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls(op.lower())
+            except ValueError:
+                pass
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"unknown reduction op {op!r}; use one of {choices} or a gpuring.ReduceOp")
+
+
+def check_op_dtype(op: ReduceOp, dtype_name: str) -> None:
+    """Raise TypeError when `op` is not defined for `dtype_name`."""
+    if dtype_name not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"dtype {dtype_name} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
+        )
+    if dtype_name in COMPLEX_DTYPES and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(f"op {op.value!r} is not defined for {dtype_name}; use sum, prod or avg")

@@ -1,0 +1,97 @@
+"""The communicator `gpuring.init()` makes, and the module-level verbs that act on it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ._config import Config
+from ._errors import GpuringError
+from ._ops import ReduceOp
+from .communicator import Communicator
+from .rendezvous.base import ControlPlane
+
+__all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+           "reduce", "barrier"]
+
+_lock = threading.Lock()
+_current: Communicator | None = None
+
+
+def _control_plane() -> ControlPlane:
+    from .rendezvous.mpi import launched_by_mpi
+    from .rendezvous.store import ENV_ADDR
+
+    if os.environ.get(ENV_ADDR):
+        from .rendezvous.store import StoreClient
+
+        return StoreClient.from_env()
+    if launched_by_mpi():
+        from .rendezvous.mpi import MpiControl
+
+        return MpiControl()
+    from .rendezvous.local import SingleProcess
+
+    return SingleProcess()
+
+
+def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
+         channels: int | None = None, buffer_bytes: int | None = None) -> Communicator:
+    """The job's communicator: ranks from `gpuring run`, from MPI under mpiexec, or a world
+    of one. Calling it again returns the same communicator until that one is closed.
+    Arguments override the GPURING_* environment variables."""
+    global _current
+    with _lock:
+        if _current is not None and not _current.closed:
+            return _current
+        config = Config.from_env(timeout=timeout, chunk_bytes=chunk_bytes, channels=channels,
+                                 buffer_bytes=buffer_bytes)
+        _current = Communicator(_control_plane(), config)
+        return _current
+
+
+def forget(comm: Communicator) -> None:
+    """Called by Communicator.close(): the next init() makes a new communicator."""
+    global _current
+    with _lock:
+        if _current is comm:
+            _current = None
+
+
+def current() -> Communicator:
+    """The communicator init() made; GpuringError if there is none."""
+    comm = _current
+    if comm is None or comm.closed:
+        raise GpuringError("no communicator: call gpuring.init() first")
+    return comm
+
+
+def all_reduce(x: Any, *, op: ReduceOp | str = "sum", out: Any = None) -> Any:
+    """`Communicator.all_reduce` on the communicator init() made."""
+    return current().all_reduce(x, op=op, out=out)
+
+
+def reduce_scatter(x: Any, *, op: ReduceOp | str = "sum", out: Any = None) -> Any:
+    """`Communicator.reduce_scatter` on the communicator init() made."""
+    return current().reduce_scatter(x, op=op, out=out)
+
+
+def all_gather(x: Any, *, out: Any = None) -> Any:
+    """`Communicator.all_gather` on the communicator init() made."""
+    return current().all_gather(x, out=out)
+
+
+def broadcast(x: Any, *, root: int = 0) -> Any:
+    """`Communicator.broadcast` on the communicator init() made."""
+    return current().broadcast(x, root=root)
+
+
+def reduce(x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None) -> Any:
+    """`Communicator.reduce` on the communicator init() made."""
+    return current().reduce(x, op=op, root=root, out=out)
+
+
+def barrier() -> None:
+    """`Communicator.barrier` on the communicator init() made."""
+    current().barrier()

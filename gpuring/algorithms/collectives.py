@@ -1,0 +1,75 @@
+"""Whole-collective plans: split a collective into rounds that fit the buffers, pick an
+algorithm per round. Pure and cached: the same arguments give the same plan object."""
+
+from __future__ import annotations
+
+import functools
+
+from .oneshot import barrier_round, one_shot_all_reduce
+from .plan import RoundPlan, split_even
+from .ring import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BROADCAST,
+    REDUCE,
+    REDUCE_SCATTER,
+    Segment,
+    chain_round,
+    ring_round,
+)
+
+__all__ = ["plan_collective", "KINDS"]
+
+KINDS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, "barrier")
+
+
+@functools.lru_cache(maxsize=512)
+def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
+                    capacity_bytes: int, chunk_bytes: int, channels: int, root: int = 0,
+                    one_shot_bytes: int = 0) -> tuple[RoundPlan, ...]:
+    """The rounds `rank` runs for one collective.
+
+    `count` is the element count of the input (all_reduce, reduce_scatter: whole input;
+    all_gather: one rank's block; broadcast, reduce: the array). `capacity_bytes` is the size of
+    one buffer region; `one_shot_bytes` the largest all_reduce that runs one-shot.
+    """
+    if n < 2:
+        raise ValueError("collectives across one rank need no plan")
+    if not 0 <= root < n:
+        raise ValueError(f"root {root} is not a rank of {n}")
+    cap = capacity_bytes // itemsize
+    chunk = max(1, chunk_bytes // itemsize)
+    if cap < n:
+        raise ValueError(f"buffer of {capacity_bytes} bytes is too small for {n} ranks")
+    if kind == "barrier":
+        return (barrier_round(n, rank),)
+    if kind == ALL_REDUCE and 0 < count * itemsize <= one_shot_bytes and count <= cap:
+        return (one_shot_all_reduce(n, rank, count),)
+    rounds: list[RoundPlan] = []
+    if kind == ALL_REDUCE:
+        for a in range(0, count, cap):
+            length = min(cap, count - a)
+            segs = tuple(Segment(a + s, s, a + s, k) for s, k in split_even(length, n))
+            rounds.append(ring_round(kind, n, rank, segs, chunk, channels))
+    elif kind == REDUCE_SCATTER:
+        if count % n:
+            raise ValueError(f"reduce_scatter needs a count divisible by {n}, got {count}")
+        block = count // n
+        step = cap // n
+        for j in range(0, block, step):
+            length = min(step, block - j)
+            segs = tuple(Segment(b * block + j, b * length, j, length) for b in range(n))
+            rounds.append(ring_round(kind, n, rank, segs, chunk, channels))
+    elif kind == ALL_GATHER:
+        step = cap // n
+        for j in range(0, count, step):
+            length = min(step, count - j)
+            segs = tuple(Segment(j, b * length, b * count + j, length) for b in range(n))
+            rounds.append(ring_round(kind, n, rank, segs, chunk, channels))
+    elif kind in (BROADCAST, REDUCE):
+        for a in range(0, count, cap):
+            length = min(cap, count - a)
+            rounds.append(chain_round(kind, n, rank, root, a, length, chunk, channels))
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    return tuple(rounds)

@@ -1,0 +1,97 @@
+"""The vocabulary of plans: locations and the operations a rank performs on one channel.
+
+A plan is pure data. Element offsets, never arrays; flag values relative to the round, never
+absolute. The scheduler binds locations to memory and turns operations into stream calls.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+__all__ = [
+    "IN", "OUT", "BUF", "RS", "AG", "READY", "DONE",
+    "Loc", "Copy", "Reduce", "Wait", "Signal", "Op", "ChannelPlan", "RoundPlan",
+    "split_even",
+]
+
+# Where a location lives.
+IN = 0  #: the caller's input array
+OUT = 1  #: the caller's output array
+BUF = 2  #: a rank's communication buffer (peers map it)
+
+# The two regions of a communication buffer used by one round.
+RS = 0  #: staged input and reduce-scatter partials
+AG = 1  #: final segments and all-gather forwards
+
+# The two flag slots of a rank.
+READY = 0  #: per channel: pieces published in the current round
+DONE = 1  #: per rank: last round whose reads of peers' buffers have all completed
+
+
+class Loc(NamedTuple):
+    """`space` IN/OUT (rank and region unused) or BUF of `rank` in `region`; `offset` in elements."""
+
+    space: int
+    offset: int
+    rank: int = -1
+    region: int = RS
+
+
+class Copy(NamedTuple):
+    dst: Loc
+    src: Loc
+    count: int
+
+
+class Reduce(NamedTuple):
+    """dst = a op b over `count` elements; `last` marks the final step (avg divides there)."""
+
+    dst: Loc
+    a: Loc
+    b: Loc
+    count: int
+    last: bool
+
+
+class Wait(NamedTuple):
+    """Wait until `peer`'s flag `slot` reaches `value`.
+
+    READY values are piece indices within the round (1-based); DONE values are round offsets
+    (-2 means "two rounds before this one").
+    """
+
+    peer: int
+    slot: int
+    value: int
+
+
+class Signal(NamedTuple):
+    """Set this rank's flag `slot` to `value` (same conventions as Wait)."""
+
+    slot: int
+    value: int
+
+
+Op = Union[Copy, Reduce, Wait, Signal]
+ChannelPlan = tuple[Op, ...]
+
+
+class RoundPlan(NamedTuple):
+    """What one rank does in one round: one op sequence per channel."""
+
+    channels: tuple[ChannelPlan, ...]
+
+
+def split_even(count: int, parts: int) -> list[tuple[int, int]]:
+    """Split `count` items into `parts` contiguous (start, length) ranges, the first
+    `count % parts` one longer. Lengths may be zero."""
+    if parts <= 0:
+        raise ValueError("parts must be positive")
+    base, extra = divmod(count, parts)
+    out = []
+    start = 0
+    for i in range(parts):
+        length = base + (1 if i < extra else 0)
+        out.append((start, length))
+        start += length
+    return out

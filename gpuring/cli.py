@@ -1,0 +1,45 @@
+"""The `gpuring` command: `gpuring run` launches ranks; `gpuring bench` measures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .launcher import run
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    return run(command, args.nranks, grace=args.grace, host=args.host)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuring", description=__doc__)
+    commands = parser.add_subparsers(dest="subcommand", required=True)
+    run = commands.add_parser(
+        "run", help="start N ranks of a program on this node",
+        description="Start N ranks of COMMAND on this node, each with its rank in the "
+                    "environment; output lines are prefixed with the rank. When one rank "
+                    "fails the others are told, then stopped after --grace seconds.")
+    run.add_argument("-n", "--nranks", type=int, required=True, help="number of ranks")
+    run.add_argument("--grace", type=float, default=3.0,
+                     help="seconds the survivors get after a rank fails (default 3)")
+    run.add_argument("--host", default="127.0.0.1",
+                     help="interface the control plane listens on (default loopback)")
+    run.add_argument("command", nargs=argparse.REMAINDER,
+                     help="the program, e.g. python train.py (a .py file runs with this Python)")
+    run.set_defaults(func=_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The device interface: the only thing the scheduler knows about memory and execution.
+
+A device provides peer-mappable memory, ordered streams of operations, and 64-bit flags
+that streams wait on and write. `HostDevice` implements it with shared memory and threads,
+`CudaDevice` with CUDA IPC, CuPy kernels and stream memory operations. The same schedule
+runs on both.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+from .._ops import ReduceOp
+
+__all__ = ["Memory", "Span", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
+           "FlagWaitAborted"]
+
+
+class Memory(abc.ABC):
+    """A device allocation: local, opened from a peer, or a borrowed user array."""
+
+    nbytes: int
+
+
+class Span(NamedTuple):
+    """`nbytes` bytes of `mem` starting at byte `offset`."""
+
+    mem: Memory
+    offset: int
+    nbytes: int
+
+
+class Flag(NamedTuple):
+    """The 64-bit word at byte `offset` of `mem` (8-byte aligned)."""
+
+    mem: Memory
+    offset: int
+
+
+class FlagWaitTimeout(Exception):
+    """A flag wait ran past its deadline. Carries what was waited for."""
+
+    def __init__(self, flag: Flag, value: int, observed: int, tag: Any):
+        super().__init__(f"flag wait timed out: wanted >= {value}, saw {observed} ({tag})")
+        self.flag = flag
+        self.value = value
+        self.observed = observed
+        self.tag = tag
+
+
+class FlagWaitAborted(Exception):
+    """A flag wait was interrupted because the device was aborted."""
+
+    def __init__(self, reason: str, tag: Any):
+        super().__init__(reason)
+        self.reason = reason
+        self.tag = tag
+
+
+class Event(abc.ABC):
+    """A point in a stream that other streams (or the host) can wait for."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once every operation before the event has completed."""
+
+
+class Stream(abc.ABC):
+    """An ordered queue of operations. Enqueueing never blocks on the operations themselves."""
+
+    @abc.abstractmethod
+    def copy(self, dst: Span, src: Span) -> None:
+        """dst[:] = src[:] (same byte count)."""
+
+    @abc.abstractmethod
+    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+               divisor: int = 1) -> None:
+        """dst = op(a, b) element-wise, then dst /= divisor when divisor != 1 (avg)."""
+
+    @abc.abstractmethod
+    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        """Hold later operations until the flag is >= value. `tag` names the wait in errors."""
+
+    @abc.abstractmethod
+    def write_flag(self, flag: Flag, value: int) -> None:
+        """Set the flag to value once every earlier operation is complete and visible to peers."""
+
+    @abc.abstractmethod
+    def record(self) -> Event:
+        """An event that completes when everything enqueued so far has."""
+
+    @abc.abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Hold later operations until `event` completes."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the stream is idle; raise the first error an operation hit."""
+
+
+class Device(abc.ABC):
+    """Memory, streams and flags of one kind of processor."""
+
+    #: short name used in signatures and messages ("cpu", "cuda")
+    kind: str
+    #: piece size the scheduler uses when the user sets none
+    default_chunk_bytes: int
+    #: parallel rings the scheduler uses when the user sets none
+    default_channels: int
+    #: True when a collective must be complete before it returns (host memory); False when
+    #: ordering the caller's stream after it is enough (GPU memory)
+    blocking: bool
+
+    def caller_event(self) -> Event | None:
+        """An event on the caller's current stream, so the collective starts after work the
+        caller already queued. None when the device has no such notion (host)."""
+        return None
+
+    def order_caller_after(self, event: Event) -> None:
+        """Make the caller's current stream wait for `event` (no host block). Host: no-op."""
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> Memory:
+        """Zero-filled memory that peers can map after `export`/`open`."""
+
+    @abc.abstractmethod
+    def export(self, mem: Memory) -> Any:
+        """A picklable handle a peer passes to `open`."""
+
+    @abc.abstractmethod
+    def open(self, handle: Any) -> Memory:
+        """Map a peer's memory from its exported handle."""
+
+    def seal(self, mem: Memory) -> None:
+        """Every peer has opened `mem`: drop any name it was shared by, so that nothing is
+        left behind if this process dies. Default: nothing to do."""
+
+    @abc.abstractmethod
+    def wrap(self, array: Any) -> Memory:
+        """Borrow a user array (C-contiguous) as memory; the array is never freed by the device."""
+
+    @abc.abstractmethod
+    def create_stream(self, *, inline: bool = False) -> Stream:
+        """A new stream. `inline` hints that the caller waits for it at once; a device may then
+        run operations in the calling thread."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Make every pending and future flag wait fail with FlagWaitAborted(reason)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free local memory, close peer mappings, stop streams. Idempotent."""

@@ -1,0 +1,385 @@
+"""HostDevice: the device interface on the CPU, for NumPy arrays.
+
+Memory is POSIX shared memory (files under /dev/shm, mode 0600, unguessable names) that peers
+map, so a peer's buffer is read in place: no copies through pipes or sockets. Each stream is a
+worker thread that runs its operations in order (NumPy releases the GIL in large ufuncs);
+an inline stream runs them in the calling thread, which saves the hand-off for small
+messages. Flags are int64 words in shared memory. Stores become visible to other processes in
+program order on x86-64 (TSO), which the flag protocol relies on.
+
+Jitter mode (`jitter=True` or GPURING_JITTER=1) sleeps a random few hundred microseconds
+before some operations, so a missing dependency in a schedule shows up in tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import random
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .._ops import ReduceOp
+from .base import (
+    Device,
+    Event,
+    Flag,
+    FlagWaitAborted,
+    FlagWaitTimeout,
+    Memory,
+    Span,
+    Stream,
+)
+
+__all__ = ["HostDevice", "SHM_DIR", "SHM_PREFIX"]
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "gpuring-"
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+class HostMemory(Memory):
+    """Bytes in host memory: a shared-memory mapping or a borrowed array."""
+
+    def __init__(self, u8: np.ndarray, *, mapping: mmap.mmap | None = None,
+                 path: str | None = None, owner: bool = False):
+        self.u8 = u8
+        self.nbytes = u8.nbytes
+        self.mapping = mapping
+        self.path = path
+        self.owner = owner
+        self.i64 = u8[: (u8.nbytes // 8) * 8].view(np.int64) if mapping is not None else None
+
+    def view(self, offset: int, nbytes: int, dtype: str) -> np.ndarray:
+        return self.u8[offset:offset + nbytes].view(dtype)
+
+    def release(self) -> None:
+        """Unmap (and remove the file if this process created it and still names it)."""
+        if self.owner and self.path is not None:
+            _unlink_quietly(self.path)
+            self.path = None
+        if self.mapping is not None:
+            self.u8 = self.i64 = None  # type: ignore[assignment]
+            try:
+                self.mapping.close()
+            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+                pass
+            self.mapping = None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _HostEvent(Event):
+    def __init__(self, done: bool = False):
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def wait(self, device: HostDevice) -> None:
+        while not self._done.wait(0.05):
+            device.check_aborted(("event",))
+
+
+class _StreamBase(Stream):
+    """Operation bodies shared by inline and threaded streams."""
+
+    def __init__(self, device: HostDevice):
+        self._device = device
+        self._rng = random.Random(secrets.randbits(32)) if device.jitter else None
+
+    def _jitter(self) -> None:
+        if self._rng is not None and self._rng.random() < 0.3:
+            time.sleep(self._rng.random() * 300e-6)
+
+    def _do_copy(self, dst: Span, src: Span) -> None:
+        self._jitter()
+        d = dst.mem.u8[dst.offset:dst.offset + dst.nbytes]  # type: ignore[attr-defined]
+        s = src.mem.u8[src.offset:src.offset + src.nbytes]  # type: ignore[attr-defined]
+        np.copyto(d, s)
+
+    def _do_reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+                   divisor: int) -> None:
+        self._jitter()
+        d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
+        x = a.mem.view(a.offset, a.nbytes, dtype)  # type: ignore[attr-defined]
+        y = b.mem.view(b.offset, b.nbytes, dtype)  # type: ignore[attr-defined]
+        if divisor == 1:
+            _UFUNCS[op](x, y, out=d)
+        else:
+            _average_into(d, x, y, divisor)
+
+    def _do_wait(self, flag: Flag, value: int, tag: Any) -> None:
+        self._jitter()
+        self._device.wait_flag(flag, value, tag)
+
+    def _do_write(self, flag: Flag, value: int) -> None:
+        self._jitter()
+        flag.mem.i64[flag.offset >> 3] = value  # type: ignore[attr-defined]
+
+
+def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
+    """d = (x + y) / divisor: floats and complex rounded once from the higher precision sum
+    for float16; integers truncated toward zero (as C and NCCL do)."""
+    kind = d.dtype.kind
+    if d.dtype == np.float16:
+        d[...] = (x.astype(np.float32) + y) / np.float32(divisor)
+    elif kind in "fc":
+        np.add(x, y, out=d)
+        np.divide(d, divisor, out=d)
+    else:
+        total = np.add(x, y)
+        quotient, remainder = np.divmod(total, d.dtype.type(divisor))
+        if kind == "i":  # floor -> toward zero for negative sums with a remainder
+            quotient += (remainder != 0) & (total < 0)
+        d[...] = quotient
+
+
+class _InlineStream(_StreamBase):
+    """Runs each operation at once in the calling thread; errors raise from the call."""
+
+    def copy(self, dst: Span, src: Span) -> None:
+        self._do_copy(dst, src)
+
+    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+               divisor: int = 1) -> None:
+        self._do_reduce(dst, a, b, dtype, op, divisor)
+
+    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        self._do_wait(flag, value, tag)
+
+    def write_flag(self, flag: Flag, value: int) -> None:
+        self._do_write(flag, value)
+
+    def record(self) -> Event:
+        return _HostEvent(done=True)
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, _HostEvent)
+        event.wait(self._device)
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _ThreadStream(_StreamBase):
+    """A worker thread that runs operations in order. After an error it skips the rest,
+    still completing events, and `synchronize` raises the error."""
+
+    def __init__(self, device: HostDevice):
+        super().__init__(device)
+        self._queue: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            collections.deque())
+        self._ready = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="gpuring-stream", daemon=True)
+        self._thread.start()
+
+    def _put(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("stream is closed")
+            self._queue.append((fn, args))
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    if self._closed:
+                        return
+                    self._ready.wait()
+                fn, args = self._queue.popleft()
+            if fn is _HostEvent.set:
+                fn(*args)
+                continue
+            if self._error is not None:
+                continue
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to synchronize()
+                self._error = exc
+                self._device.abort(f"stream failed: {exc!r}")
+
+    def copy(self, dst: Span, src: Span) -> None:
+        self._put(self._do_copy, dst, src)
+
+    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+               divisor: int = 1) -> None:
+        self._put(self._do_reduce, dst, a, b, dtype, op, divisor)
+
+    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        self._put(self._do_wait, flag, value, tag)
+
+    def write_flag(self, flag: Flag, value: int) -> None:
+        self._put(self._do_write, flag, value)
+
+    def record(self) -> Event:
+        event = _HostEvent()
+        self._put(_HostEvent.set, event)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, _HostEvent)
+        self._put(event.wait, self._device)
+
+    def synchronize(self) -> None:
+        event = self.record()
+        while not event.query():
+            event._done.wait(0.05)
+            if not self._thread.is_alive():
+                raise RuntimeError("stream worker died")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(timeout=5)
+
+
+class HostDevice(Device):
+    """NumPy arrays in host memory, shared with peers through /dev/shm.
+
+    `name_prefix` should be unique per job (the launcher removes files that start with it when
+    the job ends); `timeout` bounds every flag wait in seconds.
+    """
+
+    kind = "cpu"
+    default_chunk_bytes = 1 << 20
+    default_channels = 1
+    blocking = True
+
+    def __init__(self, *, name_prefix: str | None = None, timeout: float = 300.0,
+                 jitter: bool | None = None):
+        self.name_prefix = name_prefix or f"{SHM_PREFIX}{secrets.token_hex(8)}-"
+        self.timeout = timeout
+        self.jitter = bool(int(os.environ.get("GPURING_JITTER", "0"))) if jitter is None else jitter
+        self._owned: list[HostMemory] = []
+        self._opened: dict[str, HostMemory] = {}
+        self._streams: list[_ThreadStream] = []
+        self._abort_reason: str | None = None
+        self._closed = False
+
+    # -- memory ---------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> HostMemory:
+        path = os.path.join(SHM_DIR, f"{self.name_prefix}{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            _unlink_quietly(path)
+            raise
+        finally:
+            os.close(fd)
+        mem = HostMemory(np.frombuffer(mapping, np.uint8), mapping=mapping, path=path,
+                         owner=True)
+        self._owned.append(mem)
+        return mem
+
+    def export(self, mem: Memory) -> Any:
+        assert isinstance(mem, HostMemory) and mem.path is not None
+        return (os.getpid(), mem.path, mem.nbytes)
+
+    def open(self, handle: Any) -> HostMemory:
+        pid, path, nbytes = handle
+        for mem in self._owned:  # our own allocation: use it directly
+            if mem.path == path:
+                return mem
+        if path in self._opened:
+            return self._opened[path]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        mem = HostMemory(np.frombuffer(mapping, np.uint8), mapping=mapping, path=path)
+        self._opened[path] = mem
+        return mem
+
+    def seal(self, mem: Memory) -> None:
+        assert isinstance(mem, HostMemory)
+        if mem.owner and mem.path is not None:
+            _unlink_quietly(mem.path)
+
+    def wrap(self, array: Any) -> HostMemory:
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            raise TypeError("HostDevice wraps C-contiguous NumPy arrays only")
+        return HostMemory(array.reshape(-1).view(np.uint8))
+
+    # -- streams and flags ------------------------------------------------------------------
+    def create_stream(self, *, inline: bool = False) -> Stream:
+        if inline:
+            return _InlineStream(self)
+        stream = _ThreadStream(self)
+        self._streams.append(stream)
+        return stream
+
+    def check_aborted(self, tag: Any) -> None:
+        if self._abort_reason is not None:
+            raise FlagWaitAborted(self._abort_reason, tag)
+
+    def wait_flag(self, flag: Flag, value: int, tag: Any) -> None:
+        """Block until the flag reaches value: yield, then sleep with growing backoff, bounded
+        by the timeout and cut short by abort."""
+        words = flag.mem.i64  # type: ignore[attr-defined]
+        index = flag.offset >> 3
+        if words[index] >= value:
+            return
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while words[index] < value:
+            if self._abort_reason is not None:
+                raise FlagWaitAborted(self._abort_reason, tag)
+            spins += 1
+            if spins < 50:
+                os.sched_yield()
+            else:
+                time.sleep(min(5e-4, 1e-6 * (spins - 49)))
+                if time.monotonic() > deadline:
+                    raise FlagWaitTimeout(flag, value, int(words[index]), tag)
+
+    def abort(self, reason: str) -> None:
+        if self._abort_reason is None:
+            self._abort_reason = reason
+
+    @property
+    def aborted(self) -> str | None:
+        return self._abort_reason
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for stream in self._streams:
+            stream.close()
+        for mem in list(self._opened.values()) + self._owned:
+            mem.release()
+        self._opened.clear()
+        self._owned.clear()

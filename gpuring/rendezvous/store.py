@@ -1,0 +1,236 @@
+"""The launcher's control plane: a small server in `gpuring run`, one connection per rank.
+
+Connections are `multiprocessing.connection` objects on loopback, authenticated with a per-job
+key (HMAC challenge in both directions); a connection without the key is refused and logged.
+The server answers allgathers once every rank has posted, and tells every rank at once when
+one of them disconnects without saying goodbye or is reported dead by the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import (  # type: ignore[attr-defined]
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
+from typing import Any
+
+from .._errors import CollectiveTimeoutError, PeerFailureError
+from .base import ControlPlane
+
+__all__ = ["StoreServer", "StoreClient", "ENV_ADDR", "ENV_KEY", "ENV_JOB"]
+
+log = logging.getLogger("gpuring.rendezvous")
+
+ENV_ADDR = "GPURING_STORE"
+ENV_KEY = "GPURING_JOB_KEY"
+ENV_JOB = "GPURING_JOB_ID"
+
+
+class StoreServer:
+    """Runs in the launcher. `failures` lists (rank, reason) in the order they were seen."""
+
+    def __init__(self, size: int, key: bytes, host: str = "127.0.0.1"):
+        self.size = size
+        self._key = key
+        self._listener = Listener((host, 0), family="AF_INET")
+        self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
+        self._lock = threading.Lock()
+        self._conns: dict[int, Connection] = {}
+        self._posted: dict[int, dict[int, Any]] = {}
+        self._left: set[int] = set()
+        self.failures: list[tuple[int, str]] = []
+        self.refused = 0
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="gpuring-store", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            deliver_challenge(conn, self._key)
+            answer_challenge(conn, self._key)
+            kind, rank = conn.recv()
+            if kind != "hello" or not 0 <= rank < self.size:
+                raise ValueError(f"bad greeting {kind!r} {rank!r}")
+        except Exception as exc:  # noqa: BLE001 - any failure here means: not one of ours
+            with self._lock:
+                self.refused += 1
+            log.warning("gpuring: refused a control connection without the job key (%s)", exc)
+            conn.close()
+            return
+        with self._lock:
+            self._conns[rank] = conn
+            if self.failures:  # a peer already died: tell the newcomer at once
+                self._send(rank, ("failure",) + self.failures[0])
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._disconnected(rank)
+                return
+            if message[0] == "allgather":
+                self._post(rank, message[1], message[2])
+            elif message[0] == "bye":
+                with self._lock:
+                    self._left.add(rank)
+            elif message[0] == "abort":
+                self.report_failure(rank, f"rank {rank} aborted: {message[1]}")
+
+    def _send(self, rank: int, message: Any) -> None:
+        conn = self._conns.get(rank)
+        if conn is None:
+            return
+        try:
+            conn.send(message)
+        except (OSError, ValueError):
+            pass
+
+    def _post(self, rank: int, step: int, obj: Any) -> None:
+        with self._lock:
+            posted = self._posted.setdefault(step, {})
+            posted[rank] = obj
+            if len(posted) == self.size:
+                del self._posted[step]
+                values = [posted[r] for r in range(self.size)]
+                for r in range(self.size):
+                    self._send(r, ("allgather", step, values))
+
+    def _disconnected(self, rank: int) -> None:
+        with self._lock:
+            gone_cleanly = rank in self._left
+            self._conns.pop(rank, None)
+        if not gone_cleanly:
+            self.report_failure(rank, f"rank {rank} disconnected without closing (died?)")
+
+    def report_failure(self, rank: int, reason: str) -> None:
+        """Tell every connected rank that `rank` failed (first report wins the reason)."""
+        with self._lock:
+            if any(r == rank for r, _ in self.failures):
+                return
+            self.failures.append((rank, reason))
+            for r in list(self._conns):
+                if r != rank:
+                    self._send(r, ("failure", rank, reason))
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
+
+
+class StoreClient(ControlPlane):
+    """A rank's side, configured from the environment `gpuring run` sets."""
+
+    def __init__(self, rank: int, size: int, local_rank: int, local_size: int,
+                 address: tuple[str, int], key: bytes, job_id: str, timeout: float = 60.0):
+        super().__init__()
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.job_id = job_id
+        self._replies: queue.Queue[Any] = queue.Queue()
+        self._step = 0
+        self._closed = False
+        self.failure: tuple[int, str] | None = None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._conn = Client(address, family="AF_INET", authkey=key)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._send_lock = threading.Lock()
+        self._conn.send(("hello", rank))
+        self._reader = threading.Thread(target=self._read_loop, name="gpuring-control",
+                                        daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_env(cls) -> StoreClient:
+        host, port = os.environ[ENV_ADDR].rsplit(":", 1)
+        return cls(
+            rank=int(os.environ["GPURING_RANK"]),
+            size=int(os.environ["GPURING_WORLD_SIZE"]),
+            local_rank=int(os.environ.get("GPURING_LOCAL_RANK", os.environ["GPURING_RANK"])),
+            local_size=int(os.environ.get("GPURING_LOCAL_SIZE",
+                                          os.environ["GPURING_WORLD_SIZE"])),
+            address=(host, int(port)),
+            key=bytes.fromhex(os.environ[ENV_KEY]),
+            job_id=os.environ[ENV_JOB],
+        )
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._replies.put(("lost", "the launcher's control connection closed"))
+                return
+            if message[0] == "failure":
+                if self.failure is None:
+                    self.failure = (message[1], message[2])
+                self._replies.put(message)
+                self._peer_failed(message[1], message[2])
+            else:
+                self._replies.put(message)
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        if self.failure is not None:
+            rank, reason = self.failure
+            raise PeerFailureError(reason, peer=rank)
+        self._step += 1
+        self._send(("allgather", self._step, obj))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                message = self._replies.get(timeout=wait)
+            except queue.Empty:
+                raise CollectiveTimeoutError(
+                    f"control-plane exchange #{self._step} timed out after {timeout} s on rank "
+                    f"{self.rank}: some rank did not take part") from None
+            if message[0] == "allgather" and message[1] == self._step:
+                return list(message[2])
+            if message[0] == "failure":
+                raise PeerFailureError(message[2], peer=message[1])
+            if message[0] == "lost":
+                raise PeerFailureError(message[1])
+
+    def report_failure(self, reason: str) -> None:
+        try:
+            self._send(("abort", reason))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(("bye",))
+        except OSError:
+            pass
+        self._conn.close()
