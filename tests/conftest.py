@@ -1,0 +1,42 @@
+"""Helpers to launch ranks under `gpuring run` or `mpiexec` from tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+WORKER = HERE / "multiproc" / "worker.py"
+
+
+def mpiexec() -> str | None:
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
+                         + os.environ.get("PATH", ""))
+    if found is None:
+        return None
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return None
+    return found
+
+
+def launch(launcher: str, n: int, args: list[str], *, env: dict[str, str] | None = None,
+           timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run `python args...` as n ranks; returns the finished process (output captured)."""
+    full_env = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
+    full_env.update(env or {})
+    if launcher == "gpuring":
+        cmd = [sys.executable, "-m", "gpuring", "run", "-n", str(n), "--",
+               sys.executable, *args]
+    else:
+        exe = mpiexec()
+        if exe is None:
+            pytest.skip("mpiexec with mpi4py is not available")
+        cmd = [exe, "-n", str(n), sys.executable, *args]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)

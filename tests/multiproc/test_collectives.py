@@ -1,0 +1,48 @@
+"""Every collective on 1 to 5 ranks, under `gpuring run` and `mpiexec`, with jitter on."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..conftest import WORKER, launch
+
+LAUNCHERS = ["gpuring", pytest.param("mpiexec", marks=pytest.mark.mpi)]
+
+
+def run_case(launcher: str, n: int, case: str, tmp_path) -> list[str]:
+    proc = launch(launcher, n, [str(WORKER), case, str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
+    for r in range(1, n):
+        assert digests[r] == digests[0], f"rank {r}'s results differ bitwise from rank 0's"
+    return digests[0].splitlines()
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_dtypes_and_ops(launcher, n, tmp_path):
+    lines = run_case(launcher, n, "dtypes_ops", tmp_path)
+    assert len(lines) > 150
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_sizes(launcher, n, tmp_path):
+    run_case(launcher, n, "sizes", tmp_path)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_back_to_back(launcher, n, tmp_path):
+    assert len(run_case(launcher, n, "back_to_back", tmp_path)) == 300
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_mismatch_raises_on_every_rank(launcher, n, tmp_path):
+    run_case(launcher, n, "mismatch", tmp_path)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_module_api(launcher, tmp_path):
+    run_case(launcher, 3, "module_api", tmp_path)

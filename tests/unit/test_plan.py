@@ -1,0 +1,205 @@
+"""The planner, checked by running every rank's plan in a simulated world.
+
+The simulator interleaves ranks and channels at random (honouring flag waits), computes on
+exact Python integers, and fails on a deadlock, on a read of a buffer location nobody wrote in
+the round, and on a location written twice in one round.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuring.algorithms.collectives import plan_collective
+from gpuring.algorithms.plan import BUF, IN, OUT, READY, Copy, Reduce, Signal, Wait, split_even
+from gpuring.algorithms.ring import piece_ranges
+
+
+class Violation(AssertionError):
+    pass
+
+
+def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, channels: int = 1,
+             capacity: int = 1 << 20, one_shot: int = 0, seed: int = 0):
+    """Run the plans of all ranks; return (inputs, outputs)."""
+    rng = random.Random(seed)
+    inputs = [[rng.randrange(1, 1000) for _ in range(count)] for _ in range(n)]
+    out_len = {"all_gather": n * count, "reduce_scatter": count // n}.get(kind, count)
+    outputs = [[None] * out_len for _ in range(n)]
+    if kind == "broadcast":
+        outputs = [list(inputs[r]) for r in range(n)]  # in place
+    plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=capacity,
+                             chunk_bytes=chunk, channels=channels, root=root,
+                             one_shot_bytes=one_shot) for r in range(n)]
+    nrounds = {len(p) for p in plans}
+    assert len(nrounds) == 1, "ranks disagree on the number of rounds"
+    for rnd in range(nrounds.pop()):
+        buffers: list[dict] = [{} for _ in range(n)]
+        flags = [[0] * channels for _ in range(n)]
+        cursors = {(r, c): 0 for r in range(n)
+                   for c, ops in enumerate(plans[r][rnd].channels) if ops}
+
+        def read(r, loc, k, _buffers=buffers):
+            if loc.space == IN:
+                return inputs[r][loc.offset:loc.offset + k]
+            if loc.space == OUT:
+                vals = outputs[r][loc.offset:loc.offset + k]
+            else:
+                vals = [_buffers[loc.rank].get((loc.region, loc.offset + i)) for i in range(k)]
+            if any(v is None for v in vals):
+                raise Violation(f"rank {r} read unwritten {loc}")
+            return vals
+
+        def write(r, loc, vals, _buffers=buffers):
+            if loc.space == OUT:
+                outputs[r][loc.offset:loc.offset + len(vals)] = vals
+            elif loc.space == BUF:
+                if loc.rank != r:
+                    raise Violation(f"rank {r} writes rank {loc.rank}'s buffer")
+                for i, v in enumerate(vals):
+                    key = (loc.region, loc.offset + i)
+                    if key in _buffers[r]:
+                        raise Violation(f"rank {r} writes {key} twice in a round")
+                    _buffers[r][key] = v
+            else:
+                raise Violation("plans never write the input")
+
+        while cursors:
+            runnable = []
+            for (r, c), i in cursors.items():
+                op = plans[r][rnd].channels[c][i]
+                if type(op) is Wait and flags[op.peer][c] < op.value:
+                    continue
+                runnable.append((r, c))
+            if not runnable:
+                raise Violation(f"deadlock in round {rnd}: {cursors}")
+            r, c = rng.choice(runnable)
+            op = plans[r][rnd].channels[c][cursors[(r, c)]]
+            if type(op) is Copy:
+                write(r, op.dst, read(r, op.src, op.count))
+            elif type(op) is Reduce:
+                a, b = read(r, op.a, op.count), read(r, op.b, op.count)
+                write(r, op.dst, [x + y for x, y in zip(a, b)])
+            elif type(op) is Signal:
+                assert op.slot == READY and op.value > flags[r][c]
+                flags[r][c] = op.value
+            cursors[(r, c)] += 1
+            if cursors[(r, c)] == len(plans[r][rnd].channels[c]):
+                del cursors[(r, c)]
+    return inputs, outputs
+
+
+def expected(kind, n, inputs, root):
+    count = len(inputs[0])
+    total = [sum(col) for col in zip(*inputs)] if count else []
+    if kind == "all_reduce":
+        return [total] * n
+    if kind == "reduce_scatter":
+        b = count // n
+        return [total[r * b:(r + 1) * b] for r in range(n)]
+    if kind == "all_gather":
+        flat = [v for inp in inputs for v in inp]
+        return [flat] * n
+    if kind == "broadcast":
+        return [inputs[root]] * n
+    if kind == "reduce":
+        return [total if r == root else None for r in range(n)]
+    raise AssertionError(kind)
+
+
+def check(kind, n, count, **kw):
+    inputs, outputs = simulate(kind, n, count, **kw)
+    want = expected(kind, n, inputs, kw.get("root", 0))
+    for r in range(n):
+        if want[r] is not None:
+            assert outputs[r] == want[r], (kind, n, count, kw, r)
+
+
+KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_exhaustive_small(kind, n):
+    for count in range(0, 3 * n + 2):
+        if kind == "reduce_scatter" and count % n:
+            continue
+        for chunk, channels in itertools.product([1, 2, 3], [1, 2, 3]):
+            roots = range(n) if kind in ("broadcast", "reduce") else [0]
+            for root in roots:
+                check(kind, n, count, chunk=chunk, channels=channels, root=root,
+                      seed=count * 7 + chunk)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_several_rounds(kind):
+    n = 3
+    count = 6 * n * 2 + (0 if kind == "reduce_scatter" else 5)
+    for capacity in (n, n + 1, 2 * n, 7 * n):
+        check(kind, n, count, capacity=capacity, chunk=2, channels=2, root=1)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_one_shot_all_reduce(n):
+    for count in (1, 2, 7):
+        check("all_reduce", n, count, one_shot=count, seed=count)
+
+
+def test_one_shot_only_when_small():
+    plan = plan_collective("all_reduce", 3, 0, 100, itemsize=4, capacity_bytes=1 << 20,
+                           chunk_bytes=64, channels=1, one_shot_bytes=64)
+    assert len(plan[0].channels[0]) > 8  # ring: many pieces, not one copy and two reduces
+
+
+def test_barrier_plan_waits_for_everyone():
+    for n in (2, 3, 5):
+        for r in range(n):
+            (rnd,) = plan_collective("barrier", n, r, 0, itemsize=1, capacity_bytes=4096,
+                                     chunk_bytes=1, channels=1)
+            waited = {op.peer for op in rnd.channels[0] if type(op) is Wait}
+            assert waited == set(range(n)) - {r}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(KINDS), n=st.integers(2, 7), count=st.integers(0, 200),
+       chunk=st.integers(1, 40), channels=st.integers(1, 4), capacity_mult=st.integers(1, 30),
+       root=st.integers(0, 6), seed=st.integers(0, 1000))
+def test_random_shapes(kind, n, count, chunk, channels, capacity_mult, root, seed):
+    if kind == "reduce_scatter":
+        count -= count % n
+    check(kind, n, count, chunk=chunk, channels=channels, capacity=n * capacity_mult,
+          root=root % n, seed=seed)
+
+
+def test_split_even():
+    for count in range(20):
+        for parts in range(1, 7):
+            ranges = split_even(count, parts)
+            assert sum(k for _, k in ranges) == count
+            assert max(k for _, k in ranges) - min(k for _, k in ranges) <= 1
+            assert all(s == ranges[i - 1][0] + ranges[i - 1][1] for i, (s, _) in
+                       enumerate(ranges) if i)
+
+
+def test_piece_ranges_cover_the_slice_once():
+    for count, channels, chunk in itertools.product(range(12), range(1, 4), range(1, 5)):
+        covered = sorted(i for c in range(channels)
+                         for s, k in piece_ranges(count, c, channels, chunk)
+                         for i in range(s, s + k))
+        assert covered == list(range(count))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="divisible"):
+        plan_collective("reduce_scatter", 3, 0, 10, itemsize=4, capacity_bytes=4096,
+                        chunk_bytes=4, channels=1)
+    with pytest.raises(ValueError, match="root"):
+        plan_collective("broadcast", 3, 0, 10, itemsize=4, capacity_bytes=4096,
+                        chunk_bytes=4, channels=1, root=3)
+    with pytest.raises(ValueError, match="too small"):
+        plan_collective("all_reduce", 8, 0, 10, itemsize=8, capacity_bytes=16,
+                        chunk_bytes=4, channels=1)
