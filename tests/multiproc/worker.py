@@ -121,7 +121,7 @@ def case_dtypes_ops(c: Checker) -> None:
             big = c.inputs(dtype, (n * 37,), seed + 1000, op)
             full = c.reduce_reference(big, op)
             c.expect(comm.reduce_scatter(dev(c, big[comm.rank]), op=op),
-                     full.reshape(n, -1)[comm.rank], f"reduce_scatter {dtype} {op}")
+                     full.reshape(n, -1)[comm.rank], f"reduce_scatter {dtype} {op}", shared=False)
             root = seed % n
             got = comm.reduce(dev(c, ins[comm.rank]), op=op, root=root)
             if comm.rank == root:
@@ -161,7 +161,7 @@ def case_sizes(c: Checker) -> None:
             rs_in = c.inputs("int32", (size * n,), seed)
             rs_want = c.reduce_reference(rs_in, "sum").reshape(n, -1)[comm.rank]
             c.expect(comm.reduce_scatter(dev(c, rs_in[comm.rank]), **kw), rs_want,
-                     f"reduce_scatter {size} ch{channels}")
+                     f"reduce_scatter {size} ch{channels}", shared=False)
     ins = c.inputs("int64", (4, 0, 3), seed + 1)
     c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"), "empty 3d")
     ins = c.inputs("float64", (6, 5, 4), seed + 2)
@@ -192,7 +192,7 @@ def case_back_to_back(c: Checker) -> None:
             got = comm.reduce_scatter(dev(c, ins[comm.rank]), channels=channels,
                                       chunk_bytes=2048)
             c.expect(got, c.reduce_reference(ins, "sum").reshape(n, -1)[comm.rank],
-                     f"b2b {i} reduce_scatter")
+                     f"b2b {i} reduce_scatter", shared=False)
         elif kind == 2:
             got = comm.all_gather(dev(c, ins[comm.rank][:size]), channels=channels)
             c.expect(got, np.stack([a[:size] for a in ins]), f"b2b {i} all_gather", copy=True)

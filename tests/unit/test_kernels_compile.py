@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
-from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
-from gpuring.devices import _kernels  # noqa: E402
+from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
+from gpuring.devices import _kernels
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -1,0 +1,328 @@
+"""CudaDevice on a real GPU: kernels against NumPy references, copies, flags, IPC, close."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+
+def _gpu_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no device
+        return 0
+
+
+if _gpu_count() == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
+from gpuring.devices.base import Flag, FlagWaitAborted, FlagWaitTimeout, Span  # noqa: E402
+from gpuring.devices.cuda import CudaDevice, _memops_supported  # noqa: E402
+
+FLAG_MODES = ["kernel"] + (["memops"] if _memops_supported(0) else [])
+
+
+@pytest.fixture(params=FLAG_MODES)
+def device(request: pytest.FixtureRequest) -> Iterator[CudaDevice]:
+    dev = CudaDevice(0, timeout=20.0, flags=request.param)
+    yield dev
+    dev.close()
+
+
+# ------------------------------------------------------------------------------ references
+
+def _random(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=n, dtype=dt, endpoint=True)
+    if dt.kind == "c":
+        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dt)
+    return (rng.standard_normal(n) * 4).astype(dt)
+
+
+def _wrap(value: int, dt: np.dtype) -> int:
+    bits = dt.itemsize * 8
+    value &= (1 << bits) - 1
+    if dt.kind == "i" and value >= 1 << (bits - 1):
+        value -= 1 << bits
+    return value
+
+
+def _reference(a: np.ndarray, b: np.ndarray, op: ReduceOp, divisor: int) -> np.ndarray:
+    """Exact integers (Python ints, wrapped, C division); floats in the kernel's precision
+    (float16 through float32, rounded once)."""
+    dt = a.dtype
+    if dt.kind in "iu":
+        out = []
+        for x, y in zip(a.tolist(), b.tolist(), strict=True):
+            if op in (ReduceOp.SUM, ReduceOp.AVG):
+                v = _wrap(x + y, dt)
+            elif op is ReduceOp.PROD:
+                v = _wrap(x * y, dt)
+            else:
+                v = min(x, y) if op is ReduceOp.MIN else max(x, y)
+            if divisor != 1:
+                v = abs(v) // divisor * (1 if v >= 0 else -1)
+            out.append(v)
+        return np.array(out, dtype=dt)
+    work = np.float32 if dt == np.float16 else dt.type
+    x, y = a.astype(work), b.astype(work)
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+             ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+    r = ufunc(x, y)
+    if divisor != 1 and dt.kind == "c":  # the kernel divides each part by the real divisor
+        q = np.empty_like(r)
+        q.real = r.real / r.real.dtype.type(divisor)
+        q.imag = r.imag / r.imag.dtype.type(divisor)
+        r = q
+    elif divisor != 1:
+        r = r / work(divisor)
+    return r.astype(dt)
+
+
+def _ops_for(dtype: str) -> list[ReduceOp]:
+    if dtype in COMPLEX_DTYPES:
+        return [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.AVG]
+    return list(ReduceOp)
+
+
+def _span(mem, offset: int, nbytes: int) -> Span:
+    return Span(mem, offset, nbytes)
+
+
+def _check(got: np.ndarray, want: np.ndarray, dtype: str, op: ReduceOp) -> None:
+    if dtype in COMPLEX_DTYPES and op is ReduceOp.PROD:
+        rtol = 1e-6 if dtype == "complex64" else 1e-14
+        np.testing.assert_allclose(got, want, rtol=rtol)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------------------ reduce
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_reduce_matches_numpy(device: CudaDevice, dtype: str) -> None:
+    rng = np.random.default_rng(1)
+    n = 5003
+    a, b = _random(dtype, n, rng), _random(dtype, n, rng)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    stream = device.create_stream()
+    for op in _ops_for(dtype):
+        divisor = 3 if op is ReduceOp.AVG else 1
+        out = cp.zeros_like(ga)
+        ma, mb, mo = device.wrap(ga), device.wrap(gb), device.wrap(out)
+        nbytes = ga.nbytes
+        stream.reduce(_span(mo, 0, nbytes), _span(ma, 0, nbytes), _span(mb, 0, nbytes),
+                      dtype, op, divisor)
+        stream.synchronize()
+        _check(cp.asnumpy(out), _reference(a, b, op, divisor), dtype, op)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "complex128"])
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (1, 1, 1), (3, 3, 3), (0, 1, 2), (5, 0, 5)])
+@pytest.mark.parametrize("n", [0, 1, 7, 17, 1000, 4099])
+def test_reduce_unaligned_offsets_and_tails(device: CudaDevice, dtype: str,
+                                            offsets: tuple[int, int, int], n: int) -> None:
+    rng = np.random.default_rng(n)
+    item = np.dtype(dtype).itemsize
+    pad = 8
+    a, b = _random(dtype, n + pad, rng), _random(dtype, n + pad, rng)
+    out = cp.zeros(n + pad, dtype)
+    ma, mb, mo = device.wrap(cp.asarray(a)), device.wrap(cp.asarray(b)), device.wrap(out)
+    od, oa, ob = offsets
+    stream = device.create_stream()
+    stream.reduce(_span(mo, od * item, n * item), _span(ma, oa * item, n * item),
+                  _span(mb, ob * item, n * item), dtype, ReduceOp.SUM)
+    stream.synchronize()
+    got = cp.asnumpy(out)
+    np.testing.assert_array_equal(got[od:od + n],
+                                  _reference(a[oa:oa + n], b[ob:ob + n], ReduceOp.SUM, 1))
+    assert not got[:od].any() and not got[od + n:].any()  # nothing written outside
+
+
+def test_min_max_propagate_nan(device: CudaDevice) -> None:
+    a = cp.asarray(np.array([np.nan, 1.0, 2.0, np.nan], np.float32))
+    b = cp.asarray(np.array([0.0, np.nan, 3.0, np.nan], np.float32))
+    stream = device.create_stream()
+    for op, mid in ((ReduceOp.MIN, 2.0), (ReduceOp.MAX, 3.0)):
+        out = cp.zeros(4, np.float32)
+        ma, mb, mo = device.wrap(a), device.wrap(b), device.wrap(out)
+        stream.reduce(_span(mo, 0, 16), _span(ma, 0, 16), _span(mb, 0, 16), "float32", op)
+        stream.synchronize()
+        got = cp.asnumpy(out)
+        assert np.isnan(got[[0, 1, 3]]).all() and got[2] == mid
+
+
+def test_reduce_in_place(device: CudaDevice) -> None:
+    a = cp.arange(10000, dtype=cp.int32)
+    b = cp.full(10000, 7, dtype=cp.int32)
+    ma, mb = device.wrap(a), device.wrap(b)
+    stream = device.create_stream()
+    stream.reduce(_span(ma, 0, a.nbytes), _span(ma, 0, a.nbytes), _span(mb, 0, b.nbytes),
+                  "int32", ReduceOp.SUM)
+    stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(a), np.arange(10000, dtype=np.int32) + 7)
+
+
+# ------------------------------------------------------------------------------ copy
+
+@pytest.mark.parametrize("copy_mode", ["memcpy", "kernel"])
+@pytest.mark.parametrize("offsets", [(0, 0), (3, 3), (1, 6), (16, 0)])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 33, 100003])
+def test_copy(copy_mode: str, offsets: tuple[int, int], n: int) -> None:
+    dev = CudaDevice(0, timeout=20.0, copy=copy_mode)
+    try:
+        src_host = np.random.default_rng(n).integers(0, 256, n + 32, dtype=np.uint8)
+        src = dev.wrap(cp.asarray(src_host))
+        dst_arr = cp.zeros(n + 32, cp.uint8)
+        dst = dev.wrap(dst_arr)
+        od, os_ = offsets
+        stream = dev.create_stream()
+        stream.copy(_span(dst, od, n), _span(src, os_, n))
+        stream.synchronize()
+        got = cp.asnumpy(dst_arr)
+        np.testing.assert_array_equal(got[od:od + n], src_host[os_:os_ + n])
+        assert not got[:od].any() and not got[od + n:].any()
+    finally:
+        dev.close()
+
+
+# ------------------------------------------------------------------------------ flags
+
+def test_flag_orders_two_streams(device: CudaDevice) -> None:
+    flags = device.alloc(64)
+    flag = Flag(flags, 8)
+    n = 1 << 20
+    x, y = cp.arange(n, dtype=cp.float32), cp.ones(n, dtype=cp.float32)
+    src, dst = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
+    mx, my, ms, md = (device.wrap(v) for v in (x, y, src, dst))
+    nbytes = n * 4
+    reader, writer = device.create_stream(), device.create_stream()
+
+    reader.wait_flag(flag, 5, tag="test-wait")
+    reader.copy(_span(md, 0, nbytes), _span(ms, 0, nbytes))
+    time.sleep(0.2)
+    assert not reader.record().query()  # held by the flag
+    assert not cp.asnumpy(dst).any()
+
+    writer.reduce(_span(ms, 0, nbytes), _span(mx, 0, nbytes), _span(my, 0, nbytes),
+                  "float32", ReduceOp.SUM)
+    writer.write_flag(flag, 5)
+    writer.synchronize()
+    reader.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(dst), np.arange(n, dtype=np.float32) + 1)
+    assert device.read_u64(flags.ptr + 8) == 5
+
+
+def test_events_order_streams_and_caller(device: CudaDevice) -> None:
+    n = 1 << 20
+    x = cp.zeros(n, cp.float32)
+    x += 2  # on the caller's current stream
+    before = device.caller_event()
+    assert before is not None
+    stream = device.create_stream()
+    stream.wait_event(before)
+    mx = device.wrap(x)
+    stream.reduce(_span(mx, 0, n * 4), _span(mx, 0, n * 4), _span(mx, 0, n * 4), "float32",
+                  ReduceOp.SUM)
+    device.order_caller_after(stream.record())
+    assert float(x.sum()) == 4.0 * n  # read on the caller's stream, after the reduce
+
+
+def test_wait_times_out() -> None:
+    for mode in FLAG_MODES:
+        dev = CudaDevice(0, timeout=0.5, flags=mode)
+        flags = dev.alloc(8)
+        stream = dev.create_stream()
+        stream.wait_flag(Flag(flags, 0), 1, tag=("step", 3))
+        with pytest.raises(FlagWaitTimeout) as info:
+            stream.synchronize()
+        assert info.value.tag == ("step", 3) and info.value.value == 1
+        assert info.value.observed == 0
+        dev.abort("test over")  # releases a stuck stream memory wait
+        dev.close()
+
+
+def test_abort_fails_waits() -> None:
+    for mode in FLAG_MODES:
+        dev = CudaDevice(0, timeout=30.0, flags=mode)
+        flags = dev.alloc(8)
+        stream = dev.create_stream()
+        stream.wait_flag(Flag(flags, 0), 1, tag="never")
+        dev.abort("peer 3 died")
+        with pytest.raises(FlagWaitAborted, match="peer 3 died"):
+            stream.synchronize()
+        with pytest.raises(FlagWaitAborted):
+            stream.wait_flag(Flag(flags, 0), 2)
+        start = time.monotonic()
+        dev.close()
+        assert time.monotonic() - start < 15
+
+
+# ------------------------------------------------------------------------------ IPC, close
+
+def test_export_open_in_one_process_gives_the_local_pointer(device: CudaDevice) -> None:
+    mem = device.alloc(4096)
+    handle = pickle.loads(pickle.dumps(device.export(mem)))
+    opened = device.open(handle)
+    assert opened.ptr == mem.ptr and opened.nbytes == 4096
+    other = CudaDevice(0)  # a second "rank" in the same process
+    try:
+        assert other.open(handle).ptr == mem.ptr
+    finally:
+        other.close()
+
+
+_CHILD = r"""
+import pickle, sys
+import numpy as np
+import cupy as cp
+from gpuring.devices.base import Span
+from gpuring.devices.cuda import CudaDevice
+handle = pickle.loads(bytes.fromhex(sys.stdin.read()))
+dev = CudaDevice(0)
+peer = dev.open(handle)
+assert dev.open(handle) is peer
+src = dev.wrap(cp.arange(256, dtype=cp.uint8))
+s = dev.create_stream()
+s.copy(Span(peer, 0, 256), Span(src, 0, 256))
+s.synchronize()
+dev.close()
+print("child ok")
+"""
+
+
+def test_ipc_between_processes(device: CudaDevice) -> None:
+    mem = device.alloc(256)
+    handle = device.export(mem)
+    done = subprocess.run([sys.executable, "-c", _CHILD], input=pickle.dumps(handle).hex(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = np.zeros(256, np.uint8)
+    cp.cuda.runtime.memcpy(out.ctypes.data, mem.ptr, 256, 4)
+    np.testing.assert_array_equal(out, np.arange(256, dtype=np.uint8))
+
+
+def test_alloc_is_zeroed_and_close_frees() -> None:
+    dev = CudaDevice(0)
+    cp.get_default_memory_pool().free_all_blocks()
+    free_before = cp.cuda.runtime.memGetInfo()[0]
+    mem = dev.alloc(512 << 20)
+    assert dev.read_u64(mem.ptr) == 0 and dev.read_u64(mem.ptr + (512 << 20) - 8) == 0
+    assert cp.cuda.runtime.memGetInfo()[0] < free_before - (256 << 20)
+    dev.close()
+    dev.close()  # idempotent
+    assert cp.cuda.runtime.memGetInfo()[0] > free_before - (64 << 20)
+    assert mem.ptr == 0
