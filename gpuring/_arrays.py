@@ -32,8 +32,16 @@ def array_module(x: Any) -> Any:
     return np
 
 
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+
 def dtype_name(x: Any) -> str:
-    return str(np.dtype(x.dtype).name)
+    """The NumPy name of x's dtype ("float32"), cached: this is on every call's path."""
+    dtype = x.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(np.dtype(dtype).name)
+    return name
 
 
 def contiguous(x: Any) -> Any:

@@ -24,19 +24,25 @@ class ReduceOp(str, enum.Enum):
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
         """Accept a member or its name ("sum", "SUM", ...)."""
-        if isinstance(op, ReduceOp):
-            return op
-        if isinstance(op, str):
-            try:
-                return cls(op.lower())
-            except ValueError:
-                pass
+        try:
+            return _BY_NAME[op]
+        except (KeyError, TypeError):
+            pass
+        if isinstance(op, str) and op.lower() in _BY_NAME:
+            return _BY_NAME[op.lower()]
         choices = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"unknown reduction op {op!r}; use one of {choices} or a gpuring.ReduceOp")
 
 
+_BY_NAME: dict[object, ReduceOp] = {**{m.value: m for m in ReduceOp}, **{m: m for m in ReduceOp}}
+_VALID = {(op, dtype) for op in ReduceOp for dtype in SUPPORTED_DTYPES
+          if not (dtype in COMPLEX_DTYPES and op in (ReduceOp.MIN, ReduceOp.MAX))}
+
+
 def check_op_dtype(op: ReduceOp, dtype_name: str) -> None:
     """Raise TypeError when `op` is not defined for `dtype_name`."""
+    if (op, dtype_name) in _VALID:
+        return
     if dtype_name not in SUPPORTED_DTYPES:
         raise TypeError(
             f"dtype {dtype_name} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"

@@ -23,6 +23,7 @@ from .scheduler import Engine
 __all__ = ["Communicator"]
 
 _SIGNATURE_FIELDS = ("collective", "device", "shape", "dtype", "op", "root")
+_ALONE = object()  # prepared call of a world of one: nothing to plan
 
 
 def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
@@ -59,6 +60,7 @@ class Communicator:
         self.config = config or Config.from_env()
         self._engines: dict[str, Engine] = {}
         self._agreed: set[tuple[Any, ...]] = set()
+        self._prepared: dict[tuple[Any, ...], Any] = {}
         self._seq = 0
         self._lock = threading.RLock()
         self._broken: BaseException | None = None
@@ -251,7 +253,8 @@ class Communicator:
         if engine is None:
             device = _make_device(kind, self._control, self.config)
             try:
-                engine = Engine(device, self._control, capacity_bytes=self.config.buffer_bytes)
+                engine = Engine(device, self._control, capacity_bytes=self.config.buffer_bytes,
+                                timeout=self.config.timeout)
             except BaseException:
                 device.close()
                 raise
@@ -261,29 +264,43 @@ class Communicator:
     def _run(self, name: str, x: Any, out: Any, count: int, op: ReduceOp, root: int,
              chunk_bytes: int | None, channels: int | None) -> Any:
         self._ensure_open()
+        key = (name, x.shape, x.dtype, type(x), op, root, chunk_bytes, channels)
+        with self._lock:
+            prepared = self._prepared.get(key)
+            if prepared is None:
+                prepared = self._prepare(name, x, count, op, root, chunk_bytes, channels)
+                if len(self._prepared) > 1024:
+                    self._prepared.clear()
+                self._prepared[key] = prepared
+            self._seq += 1
+            if prepared is _ALONE:
+                return self._run_alone(name, x, out)
+            engine, rounds, dtype, inline = prepared
+            device = engine.device
+            in_mem = device.wrap(x) if count else None
+            out_mem = device.wrap(out) if out is not None and count else None
+            self._execute(engine, rounds, name, in_mem, out_mem, dtype, x.dtype.itemsize, op,
+                          inline=inline)
+        return out
+
+    def _prepare(self, name: str, x: Any, count: int, op: ReduceOp, root: int,
+                 chunk_bytes: int | None, channels: int | None) -> Any:
+        """Agree with the peers on this call's signature, then pick engine and plan."""
         kind = _arrays.device_kind(x)
         dtype = _arrays.dtype_name(x)
-        signature = (name, kind, tuple(x.shape), dtype, op.value, root)
-        with self._lock:
-            self._agree(signature)
-            self._seq += 1
-            if self.size == 1:
-                return self._run_alone(name, x, out, op)
-            engine = self._engine(kind)
-            device = engine.device
-            chunk = chunk_bytes or self.config.chunk_bytes or device.default_chunk_bytes
-            nchannels = channels or self.config.channels or device.default_channels
-            Config(chunk_bytes=chunk, channels=nchannels).validate()
-            itemsize = x.dtype.itemsize
-            rounds = plan_collective(
-                name, self.size, self.rank, count, itemsize=itemsize,
-                capacity_bytes=self.config.buffer_bytes, chunk_bytes=chunk,
-                channels=nchannels, root=root, one_shot_bytes=self.config.one_shot_bytes)
-            in_mem = device.wrap(x) if x.size else None
-            out_mem = device.wrap(out) if out is not None and out.size else None
-            self._execute(engine, rounds, name, in_mem, out_mem, dtype, itemsize, op,
-                          inline=nchannels == 1)
-        return out
+        self._agree((name, kind, tuple(x.shape), dtype, op.value, root))
+        if self.size == 1:
+            return _ALONE
+        engine = self._engine(kind)
+        device = engine.device
+        chunk = chunk_bytes or self.config.chunk_bytes or device.default_chunk_bytes
+        nchannels = channels or self.config.channels or device.default_channels
+        Config(chunk_bytes=chunk, channels=nchannels).validate()
+        rounds = plan_collective(
+            name, self.size, self.rank, count, itemsize=x.dtype.itemsize,
+            capacity_bytes=self.config.buffer_bytes, chunk_bytes=chunk, channels=nchannels,
+            root=root, one_shot_bytes=self.config.one_shot_bytes)
+        return engine, rounds, dtype, nchannels == 1
 
     def _execute(self, engine: Engine, rounds: Any, name: str, in_mem: Any, out_mem: Any,
                  dtype: str, itemsize: int, op: ReduceOp, *, inline: bool) -> None:
@@ -300,7 +317,7 @@ class Communicator:
         if finished is not None:
             device.order_caller_after(finished)
 
-    def _run_alone(self, name: str, x: Any, out: Any, op: ReduceOp) -> Any:
+    def _run_alone(self, name: str, x: Any, out: Any) -> Any:
         if name == "all_gather":
             out[0] = x
         elif name == "broadcast":

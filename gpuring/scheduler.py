@@ -15,12 +15,29 @@ reading that half from two rounds ago (the write-after-read hazard across rounds
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
-from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
+from ._errors import CollectiveTimeoutError, PeerFailureError
 from ._ops import ReduceOp
-from .algorithms.plan import BUF, IN, READY, Copy, Loc, Reduce, RoundPlan, Signal, Wait
-from .devices.base import Device, Event, Flag, FlagWaitAborted, FlagWaitTimeout, Memory, Span
+from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, RoundPlan, Wait
+from .devices.base import (
+    Arg,
+    CopyI,
+    Device,
+    Event,
+    Flag,
+    FlagWaitAborted,
+    FlagWaitTimeout,
+    Instruction,
+    Memory,
+    ReduceI,
+    Runner,
+    Span,
+    Stream,
+    WaitI,
+    WriteI,
+)
 from .rendezvous.base import ControlPlane
 
 __all__ = ["Engine", "MAX_CHANNELS"]
@@ -29,32 +46,39 @@ MAX_CHANNELS = 32
 _FLAG_BYTES = 4096
 _DONE_OFFSET = MAX_CHANNELS * 8
 _SEQ_SHIFT = 32
+_RUNNER_CACHE = 256
 
 
 class Engine:
     """Communication resources of one device, and the enqueueing of rounds on them."""
 
-    def __init__(self, device: Device, control: ControlPlane, *, capacity_bytes: int):
+    def __init__(self, device: Device, control: ControlPlane, *, capacity_bytes: int,
+                 timeout: float):
         self.device = device
         self.rank = control.rank
         self.size = control.size
         self.capacity = capacity_bytes
+        self.timeout = timeout
         self._seq = 0
-        self._streams = [device.create_stream() for _ in range(1)]
+        self._streams: list[Stream] = []
         self._inline = device.create_stream(inline=True)
+        self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
+            collections.OrderedDict())
         local = device.alloc(_FLAG_BYTES + 4 * capacity_bytes)
         handles = control.allgather(device.export(local))
         self._mems: list[Memory] = [
             local if r == self.rank else device.open(h) for r, h in enumerate(handles)]
         control.barrier()  # every peer has mapped every buffer
         device.seal(local)
+        self._done_flag = Flag(local, _DONE_OFFSET)
+        self._peer_done = [Flag(mem, _DONE_OFFSET) for mem in self._mems]
 
     @property
     def seq(self) -> int:
         """Rounds run so far."""
         return self._seq
 
-    def _stream(self, c: int) -> Any:
+    def _stream(self, c: int) -> Stream:
         while len(self._streams) <= c:
             self._streams.append(self.device.create_stream())
         return self._streams[c]
@@ -65,85 +89,105 @@ class Engine:
         """Enqueue every round, after `after` if given. Blocking devices return once the
         result is complete; others return an event that completes with the collective."""
         divisor = self.size if op is ReduceOp.AVG else 1
-        used: list[Any] = []
         try:
+            if inline:  # one stream (in this thread where the device can): the latency path
+                if after is not None:
+                    self._inline.wait_event(after)
+                for plan in rounds:
+                    self._seq += 1
+                    seq = self._seq
+                    last = len(plan.channels) - 1
+                    for c in range(last + 1):
+                        self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor,
+                                     self._inline, c == last)(in_mem, out_mem, seq)
+                return self._finish([self._inline], after)
+            used: list[Stream] = []
             for plan in rounds:
                 self._seq += 1
-                streams = [self._inline if inline else self._stream(c)
-                           for c in range(len(plan.channels))]
+                seq = self._seq
+                streams = [self._stream(c) for c in range(len(plan.channels))]
                 for stream in streams:
                     if stream not in used:
                         used.append(stream)
                         if after is not None:
                             stream.wait_event(after)
-                self._enqueue_round(plan, streams, in_mem, out_mem, dtype, itemsize, op,
-                                    divisor, (name, collective_seq))
-            if self.device.blocking:
-                for stream in used:
-                    stream.synchronize()
-                return None
-            return used[0].record() if len(used) == 1 else self._join(used)
+                for c, stream in enumerate(streams):
+                    self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor, stream,
+                                 len(streams) == 1)(in_mem, out_mem, seq)
+                if len(streams) > 1:  # DONE once every channel's reads are complete
+                    first = streams[0]
+                    for other in streams[1:]:
+                        first.wait_event(other.record())
+                    first.write_flag(self._done_flag, seq)
+            return self._finish(used, after)
         except FlagWaitTimeout as exc:
-            peer, what = exc.tag[2], exc.tag[3]
+            peer, what = exc.tag
             raise CollectiveTimeoutError(
-                f"{name} #{collective_seq} timed out after {getattr(self.device, 'timeout', '?')}"
-                f" s on rank {self.rank} waiting for rank {peer} ({what}); that rank is "
-                f"stalled, dead, or called a different collective",
-                collective=name, seq=collective_seq, peer=peer) from None
+                f"{name} #{collective_seq} timed out after {self.timeout} s on rank {self.rank} "
+                f"waiting for rank {peer} ({what}); that rank is stalled, dead, or called a "
+                f"different collective", collective=name, seq=collective_seq, peer=peer) from None
         except FlagWaitAborted as exc:
             raise PeerFailureError(
                 f"{name} #{collective_seq} aborted on rank {self.rank}: {exc.reason}",
                 collective=name, seq=collective_seq) from None
 
-    def _join(self, streams: list[Any]) -> Event:
-        first = streams[0]
-        for other in streams[1:]:
+    def _finish(self, used: list[Stream], after: Event | None) -> Event | None:
+        """Blocking devices: wait for the streams. Others: one event for all of them."""
+        if self.device.blocking:
+            for stream in used:
+                stream.synchronize()
+            return None
+        first = used[0]
+        for other in used[1:]:
             first.wait_event(other.record())
-        return first.record()  # type: ignore[no-any-return]
+        return first.record()
 
-    def _enqueue_round(self, plan: RoundPlan, streams: list[Any], in_mem: Memory | None,
-                       out_mem: Memory | None, dtype: str, itemsize: int, op: ReduceOp,
-                       divisor: int, tag: tuple[str, int]) -> None:
-        seq = self._seq
-        base = _FLAG_BYTES + (seq % 2) * 2 * self.capacity
-        ready_base = seq << _SEQ_SHIFT
+    def _runner(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
+                op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:
+        key = (id(plan), c, parity, dtype, op, divisor, stream, with_done)
+        hit = self._runners.get(key)
+        if hit is not None and hit[0] is plan:
+            self._runners.move_to_end(key)
+            return hit[1]
+        program = self._program(plan.channels[c], c, parity, itemsize, divisor, with_done)
+        runner = self.device.compile(program, dtype, op, stream)
+        self._runners[key] = (plan, runner)
+        if len(self._runners) > _RUNNER_CACHE:
+            self._runners.popitem(last=False)
+        return runner
+
+    def _program(self, ops: ChannelPlan, c: int, parity: int, itemsize: int, divisor: int,
+                 with_done: bool) -> tuple[Instruction, ...]:
+        """Device instructions for one channel of a round: plan locations become spans of
+        the buffers (input/output stay arguments), relative flag values stay relative."""
+        base = _FLAG_BYTES + parity * 2 * self.capacity
         mems = self._mems
 
-        def span(loc: Loc, count: int) -> Span:
-            nbytes = count * itemsize
+        def operand(loc: Loc, length: int) -> Span | Arg:
+            nbytes = length * itemsize
             if loc.space == BUF:
                 offset = base + loc.region * self.capacity + loc.offset * itemsize
                 return Span(mems[loc.rank], offset, nbytes)
-            mem = in_mem if loc.space == IN else out_mem
-            assert mem is not None
-            return Span(mem, loc.offset * itemsize, nbytes)
+            return Arg(0 if loc.space == IN else 1, loc.offset * itemsize, nbytes)
 
-        for c, (ops, stream) in enumerate(zip(plan.channels, streams)):
-            for peer in range(self.size if seq > 2 else 0):
-                if peer != self.rank:
-                    stream.wait_flag(Flag(mems[peer], _DONE_OFFSET), seq - 2,
-                                     (*tag, peer, "buffer credit"))
-            ready = Flag(mems[self.rank], c * 8)
-            for o in ops:
-                if type(o) is Copy:
-                    stream.copy(span(o.dst, o.count), span(o.src, o.count))
-                elif type(o) is Reduce:
-                    stream.reduce(span(o.dst, o.count), span(o.a, o.count),
-                                  span(o.b, o.count), dtype, op, divisor if o.last else 1)
-                elif type(o) is Wait:
-                    assert o.slot == READY
-                    stream.wait_flag(Flag(mems[o.peer], c * 8), ready_base + o.value,
-                                     (*tag, o.peer, f"piece {o.value} of round {seq}"))
-                elif type(o) is Signal:
-                    stream.write_flag(ready, ready_base + o.value)
-                else:  # pragma: no cover - plans only hold the four kinds
-                    raise GpuringError(f"unknown plan operation {o!r}")
-        # DONE once every channel's reads of peers' buffers are complete.
-        first = streams[0]
-        for other in streams[1:]:
-            if other is not first:
-                first.wait_event(other.record())
-        first.write_flag(Flag(mems[self.rank], _DONE_OFFSET), seq)
+        program: list[Instruction] = [
+            WaitI(self._peer_done[peer], -2, 0, (peer, "buffer credit"))
+            for peer in range(self.size) if peer != self.rank]
+        ready = Flag(mems[self.rank], c * 8)
+        for o in ops:
+            if isinstance(o, Copy):
+                program.append(CopyI(operand(o.dst, o.length), operand(o.src, o.length)))
+            elif isinstance(o, Reduce):
+                program.append(ReduceI(operand(o.dst, o.length), operand(o.a, o.length),
+                                       operand(o.b, o.length), divisor if o.last else 1))
+            elif isinstance(o, Wait):
+                program.append(WaitI(Flag(mems[o.peer], c * 8), o.value, _SEQ_SHIFT,
+                                     (o.peer, f"piece {o.value} on channel {c}")))
+            else:
+                program.append(WriteI(ready, o.value, _SEQ_SHIFT))
+        if with_done:
+            program.append(WriteI(self._done_flag, 0, 0))
+        return tuple(program)
 
     def close(self) -> None:
         self.device.close()

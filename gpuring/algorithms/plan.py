@@ -40,16 +40,16 @@ class Loc(NamedTuple):
 class Copy(NamedTuple):
     dst: Loc
     src: Loc
-    count: int
+    length: int
 
 
 class Reduce(NamedTuple):
-    """dst = a op b over `count` elements; `last` marks the final step (avg divides there)."""
+    """dst = a op b over `length` elements; `last` marks the final step (avg divides there)."""
 
     dst: Loc
     a: Loc
     b: Loc
-    count: int
+    length: int
     last: bool
 
 

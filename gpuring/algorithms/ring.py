@@ -53,7 +53,7 @@ class Segment(NamedTuple):
     in_off: int
     buf_off: int
     out_off: int
-    count: int
+    length: int
 
 
 def piece_ranges(count: int, channel: int, channels: int, chunk: int) -> list[tuple[int, int]]:
@@ -73,7 +73,7 @@ def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, 
     published: dict[tuple[int, int, int], int] = {}
 
     def pieces(g: int) -> list[tuple[int, int]]:
-        return piece_ranges(segs[g].count, c, channels, chunk)
+        return piece_ranges(segs[g].length, c, channels, chunk)
 
     def publish(region: int, g: int, p: int) -> None:
         published[(region, g, p)] = len(published) + 1

@@ -9,12 +9,12 @@ runs on both.
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Union
 
 from .._ops import ReduceOp
 
-__all__ = ["Memory", "Span", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
-           "FlagWaitAborted"]
+__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
+           "FlagWaitAborted", "CopyI", "ReduceI", "WaitI", "WriteI", "Instruction", "Runner"]
 
 
 class Memory(abc.ABC):
@@ -31,11 +31,57 @@ class Span(NamedTuple):
     nbytes: int
 
 
+class Arg(NamedTuple):
+    """`nbytes` bytes at `offset` of a memory given at each run of a program: the collective's
+    input (index 0) or output (index 1)."""
+
+    index: int
+    offset: int
+    nbytes: int
+
+
 class Flag(NamedTuple):
     """The 64-bit word at byte `offset` of `mem` (8-byte aligned)."""
 
     mem: Memory
     offset: int
+
+
+Operand = Union[Span, Arg]
+
+
+class CopyI(NamedTuple):
+    dst: Operand
+    src: Operand
+
+
+class ReduceI(NamedTuple):
+    dst: Operand
+    a: Operand
+    b: Operand
+    divisor: int
+
+
+class WaitI(NamedTuple):
+    """Wait until `flag` >= value, with value = rel + (seq << shift) for the run's seq."""
+
+    flag: Flag
+    rel: int
+    shift: int
+    tag: Any
+
+
+class WriteI(NamedTuple):
+    """Set `flag` to rel + (seq << shift)."""
+
+    flag: Flag
+    rel: int
+    shift: int
+
+
+Instruction = Union[CopyI, ReduceI, WaitI, WriteI]
+#: a compiled program: runner(input memory, output memory, seq)
+Runner = Callable[[Union[Memory, None], Union[Memory, None], int], None]
 
 
 class FlagWaitTimeout(Exception):
@@ -131,6 +177,36 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def open(self, handle: Any) -> Memory:
         """Map a peer's memory from its exported handle."""
+
+    def compile(self, program: tuple[Instruction, ...], dtype: str, op: ReduceOp,
+                stream: Stream) -> Runner:
+        """Prepare `program` for repeated runs on `stream`; each run enqueues it with the given
+        input and output memory and round number. Devices may override this to bind memory
+        once (host) or capture a graph (GPU); this default enqueues instruction by instruction.
+        """
+
+        def run(inp: Memory | None, out: Memory | None, seq: int) -> None:
+            mems = (inp, out)
+
+            def span(o: Operand) -> Span:
+                if isinstance(o, Arg):
+                    mem = mems[o.index]
+                    assert mem is not None
+                    return Span(mem, o.offset, o.nbytes)
+                return o
+
+            for ins in program:
+                if isinstance(ins, CopyI):
+                    stream.copy(span(ins.dst), span(ins.src))
+                elif isinstance(ins, ReduceI):
+                    stream.reduce(span(ins.dst), span(ins.a), span(ins.b), dtype, op,
+                                  ins.divisor)
+                elif isinstance(ins, WaitI):
+                    stream.wait_flag(ins.flag, ins.rel + (seq << ins.shift), ins.tag)
+                else:
+                    stream.write_flag(ins.flag, ins.rel + (seq << ins.shift))
+
+        return run
 
     def seal(self, mem: Memory) -> None:
         """Every peer has opened `mem`: drop any name it was shared by, so that nothing is

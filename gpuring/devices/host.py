@@ -20,25 +20,34 @@ import random
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .._ops import ReduceOp
 from .base import (
+    Arg,
+    CopyI,
     Device,
     Event,
     Flag,
     FlagWaitAborted,
     FlagWaitTimeout,
+    Instruction,
     Memory,
+    ReduceI,
+    Runner,
     Span,
     Stream,
+    WaitI,
 )
 
 __all__ = ["HostDevice", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
+#: how long a flag wait yields before it starts to sleep (sleeping costs ~50 us of latency)
+_SPIN_SECONDS = 2e-4
 SHM_PREFIX = "gpuring-"
 
 _UFUNCS = {
@@ -109,10 +118,15 @@ class _StreamBase(Stream):
     def __init__(self, device: HostDevice):
         self._device = device
         self._rng = random.Random(secrets.randbits(32)) if device.jitter else None
+        if self._rng is None:
+            self._jitter = self._no_jitter  # type: ignore[method-assign]
 
     def _jitter(self) -> None:
         if self._rng is not None and self._rng.random() < 0.3:
             time.sleep(self._rng.random() * 300e-6)
+
+    def _no_jitter(self) -> None:
+        pass
 
     def _do_copy(self, dst: Span, src: Span) -> None:
         self._jitter()
@@ -220,7 +234,7 @@ class _ThreadStream(_StreamBase):
                 continue
             try:
                 fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to synchronize()
+            except BaseException as exc:
                 self._error = exc
                 self._device.abort(f"stream failed: {exc!r}")
 
@@ -333,6 +347,73 @@ class HostDevice(Device):
             raise TypeError("HostDevice wraps C-contiguous NumPy arrays only")
         return HostMemory(array.reshape(-1).view(np.uint8))
 
+    # -- programs -----------------------------------------------------------------------
+    def compile(self, program: tuple[Instruction, ...], dtype: str, op: ReduceOp,
+                stream: Stream) -> Runner:
+        """On an inline stream, bind every buffer view once and run the program as a list of
+        small closures; elsewhere, the generic enqueueing."""
+        if not isinstance(stream, _InlineStream):
+            return super().compile(program, dtype, op, stream)
+        steps = [self._step(ins, dtype, op, stream) for ins in program]
+
+        def run(inp: Memory | None, out: Memory | None, seq: int) -> None:
+            mems = (inp, out)
+            for step in steps:
+                step(mems, seq)
+
+        return run
+
+    def _step(self, ins: Instruction, dtype: str, op: ReduceOp,
+              stream: _InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
+        jitter = stream._jitter
+
+        def view(o: Span | Arg, as_dtype: str) -> Callable[[tuple[Any, Any]], np.ndarray]:
+            if isinstance(o, Arg):
+                index, lo, hi = o.index, o.offset, o.offset + o.nbytes
+                return lambda mems: mems[index].u8[lo:hi].view(as_dtype)
+            fixed = o.mem.view(o.offset, o.nbytes, as_dtype)  # type: ignore[attr-defined]
+            return lambda mems: fixed
+
+        if isinstance(ins, CopyI):
+            dst, src = view(ins.dst, "u1"), view(ins.src, "u1")
+
+            def copy(mems: tuple[Any, Any], seq: int) -> None:
+                jitter()
+                np.copyto(dst(mems), src(mems))
+
+            return copy
+        if isinstance(ins, ReduceI):
+            d, a, b = view(ins.dst, dtype), view(ins.a, dtype), view(ins.b, dtype)
+            divisor = ins.divisor
+            ufunc = _UFUNCS[op]
+
+            def reduce(mems: tuple[Any, Any], seq: int) -> None:
+                jitter()
+                if divisor == 1:
+                    ufunc(a(mems), b(mems), out=d(mems))
+                else:
+                    _average_into(d(mems), a(mems), b(mems), divisor)
+
+            return reduce
+        words = ins.flag.mem.i64  # type: ignore[attr-defined]
+        index, rel, shift = ins.flag.offset >> 3, ins.rel, ins.shift
+        if isinstance(ins, WaitI):
+            flag, tag = ins.flag, ins.tag
+
+            def wait(mems: tuple[Any, Any], seq: int) -> None:
+                jitter()
+                value = rel + (seq << shift)
+                if words[index] < value:
+                    self.wait_flag(flag, value, tag)
+
+            return wait
+
+        def write(mems: tuple[Any, Any], seq: int) -> None:
+            jitter()
+            words[index] = rel + (seq << shift)
+
+        return write
+
     # -- streams and flags ------------------------------------------------------------------
     def create_stream(self, *, inline: bool = False) -> Stream:
         if inline:
@@ -346,24 +427,27 @@ class HostDevice(Device):
             raise FlagWaitAborted(self._abort_reason, tag)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any) -> None:
-        """Block until the flag reaches value: yield, then sleep with growing backoff, bounded
-        by the timeout and cut short by abort."""
+        """Block until the flag reaches value: yield for a short while, then sleep with growing
+        backoff; bounded by the timeout and cut short by abort."""
         words = flag.mem.i64  # type: ignore[attr-defined]
         index = flag.offset >> 3
         if words[index] >= value:
             return
-        deadline = time.monotonic() + self.timeout
-        spins = 0
+        start = time.monotonic()
+        deadline = start + self.timeout
+        spin_until = start + _SPIN_SECONDS
+        delay = 1e-5
         while words[index] < value:
             if self._abort_reason is not None:
                 raise FlagWaitAborted(self._abort_reason, tag)
-            spins += 1
-            if spins < 50:
-                os.sched_yield()
-            else:
-                time.sleep(min(5e-4, 1e-6 * (spins - 49)))
-                if time.monotonic() > deadline:
-                    raise FlagWaitTimeout(flag, value, int(words[index]), tag)
+            now = time.monotonic()
+            if now < spin_until:
+                os.sched_yield()  # lets any other runnable thread on this core go first
+                continue
+            if now > deadline:
+                raise FlagWaitTimeout(flag, value, int(words[index]), tag)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
     def abort(self, reason: str) -> None:
         if self._abort_reason is None:

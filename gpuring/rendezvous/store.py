@@ -66,7 +66,7 @@ class StoreServer:
             kind, rank = conn.recv()
             if kind != "hello" or not 0 <= rank < self.size:
                 raise ValueError(f"bad greeting {kind!r} {rank!r}")
-        except Exception as exc:  # noqa: BLE001 - any failure here means: not one of ours
+        except Exception as exc:
             with self._lock:
                 self.refused += 1
             log.warning("gpuring: refused a control connection without the job key (%s)", exc)

@@ -1,0 +1,117 @@
+"""Sizes, bandwidth factors and the memory traffic of gpuring's algorithms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["COLLECTIVES", "ROOTED", "REDUCING", "bus_factor", "size_series", "align_bytes",
+           "plan_count", "memory_traffic", "closed_form_traffic", "placements"]
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+ROOTED = ("broadcast", "reduce")
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+OUT_OF_PLACE = "out-of-place"
+IN_PLACE = "in-place"
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """busbw / algbw as nccl-tests defines it."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    if kind in ROOTED:
+        return 1.0
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def placements(kind: str) -> tuple[str, ...]:
+    """The placements gpuring offers: broadcast only works in place; reduce_scatter and
+    all_gather only out of place (their output may not overlap the input)."""
+    if kind == "broadcast":
+        return (IN_PLACE,)
+    if kind in ("reduce_scatter", "all_gather"):
+        return (OUT_OF_PLACE,)
+    return (OUT_OF_PLACE, IN_PLACE)
+
+
+def align_bytes(kind: str, n: int, itemsize: int) -> int:
+    """Sizes are multiples of this: whole elements, and one block per rank where needed."""
+    return itemsize * (n if kind in ("reduce_scatter", "all_gather") else 1)
+
+
+def size_series(first: int, last: int, factor: int, align: int) -> list[int]:
+    """Sizes first, first*factor, ... up to last, each rounded down to a multiple of `align`
+    (at least `align`), without repeats."""
+    if first < 1 or last < first:
+        raise ValueError(f"need 1 <= min size <= max size, got {first} and {last}")
+    if factor < 2:
+        raise ValueError(f"the factor must be at least 2, got {factor}")
+    sizes: list[int] = []
+    size = first
+    while size <= last:
+        rounded = max(align, size - size % align)
+        if not sizes or rounded != sizes[-1]:
+            sizes.append(rounded)
+        size *= factor
+    return sizes
+
+
+def plan_count(kind: str, n: int, size: int, itemsize: int) -> int:
+    """The `count` gpuring's planner takes: all_gather plans one rank's block."""
+    count = size // itemsize
+    return count // n if kind == "all_gather" else count
+
+
+def _plan_traffic(kind: str, n: int, rank: int, count: int, itemsize: int, root: int,
+                  buffer_bytes: int, one_shot_bytes: int, avg: bool) -> int:
+    from ..algorithms.collectives import plan_collective
+    from ..algorithms.plan import Copy, Reduce
+
+    rounds = plan_collective(kind, n, rank, count, itemsize=itemsize,
+                             capacity_bytes=buffer_bytes, chunk_bytes=buffer_bytes, channels=1,
+                             root=root, one_shot_bytes=one_shot_bytes)
+    moved = 0
+    for round_plan in rounds:
+        for channel in round_plan.channels:
+            for op in channel:
+                if isinstance(op, Copy):
+                    moved += 2 * op.length
+                elif isinstance(op, Reduce):
+                    moved += (5 if avg and op.last else 3) * op.length
+    return moved * itemsize
+
+
+def closed_form_traffic(kind: str, n: int, size: int, *, one_shot: bool = False) -> float:
+    """Bytes through memory on the busiest rank, from the formulas in the package docstring
+    (avg's division not included)."""
+    if n < 2:
+        return 0.0
+    if kind == "all_reduce":
+        return (3 * n - 1) * size if one_shot else (7 * n - 5) / n * size
+    if kind == "reduce_scatter":
+        return (3 * n - 1) / n * size
+    if kind == "all_gather":
+        return (4 * n - 2) / n * size
+    if kind == "broadcast":
+        return (2 if n == 2 else 4) * size
+    if kind == "reduce":
+        return 3.0 * size
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def memory_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0,
+                   buffer_bytes: int = 16 << 20, one_shot_bytes: int = 64 << 10,
+                   avg: bool = False, ranks: Iterable[int] | None = None) -> float:
+    """Bytes the busiest rank reads and writes in one collective, counted from the plan
+    (falls back to `closed_form_traffic` when the plan cannot be read)."""
+    if n < 2:
+        return 0.0
+    count = plan_count(kind, n, size, itemsize)
+    try:
+        return float(max(_plan_traffic(kind, n, r, count, itemsize, root, buffer_bytes,
+                                       one_shot_bytes, avg)
+                         for r in (range(n) if ranks is None else ranks)))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        one_shot = kind == "all_reduce" and size <= one_shot_bytes
+        return closed_form_traffic(kind, n, size, one_shot=one_shot)

@@ -1,0 +1,118 @@
+"""Where arrays live and how a call is timed: perf_counter on the CPU, CUDA events on a GPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Backend", "resolve_device", "host_backend", "cuda_backend", "time_calls"]
+
+
+def resolve_device(choice: str) -> str:
+    """`auto` is cuda when CuPy imports and sees a GPU, else cpu."""
+    if choice != "auto":
+        return choice
+    try:
+        import cupy
+
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except Exception:  # no CuPy, no driver, no GPU
+        return "cpu"
+
+
+class Backend:
+    """Array module, host/device transfers, a timer and a memory-bandwidth probe."""
+
+    name = "cpu"
+    xp: Any = np
+
+    def to_device(self, host: np.ndarray) -> Any:
+        return host.copy()
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return np.asarray(array)
+
+    def fill(self, array: Any, host: np.ndarray) -> None:
+        """Copy `host` into the device array `array` (same size)."""
+        np.copyto(array, host.reshape(array.shape))
+
+    def empty(self, shape: int | tuple[int, ...], dtype: str) -> Any:
+        return self.xp.empty(shape, dtype=dtype)
+
+    def timed(self, fn: Callable[[], object]) -> float:
+        """Seconds one call of `fn` takes."""
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def synchronize(self) -> None:
+        pass
+
+    def copy_bandwidth(self, nbytes: int, repeats: int, sync: Callable[[], None]) -> float:
+        """GB/s of a copy of `nbytes` (read + write counted), best of `repeats`; `sync` runs
+        first so every rank copies at the same time."""
+        src = self.xp.ones(nbytes // 8, dtype=np.float64)
+        dst = self.xp.zeros_like(src)
+        self.xp.copyto(dst, src)
+        self.synchronize()
+        sync()
+        best = min(self.timed(lambda: self.xp.copyto(dst, src)) for _ in range(repeats))
+        return 2 * src.nbytes / best / 1e9
+
+
+class _CudaBackend(Backend):  # pragma: no cover - needs a GPU
+    name = "cuda"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.xp = cupy
+        self._cupy = cupy
+
+    def to_device(self, host: np.ndarray) -> Any:
+        return self._cupy.asarray(host)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return np.asarray(self._cupy.asnumpy(array))
+
+    def fill(self, array: Any, host: np.ndarray) -> None:
+        array.set(np.ascontiguousarray(host.reshape(array.shape)))
+
+    def timed(self, fn: Callable[[], object]) -> float:
+        cuda = self._cupy.cuda
+        stream = cuda.get_current_stream()
+        start, end = cuda.Event(), cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return float(cuda.get_elapsed_time(start, end)) / 1e3
+
+    def synchronize(self) -> None:
+        self._cupy.cuda.Device().synchronize()
+
+
+def host_backend() -> Backend:
+    return Backend()
+
+
+def cuda_backend() -> Backend:  # pragma: no cover - needs a GPU
+    return _CudaBackend()
+
+
+def time_calls(fn: Callable[[], object], *, iters: int, warmup: int, backend: Backend,
+               sync: Callable[[], None]) -> np.ndarray:
+    """Seconds of each of `iters` calls after `warmup` untimed ones; `sync` (a barrier)
+    precedes every timed call and is not timed."""
+    for _ in range(warmup):
+        fn()
+    backend.synchronize()
+    times = np.empty(iters, dtype=np.float64)
+    for i in range(iters):
+        backend.synchronize()
+        sync()
+        times[i] = backend.timed(fn)
+    return times

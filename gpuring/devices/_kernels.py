@@ -1,0 +1,243 @@
+"""The CUDA kernels of `kernels/reduce.cu`: names, headers, NVRTC compilation, CuPy loading.
+
+Every kernel is `extern "C"`, so its symbol is its name. Two ways to compile:
+
+- `get_kernel` / `get_module`: CuPy `RawModule`, compiled once per process (and per device by
+  CuPy), used by `CudaDevice`.
+- `compile_all_with_nvrtc`: NVRTC from cuda-bindings, no GPU needed; CI uses it to check that
+  every kernel builds for the architectures we ship to.
+
+`reduce.cu` includes `<cuda_fp16.h>`, which NVRTC does not find on its own. `cuda_include_dirs`
+looks, in order, in `$GPURING_CUDA_INCLUDE`, the pip wheel `nvidia-cuda-runtime` or a CUDA
+toolkit (through cuda-pathfinder, then `$CUDA_PATH`, `$CUDA_HOME`, `/usr/local/cuda`), and last
+the headers that NVRTC >= 13 bundles, extracted once into a cache directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from .._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_op_dtype
+
+__all__ = [
+    "KernelCompileError",
+    "REDUCE_KERNEL_NAMES",
+    "COPY_KERNEL",
+    "WAIT_FLAG_KERNEL",
+    "WRITE_FLAG_KERNEL",
+    "ALL_KERNEL_NAMES",
+    "reduce_kernel_name",
+    "kernel_source_path",
+    "kernel_source",
+    "cuda_include_dirs",
+    "compile_options",
+    "nvrtc_compile",
+    "compile_all_with_nvrtc",
+    "get_module",
+    "get_kernel",
+]
+
+SOURCE_NAME = "reduce.cu"
+#: a header that must be found for reduce.cu to compile
+_PROBE_HEADER = "cuda_fp16.h"
+
+_REAL_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
+_COMPLEX_OPS = (ReduceOp.SUM, ReduceOp.PROD)
+
+
+class KernelCompileError(RuntimeError):
+    """The kernel source did not compile; the message carries the compiler log."""
+
+
+def reduce_kernel_name(dtype: str, op: ReduceOp | str) -> str:
+    """Symbol of the kernel that reduces `dtype` with `op` (avg uses the sum kernel)."""
+    op = ReduceOp.parse(op)
+    check_op_dtype(op, dtype)
+    if op is ReduceOp.AVG:
+        op = ReduceOp.SUM
+    return f"gpuring_reduce_{dtype}_{op.value}"
+
+
+#: every reduce kernel in reduce.cu, one per (dtype, op)
+REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(
+    reduce_kernel_name(dtype, op)
+    for dtype in SUPPORTED_DTYPES
+    for op in (_COMPLEX_OPS if dtype in COMPLEX_DTYPES else _REAL_OPS)
+)
+COPY_KERNEL = "gpuring_copy_bytes"
+WAIT_FLAG_KERNEL = "gpuring_wait_flag"
+WRITE_FLAG_KERNEL = "gpuring_write_flag"
+ALL_KERNEL_NAMES: tuple[str, ...] = (
+    *REDUCE_KERNEL_NAMES, COPY_KERNEL, WAIT_FLAG_KERNEL, WRITE_FLAG_KERNEL)
+
+
+# ------------------------------------------------------------------------------- source
+
+def kernel_source_path() -> Path:
+    """`gpuring/kernels/reduce.cu` (installed package data), else `kernels/reduce.cu` of the
+    source tree next to the package."""
+    package_dir = Path(__file__).resolve().parent.parent
+    candidates = (package_dir / "kernels" / SOURCE_NAME,
+                  package_dir.parent / "kernels" / SOURCE_NAME)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"gpuring kernel source {SOURCE_NAME} not found; looked at "
+        + ", ".join(str(p) for p in candidates))
+
+
+@functools.cache
+def kernel_source() -> str:
+    """The text of reduce.cu."""
+    return kernel_source_path().read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------- headers
+
+def _has_probe(directory: str | os.PathLike[str] | None) -> bool:
+    return bool(directory) and (Path(str(directory)) / _PROBE_HEADER).is_file()
+
+
+def _toolkit_include_dir() -> str | None:
+    """The include directory of the pip CUDA runtime wheel or of an installed toolkit."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        pass
+    else:
+        try:
+            found = find_nvidia_header_directory("cudart")
+        except Exception:  # pathfinder raises its own errors on odd installs
+            found = None
+        if _has_probe(found):
+            return str(found)
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and _has_probe(Path(root) / "include"):
+            return str(Path(root) / "include")
+    return None
+
+
+def _bundled_include_dirs() -> list[str]:
+    """Extract the headers bundled in libnvrtc-builtins (NVRTC >= 13) into a cache directory.
+    Empty when this NVRTC has no bundled headers."""
+    try:
+        from cuda.bindings import nvrtc
+        err, info, _log = nvrtc.nvrtcGetBundledHeadersInfo()
+    except Exception:  # older cuda-bindings or NVRTC without bundled headers
+        return []
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or not info.available:
+        return []
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    version = f"{info.cudaVersionMajor}.{info.cudaVersionMinor}"
+    target = cache_root / "gpuring" / f"nvrtc-headers-{version}"
+    if not _has_probe(target):
+        target.mkdir(parents=True, exist_ok=True)
+        flags = nvrtc.NVRTC_INSTALL_HEADERS_SKIP_IF_EXISTS
+        result = nvrtc.nvrtcInstallBundledHeaders(str(target).encode(), flags)
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS or not _has_probe(target):
+            return []
+    dirs = [str(target)]
+    if (target / "cccl").is_dir():
+        dirs.append(str(target / "cccl"))
+    return dirs
+
+
+@functools.cache
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories to pass with -I so that `<cuda_fp16.h>` resolves. Raises when none found."""
+    override = os.environ.get("GPURING_CUDA_INCLUDE")
+    if override:
+        return tuple(d for d in override.split(os.pathsep) if d)
+    toolkit = _toolkit_include_dir()
+    if toolkit:
+        return (toolkit,)
+    bundled = _bundled_include_dirs()
+    if bundled:
+        return tuple(bundled)
+    raise KernelCompileError(
+        f"CUDA headers not found ({_PROBE_HEADER}); install the pip package "
+        "'nvidia-cuda-runtime' (matching your CUDA major version), install a CUDA toolkit, "
+        "or set GPURING_CUDA_INCLUDE to a directory that holds cuda_fp16.h")
+
+
+def compile_options(include_dirs: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """NVRTC options shared by both compile paths (no architecture option)."""
+    if include_dirs is None:
+        include_dirs = cuda_include_dirs()
+    return ("-std=c++17", *(f"-I{d}" for d in include_dirs))
+
+
+# ------------------------------------------------------------------------------- NVRTC
+
+def _check_nvrtc(nvrtc: Any, result: tuple[Any, ...], what: str) -> tuple[Any, ...]:
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, msg = nvrtc.nvrtcGetErrorString(err)
+        raise KernelCompileError(f"{what} failed: {msg.decode(errors='replace')}")
+    return result[1:]
+
+
+def nvrtc_compile(arch: str, source: str | None = None) -> bytes:
+    """Compile reduce.cu (or `source`) with cuda-bindings NVRTC for `arch` ("sm_90", ...)
+    and return the CUBIN. Needs no GPU. Raises KernelCompileError with the NVRTC log."""
+    from cuda.bindings import nvrtc
+
+    text = kernel_source() if source is None else source
+    (prog,) = _check_nvrtc(
+        nvrtc, nvrtc.nvrtcCreateProgram(text.encode(), SOURCE_NAME.encode(), 0, [], []),
+        "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in (f"--gpu-architecture={arch}", *compile_options())]
+        compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        (log_size,) = _check_nvrtc(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * log_size
+        _check_nvrtc(nvrtc, nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(
+                f"NVRTC could not compile {SOURCE_NAME} for {arch} "
+                f"(options {' '.join(o.decode() for o in opts)}):\n"
+                + log.decode(errors="replace").rstrip("\x00 "))
+        (size,) = _check_nvrtc(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check_nvrtc(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_all_with_nvrtc(arch: str) -> None:
+    """Compile every kernel for `arch` ("sm_80", "sm_90", ...) and check that each kernel name
+    is in the CUBIN. Raises KernelCompileError (with the NVRTC log) on failure."""
+    cubin = nvrtc_compile(arch)
+    missing = [name for name in ALL_KERNEL_NAMES if name.encode() + b"\x00" not in cubin]
+    if missing:
+        raise KernelCompileError(f"kernels missing from the {arch} CUBIN: {', '.join(missing)}")
+
+
+# ------------------------------------------------------------------------------- CuPy
+
+@functools.cache
+def get_module() -> Any:
+    """The CuPy RawModule of reduce.cu (CuPy compiles it per device on first use and keeps
+    its own on-disk cache)."""
+    import cupy
+
+    return cupy.RawModule(code=kernel_source(), options=compile_options(), backend="nvrtc")
+
+
+@functools.cache
+def get_function(name: str) -> Any:
+    """A kernel of reduce.cu by symbol name, as a cupy RawKernel."""
+    if name not in ALL_KERNEL_NAMES:
+        raise KeyError(f"no kernel named {name!r} in {SOURCE_NAME}")
+    return get_module().get_function(name)
+
+
+def get_kernel(dtype: str, op: ReduceOp | str) -> Any:
+    """The reduce kernel for (dtype, op), as a cupy RawKernel with the signature
+    `(dst, a, b, n: uint64, divisor: int64)`."""
+    return get_function(reduce_kernel_name(dtype, op))
