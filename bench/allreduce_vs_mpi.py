@@ -65,8 +65,9 @@ def main() -> None:
         out_g = np.empty_like(x)
         out_m = np.empty_like(x)
         iters = args.iters if size < (64 << 20) else max(5, args.iters // 4)
-        t_g = timed(lambda: comm.all_reduce(x, out=out_g), mpi, iters, args.warmup)
-        t_m = timed(lambda: mpi.Allreduce(x, out_m, op=MPI.SUM), mpi, iters, args.warmup)
+        t_g = timed(lambda x=x, o=out_g: comm.all_reduce(x, out=o), mpi, iters, args.warmup)
+        t_m = timed(lambda x=x, o=out_m: mpi.Allreduce(x, o, op=MPI.SUM), mpi, iters,
+                    args.warmup)
         assert np.allclose(out_g, out_m, rtol=1e-5, atol=1e-5 * n), "results differ"
         med_g, med_m = statistics.median(t_g), statistics.median(t_m)
         nbytes = count * 4

@@ -6,7 +6,7 @@ absolute. The scheduler binds locations to memory and turns operations into stre
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 __all__ = [
     "IN", "OUT", "BUF", "RS", "AG", "READY", "DONE",
@@ -29,7 +29,7 @@ DONE = 1  #: per rank: last round whose reads of peers' buffers have all complet
 
 
 class Loc(NamedTuple):
-    """`space` IN/OUT (rank and region unused) or BUF of `rank` in `region`; `offset` in elements."""
+    """`space` IN/OUT (rank, region unused) or BUF of `rank` in `region`; `offset` in elements."""
 
     space: int
     offset: int
@@ -72,7 +72,7 @@ class Signal(NamedTuple):
     value: int
 
 
-Op = Union[Copy, Reduce, Wait, Signal]
+Op = Copy | Reduce | Wait | Signal
 ChannelPlan = tuple[Op, ...]
 
 

@@ -9,7 +9,8 @@ runs on both.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from .._ops import ReduceOp
 
@@ -33,9 +34,9 @@ class Span(NamedTuple):
 
 class Arg(NamedTuple):
     """`nbytes` bytes at `offset` of a memory given at each run of a program: the collective's
-    input (index 0) or output (index 1)."""
+    input (which = 0) or output (which = 1)."""
 
-    index: int
+    which: int
     offset: int
     nbytes: int
 
@@ -47,7 +48,7 @@ class Flag(NamedTuple):
     offset: int
 
 
-Operand = Union[Span, Arg]
+Operand = Span | Arg
 
 
 class CopyI(NamedTuple):
@@ -79,9 +80,9 @@ class WriteI(NamedTuple):
     shift: int
 
 
-Instruction = Union[CopyI, ReduceI, WaitI, WriteI]
+Instruction = CopyI | ReduceI | WaitI | WriteI
 #: a compiled program: runner(input memory, output memory, seq)
-Runner = Callable[[Union[Memory, None], Union[Memory, None], int], None]
+Runner = Callable[[Memory | None, Memory | None, int], None]
 
 
 class FlagWaitTimeout(Exception):
@@ -190,7 +191,7 @@ class Device(abc.ABC):
 
             def span(o: Operand) -> Span:
                 if isinstance(o, Arg):
-                    mem = mems[o.index]
+                    mem = mems[o.which]
                     assert mem is not None
                     return Span(mem, o.offset, o.nbytes)
                 return o

@@ -251,7 +251,7 @@ class _ThreadStream(_StreamBase):
     def write_flag(self, flag: Flag, value: int) -> None:
         self._put(self._do_write, flag, value)
 
-    def record(self) -> Event:
+    def record(self) -> _HostEvent:
         event = _HostEvent()
         self._put(_HostEvent.set, event)
         return event
@@ -322,7 +322,7 @@ class HostDevice(Device):
         return (os.getpid(), mem.path, mem.nbytes)
 
     def open(self, handle: Any) -> HostMemory:
-        pid, path, nbytes = handle
+        _, path, nbytes = handle
         for mem in self._owned:  # our own allocation: use it directly
             if mem.path == path:
                 return mem
@@ -369,8 +369,8 @@ class HostDevice(Device):
 
         def view(o: Span | Arg, as_dtype: str) -> Callable[[tuple[Any, Any]], np.ndarray]:
             if isinstance(o, Arg):
-                index, lo, hi = o.index, o.offset, o.offset + o.nbytes
-                return lambda mems: mems[index].u8[lo:hi].view(as_dtype)
+                which, lo, hi = o.which, o.offset, o.offset + o.nbytes
+                return lambda mems: mems[which].u8[lo:hi].view(as_dtype)
             fixed = o.mem.view(o.offset, o.nbytes, as_dtype)  # type: ignore[attr-defined]
             return lambda mems: fixed
 

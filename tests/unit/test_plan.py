@@ -80,10 +80,10 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
             r, c = rng.choice(runnable)
             op = plans[r][rnd].channels[c][cursors[(r, c)]]
             if type(op) is Copy:
-                write(r, op.dst, read(r, op.src, op.count))
+                write(r, op.dst, read(r, op.src, op.length))
             elif type(op) is Reduce:
-                a, b = read(r, op.a, op.count), read(r, op.b, op.count)
-                write(r, op.dst, [x + y for x, y in zip(a, b)])
+                a, b = read(r, op.a, op.length), read(r, op.b, op.length)
+                write(r, op.dst, [x + y for x, y in zip(a, b, strict=True)])
             elif type(op) is Signal:
                 assert op.slot == READY and op.value > flags[r][c]
                 flags[r][c] = op.value
@@ -95,7 +95,7 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
 
 def expected(kind, n, inputs, root):
     count = len(inputs[0])
-    total = [sum(col) for col in zip(*inputs)] if count else []
+    total = [sum(col) for col in zip(*inputs, strict=True)] if count else []
     if kind == "all_reduce":
         return [total] * n
     if kind == "reduce_scatter":

@@ -1,0 +1,292 @@
+// gpuring device kernels, compiled at run time (CuPy RawModule / NVRTC) or by nvcc.
+//
+//   gpuring_reduce_<dtype>_<op>(dst, a, b, n, divisor)
+//       dst[i] = op(a[i], b[i]), then / divisor when divisor != 1 (avg = sum + divisor).
+//       ops: sum, prod, min, max (complex: sum, prod). dst may alias a or b.
+//   gpuring_copy_bytes(dst, src, nbytes)
+//   gpuring_wait_flag(flag, value, timeout_ns, status)       one thread, spin fallback
+//   gpuring_write_flag(flag, value)                           one thread
+//
+// Every kernel is `extern "C"`, so its name is the symbol (no name mangling, no
+// name_expressions needed). Kernel names are listed in gpuring/devices/_kernels.py.
+//
+// Arithmetic rules (they match the host device, and give the same bits on every rank):
+// - integers wrap modulo 2^bits (computed in unsigned 64-bit: no signed-overflow UB);
+//   division truncates toward zero like C.
+// - float16 is computed in float32 (op, then the division) and rounded once to half.
+// - min/max propagate NaN like numpy.minimum/maximum.
+// - complex multiply uses explicitly rounded operations, so no FMA contraction changes bits.
+// The vectorised and the scalar paths call the same element function, so a piece gives the
+// same bits whatever its alignment.
+
+#include <cuda_fp16.h>
+
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------------------------------
+// Complex types: plain structs with the layout of numpy complex64 / complex128.
+struct __align__(8) cfloat {
+    float re, im;
+};
+struct __align__(16) cdouble {
+    double re, im;
+};
+
+// ---------------------------------------------------------------------------------------
+// Traits. Arith<T>: type that + and * run in (wraps modulo 2^64 for integers).
+// Quot<T>: type that the division by the divisor runs in.
+template <typename T> struct Arith { typedef T type; };
+template <typename T> struct Quot { typedef T type; };
+
+#define GPURING_INT_TRAITS(T, QUOT) \
+    template <> struct Arith<T> { typedef u64 type; }; \
+    template <> struct Quot<T> { typedef QUOT type; };
+
+GPURING_INT_TRAITS(signed char, long long)
+GPURING_INT_TRAITS(short, long long)
+GPURING_INT_TRAITS(int, long long)
+GPURING_INT_TRAITS(long long, long long)
+GPURING_INT_TRAITS(unsigned char, u64)
+GPURING_INT_TRAITS(unsigned short, u64)
+GPURING_INT_TRAITS(unsigned int, u64)
+GPURING_INT_TRAITS(u64, u64)
+#undef GPURING_INT_TRAITS
+
+// Correctly rounded float ops that the compiler may not fuse into an FMA.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+template <typename C>
+__device__ __forceinline__ C complex_mul(C a, C b) {
+    C r;
+    r.re = add_rn(mul_rn(a.re, b.re), -mul_rn(a.im, b.im));
+    r.im = add_rn(mul_rn(a.re, b.im), mul_rn(a.im, b.re));
+    return r;
+}
+
+template <typename C>
+__device__ __forceinline__ C complex_add(C a, C b) {
+    C r;
+    r.re = a.re + b.re;
+    r.im = a.im + b.im;
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Operators: apply(a, b) on real types (float16 comes here as float).
+struct OpSum {
+    template <typename T>
+    __device__ static T apply(T a, T b) {
+        typedef typename Arith<T>::type A;
+        return (T)((A)a + (A)b);
+    }
+    __device__ static cfloat apply(cfloat a, cfloat b) { return complex_add(a, b); }
+    __device__ static cdouble apply(cdouble a, cdouble b) { return complex_add(a, b); }
+};
+
+struct OpProd {
+    template <typename T>
+    __device__ static T apply(T a, T b) {
+        typedef typename Arith<T>::type A;
+        return (T)((A)a * (A)b);
+    }
+    __device__ static cfloat apply(cfloat a, cfloat b) { return complex_mul(a, b); }
+    __device__ static cdouble apply(cdouble a, cdouble b) { return complex_mul(a, b); }
+};
+
+// `x != x` is true only for NaN (always false for integers).
+struct OpMin {
+    template <typename T>
+    __device__ static T apply(T a, T b) {
+        if (a != a) return a;
+        if (b != b) return b;
+        return b < a ? b : a;
+    }
+};
+
+struct OpMax {
+    template <typename T>
+    __device__ static T apply(T a, T b) {
+        if (a != a) return a;
+        if (b != b) return b;
+        return a < b ? b : a;
+    }
+};
+
+// ---------------------------------------------------------------------------------------
+// One element: op, then the division. Specialised for float16 and complex.
+template <typename Op, typename T>
+__device__ __forceinline__ T combine(T a, T b, long long divisor) {
+    T r = Op::apply(a, b);
+    if (divisor != 1) {
+        typedef typename Quot<T>::type Q;
+        r = (T)((Q)r / (Q)divisor);
+    }
+    return r;
+}
+
+template <typename Op>
+__device__ __forceinline__ __half combine(__half a, __half b, long long divisor) {
+    float r = Op::apply(__half2float(a), __half2float(b));
+    if (divisor != 1) r = r / (float)divisor;
+    return __float2half_rn(r);
+}
+
+template <typename Op>
+__device__ __forceinline__ cfloat combine(cfloat a, cfloat b, long long divisor) {
+    cfloat r = Op::apply(a, b);
+    if (divisor != 1) {
+        r.re = r.re / (float)divisor;
+        r.im = r.im / (float)divisor;
+    }
+    return r;
+}
+
+template <typename Op>
+__device__ __forceinline__ cdouble combine(cdouble a, cdouble b, long long divisor) {
+    cdouble r = Op::apply(a, b);
+    if (divisor != 1) {
+        r.re = r.re / (double)divisor;
+        r.im = r.im / (double)divisor;
+    }
+    return r;
+}
+
+template <typename Op>
+struct Combine {
+    long long divisor;
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return combine<Op>(a, b, divisor); }
+};
+
+struct TakeFirst {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T) const { return a; }
+};
+
+// ---------------------------------------------------------------------------------------
+// Element-wise driver: dst[i] = f(a[i], b[i]) over a grid-stride loop.
+// When the three pointers share their offset modulo 16 (and it is a whole number of
+// elements), a scalar head reaches 16-byte alignment, the body moves 16-byte packs, and a
+// scalar tail finishes. Otherwise everything is scalar.
+template <typename T>
+struct __align__(16) Pack {
+    T v[16 / sizeof(T)];
+};
+
+template <typename T, typename F>
+__device__ void elementwise(T* dst, const T* a, const T* b, u64 n, F f) {
+    const int N = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+
+    const u64 mis = (u64)dst % 16;
+    const bool vec = (u64)a % 16 == mis && (u64)b % 16 == mis && mis % sizeof(T) == 0;
+    u64 head = n;
+    if (vec) {
+        head = ((16 - mis) % 16) / sizeof(T);
+        if (head > n) head = n;
+    }
+    const u64 npacks = (n - head) / N;
+    const u64 tail = head + npacks * N;
+
+    for (u64 i = tid; i < head; i += stride) dst[i] = f(a[i], b[i]);
+
+    Pack<T>* pd = reinterpret_cast<Pack<T>*>(dst + head);
+    const Pack<T>* pa = reinterpret_cast<const Pack<T>*>(a + head);
+    const Pack<T>* pb = reinterpret_cast<const Pack<T>*>(b + head);
+    for (u64 p = tid; p < npacks; p += stride) {
+        Pack<T> x = pa[p];
+        const Pack<T> y = pb[p];
+#pragma unroll
+        for (int k = 0; k < N; ++k) x.v[k] = f(x.v[k], y.v[k]);
+        pd[p] = x;
+    }
+
+    for (u64 i = tail + tid; i < n; i += stride) dst[i] = f(a[i], b[i]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Reduce kernels: one extern "C" kernel per (dtype, op).
+#define GPURING_REDUCE(NAME, T, OPNAME, OP) \
+    extern "C" __global__ void gpuring_reduce_##NAME##_##OPNAME( \
+        T* dst, const T* a, const T* b, u64 n, long long divisor) { \
+        Combine<OP> f = {divisor}; \
+        elementwise<T>(dst, a, b, n, f); \
+    }
+
+#define GPURING_REDUCE_REAL(NAME, T) \
+    GPURING_REDUCE(NAME, T, sum, OpSum) \
+    GPURING_REDUCE(NAME, T, prod, OpProd) \
+    GPURING_REDUCE(NAME, T, min, OpMin) \
+    GPURING_REDUCE(NAME, T, max, OpMax)
+
+#define GPURING_REDUCE_COMPLEX(NAME, T) \
+    GPURING_REDUCE(NAME, T, sum, OpSum) \
+    GPURING_REDUCE(NAME, T, prod, OpProd)
+
+GPURING_REDUCE_REAL(int8, signed char)
+GPURING_REDUCE_REAL(int16, short)
+GPURING_REDUCE_REAL(int32, int)
+GPURING_REDUCE_REAL(int64, long long)
+GPURING_REDUCE_REAL(uint8, unsigned char)
+GPURING_REDUCE_REAL(uint16, unsigned short)
+GPURING_REDUCE_REAL(uint32, unsigned int)
+GPURING_REDUCE_REAL(uint64, u64)
+GPURING_REDUCE_REAL(float16, __half)
+GPURING_REDUCE_REAL(float32, float)
+GPURING_REDUCE_REAL(float64, double)
+GPURING_REDUCE_COMPLEX(complex64, cfloat)
+GPURING_REDUCE_COMPLEX(complex128, cdouble)
+
+#undef GPURING_REDUCE_COMPLEX
+#undef GPURING_REDUCE_REAL
+#undef GPURING_REDUCE
+
+// ---------------------------------------------------------------------------------------
+// Byte copy (16-byte packs when src and dst share their alignment).
+extern "C" __global__ void gpuring_copy_bytes(unsigned char* dst, const unsigned char* src,
+                                              u64 nbytes) {
+    elementwise<unsigned char>(dst, src, src, nbytes, TakeFirst());
+}
+
+// ---------------------------------------------------------------------------------------
+// Flags: 64-bit words, values only grow. Launch both with one block of one thread.
+
+// Nanoseconds of the GPU global timer.
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Hold the stream until *flag >= value. Gives up after `timeout_ns` nanoseconds (0: never)
+// and then sets *status = 1; returns at once while *status is non-zero (the host sets it to
+// abort). `status` lives in mapped pinned host memory, so the host sees it without a copy.
+extern "C" __global__ void gpuring_wait_flag(volatile u64* flag, u64 value, u64 timeout_ns,
+                                             volatile int* status) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const u64 start = global_ns();
+    unsigned int sleep_ns = 32;
+    while (*flag < value) {
+        if (*status != 0) break;
+        if (timeout_ns != 0 && global_ns() - start > timeout_ns) {
+            *status = 1;
+            break;
+        }
+        __nanosleep(sleep_ns);
+        if (sleep_ns < 1024) sleep_ns *= 2;
+    }
+    // Acquire: later kernels of this stream read what the writer published before the flag.
+    __threadfence_system();
+}
+
+// *flag = value once everything before it in the stream is visible to every peer.
+extern "C" __global__ void gpuring_write_flag(volatile u64* flag, u64 value) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    __threadfence_system();
+    *flag = value;
+    __threadfence_system();
+}
