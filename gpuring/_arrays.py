@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["device_kind", "array_module", "dtype_name", "contiguous", "same_memory"]
+__all__ = ["device_kind", "array_module", "dtype_name", "contiguous", "same_memory", "to_host"]
 
 
 def _is_cupy(x: Any) -> bool:
@@ -58,3 +58,8 @@ def _address(x: Any) -> int:
 def same_memory(a: Any, b: Any) -> bool:
     """True when `a` and `b` cover exactly the same bytes."""
     return bool(_address(a) == _address(b) and a.nbytes == b.nbytes)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy array with x's contents (a device-to-host copy for CuPy arrays)."""
+    return x.get() if _is_cupy(x) else np.asarray(x)

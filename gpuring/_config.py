@@ -42,6 +42,10 @@ class Config:
     buffer_bytes: int = 16 << 20
     #: all_reduce up to this size runs one-shot (one flag hop) instead of the ring
     one_shot_bytes: int = 64 << 10
+    #: log which ranks are missing from a collective others have waited in this long
+    stall_warning_s: float = 60.0
+    #: compare a checksum of every all_reduce, all_gather and broadcast result across ranks
+    verify: bool = False
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
@@ -55,6 +59,10 @@ class Config:
             if os.environ.get("GPURING_CHANNELS") else None,
             "buffer_bytes": _env_size("GPURING_BUFFER_BYTES"),
             "one_shot_bytes": _env_size("GPURING_ONE_SHOT_BYTES"),
+            "stall_warning_s": float(os.environ["GPURING_STALL_WARNING"])
+            if os.environ.get("GPURING_STALL_WARNING") else None,
+            "verify": os.environ.get("GPURING_VERIFY", "0") not in ("", "0")
+            if "GPURING_VERIFY" in os.environ else None,
         }
         for source in (env, overrides):
             changes = {k: v for k, v in source.items() if v is not None}

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
+import warnings
 import weakref
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
-from . import _arrays
+from . import _arrays, interop
 from ._config import Config
 from ._errors import (
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     CommunicatorClosedError,
     GpuringError,
     PeerFailureError,
 )
+from ._health import Health
 from ._ops import ReduceOp, check_op_dtype
+from ._status import signature_hash
+from ._work import Executor, Work, public_verb
 from .algorithms.collectives import plan_collective
 from .devices.base import Device
+from .devices.host import SHM_PREFIX, HostDevice
 from .rendezvous.base import ControlPlane
 from .scheduler import Engine
+from .timeline import Timeline, write_trace
 
 __all__ = ["Communicator"]
 
@@ -32,8 +43,6 @@ def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
             raise GpuringError(
                 "NumPy collectives across nodes are not supported yet: every rank of the "
                 "job must run on one node (the host device maps peers' shared memory)")
-        from .devices.host import SHM_PREFIX, HostDevice
-
         return HostDevice(name_prefix=f"{SHM_PREFIX}{control.job_id}-r{control.rank}-",
                           timeout=config.timeout)
     from .devices.cuda import CudaDevice
@@ -41,11 +50,26 @@ def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
     return CudaDevice(device_id=control.local_rank, timeout=config.timeout)
 
 
-def _release(engines: dict[str, Engine], control: ControlPlane) -> None:
+def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane) -> None:
+    """Close in order: the watchdog, the engines, the status board's memory, the control
+    plane. Runs once, from close() or when the communicator is garbage collected."""
+    for item in watch:  # Health first, then the HostDevice that holds the board
+        item.close()
     for engine in engines.values():
         engine.close()
     engines.clear()
+    watch.clear()
     control.close()
+
+
+def _in_context(failure: GpuringError, name: str, seq: int, rank: int) -> GpuringError:
+    """The same kind of error as `failure`, saying which call on which rank it ended."""
+    where = f"{name} #{seq} on rank {rank}: {failure}"
+    if isinstance(failure, PeerFailureError):
+        return PeerFailureError(where, peer=failure.peer, collective=name, seq=seq)
+    if isinstance(failure, CollectiveTimeoutError):
+        return CollectiveTimeoutError(where, collective=name, seq=seq)
+    return type(failure)(where)
 
 
 class Communicator:
@@ -64,8 +88,11 @@ class Communicator:
         self._seq = 0
         self._lock = threading.RLock()
         self._broken: BaseException | None = None
+        self._failure: GpuringError | None = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _release, self._engines, control)
+        self._watch: list[Any] = []
+        self._health: Health | None = None
+        self._finalizer = weakref.finalize(self, _release, self._engines, self._watch, control)
         control.on_peer_failure(self._on_peer_failure)
 
     # -- identity -----------------------------------------------------------------------
@@ -104,29 +131,53 @@ class Communicator:
         """Free buffers, unmap peers, leave the job. Idempotent."""
         if self._closed:
             return
+        self._close_training()
         self._closed = True
         self._finalizer()
         from . import _world
 
         _world.forget(self)
 
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fail this communicator now, from any thread: pending waits raise at once, peers
+        are told, and later calls raise CommunicatorClosedError. Close it afterwards."""
+        error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
+        if self._health is not None:
+            self._health.give_up(reason)
+        self._control.report_failure(f"rank {self.rank} aborted: {reason}")
+        self._fail(error)
+
     def _on_peer_failure(self, rank: int, reason: str) -> None:
+        self._fail(PeerFailureError(f"rank {rank} failed: {reason}", peer=rank))
+
+    def _fail(self, error: GpuringError) -> None:
+        """Record the first failure and unblock every wait of this rank (any thread)."""
+        if self._failure is not None:
+            return
+        self._failure = error
         for engine in list(self._engines.values()):
-            engine.device.abort(f"rank {rank} failed: {reason}")
+            engine.device.abort(str(error))
+        self._control.interrupt(str(error))
 
     # -- collectives --------------------------------------------------------------------
+    @public_verb
     def all_reduce(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
-                   chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+                   chunk_bytes: int | None = None, channels: int | None = None,
+                   compression: str | None = None) -> Any:
         """Element-wise reduction of `x` over all ranks; every rank gets the result.
 
         `out=x` reduces in place. Returns `out` (a new array when `out` is None).
+        `compression="fp16"|"bf16"` sends float32/float64 through the ring in that format.
         """
         rop = ReduceOp.parse(op)
+        if compression is not None:
+            return self._all_reduce_compressed(x, rop, out, compression, chunk_bytes, channels)
         x = self._check_input(x, "all_reduce")
         check_op_dtype(rop, _arrays.dtype_name(x))
         out = self._check_out(out, x, x.shape, "all_reduce", may_alias=True)
         return self._run("all_reduce", x, out, x.size, rop, 0, chunk_bytes, channels)
 
+    @public_verb
     def reduce_scatter(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
                        chunk_bytes: int | None = None, channels: int | None = None) -> Any:
         """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
@@ -140,6 +191,7 @@ class Communicator:
         out = self._check_out(out, x, (x.size // self.size,), "reduce_scatter")
         return self._run("reduce_scatter", x, out, x.size, rop, 0, chunk_bytes, channels)
 
+    @public_verb
     def all_gather(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
                    channels: int | None = None) -> Any:
         """Every rank's `x` stacked in rank order: shape `(size, *x.shape)`."""
@@ -148,6 +200,7 @@ class Communicator:
         out = self._check_out(out, x, (self.size, *x.shape), "all_gather")
         return self._run("all_gather", x, out, x.size, ReduceOp.SUM, 0, chunk_bytes, channels)
 
+    @public_verb
     def broadcast(self, x: Any, *, root: int = 0, chunk_bytes: int | None = None,
                   channels: int | None = None) -> Any:
         """Copy root's `x` into `x` on every rank (in place) and return it."""
@@ -158,6 +211,7 @@ class Communicator:
         check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
         return self._run("broadcast", x, x, x.size, ReduceOp.SUM, root, chunk_bytes, channels)
 
+    @public_verb
     def reduce(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None,
                chunk_bytes: int | None = None, channels: int | None = None) -> Any:
         """Element-wise reduction of `x` over all ranks, delivered to `root` only: returns the
@@ -173,30 +227,38 @@ class Communicator:
         result = self._run("reduce", x, out, x.size, rop, root, chunk_bytes, channels)
         return result if self.rank == root else None
 
+    @public_verb
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         self._ensure_open()
         if self.size == 1:
             return
         with self._lock:
-            self._agree(("barrier", "-", (), "-", "-", 0))
-            engine = next(iter(self._engines.values()), None) or self._engine("cpu")
-            rounds = plan_collective("barrier", self.size, self.rank, 0, itemsize=1,
-                                     capacity_bytes=self.config.buffer_bytes,
-                                     chunk_bytes=1, channels=1)
+            key = ("barrier",)
+            prepared = self._prepared.get(key)
+            if prepared is None:
+                text = "barrier()"
+                self._ensure_health()
+                self._agree(("barrier", "-", (), "-", "-", 0))
+                engine = next(iter(self._engines.values()), None) or self._engine("cpu")
+                rounds = plan_collective("barrier", self.size, self.rank, 0, itemsize=1,
+                                         capacity_bytes=self.config.buffer_bytes,
+                                         chunk_bytes=1, channels=1)
+                prepared = self._prepared[key] = (engine, rounds, "uint8", True, text,
+                                                  signature_hash(text))
             self._seq += 1
-            self._execute(engine, rounds, "barrier", None, None, "uint8", 1, ReduceOp.SUM,
-                          inline=True)
+            self._execute(prepared, "barrier", None, None, 1, ReduceOp.SUM)
 
     # -- checks -------------------------------------------------------------------------
     def _ensure_open(self) -> None:
         if self._closed:
             raise CommunicatorClosedError("the communicator is closed; call gpuring.init() "
                                           "for a new one")
-        if self._broken is not None:
+        broken = self._broken or self._failure
+        if broken is not None:
             raise CommunicatorClosedError(
                 f"the communicator failed earlier and can no longer be used "
-                f"({self._broken}); close it and call gpuring.init() again") from self._broken
+                f"({broken}); close it and call gpuring.init() again") from broken
 
     def _check_input(self, x: Any, name: str) -> Any:
         _arrays.device_kind(x)
@@ -275,12 +337,15 @@ class Communicator:
             self._seq += 1
             if prepared is _ALONE:
                 return self._run_alone(name, x, out)
-            engine, rounds, dtype, inline = prepared
-            device = engine.device
+            device = prepared[0].device
             in_mem = device.wrap(x) if count else None
             out_mem = device.wrap(out) if out is not None and count else None
-            self._execute(engine, rounds, name, in_mem, out_mem, dtype, x.dtype.itemsize, op,
-                          inline=inline)
+            if self._timeline is None:
+                self._execute(prepared, name, in_mem, out_mem, x.dtype.itemsize, op)
+            else:
+                self._timeline.execute(self, prepared, name, in_mem, out_mem, x, op)
+            if self.config.verify and name in ("all_reduce", "all_gather", "broadcast"):
+                self._verify(name, out)
         return out
 
     def _prepare(self, name: str, x: Any, count: int, op: ReduceOp, root: int,
@@ -288,6 +353,8 @@ class Communicator:
         """Agree with the peers on this call's signature, then pick engine and plan."""
         kind = _arrays.device_kind(x)
         dtype = _arrays.dtype_name(x)
+        if self.size > 1:
+            self._ensure_health()
         self._agree((name, kind, tuple(x.shape), dtype, op.value, root))
         if self.size == 1:
             return _ALONE
@@ -300,21 +367,66 @@ class Communicator:
             name, self.size, self.rank, count, itemsize=x.dtype.itemsize,
             capacity_bytes=self.config.buffer_bytes, chunk_bytes=chunk, channels=nchannels,
             root=root, one_shot_bytes=self.config.one_shot_bytes)
-        return engine, rounds, dtype, nchannels == 1
+        text = (f"{name}(shape={tuple(x.shape)}, dtype={dtype}, op={op.value}, root={root}, "
+                f"device={kind})")
+        return engine, rounds, dtype, nchannels == 1, text, signature_hash(text)
 
-    def _execute(self, engine: Engine, rounds: Any, name: str, in_mem: Any, out_mem: Any,
-                 dtype: str, itemsize: int, op: ReduceOp, *, inline: bool) -> None:
+    def _ensure_health(self) -> None:
+        """Create the status board and watchdog (collectively, on first use)."""
+        if self._health is None:
+            host = HostDevice(name_prefix=f"{SHM_PREFIX}{self._control.job_id}-"
+                                          f"r{self.rank}-status-", timeout=self.config.timeout)
+            try:
+                self._health = Health(self._control, host, timeout=self.config.timeout,
+                                      stall_warning_s=self.config.stall_warning_s,
+                                      on_failure=self._fail)
+            except BaseException:
+                host.close()
+                raise
+            self._watch += [self._health, host]
+
+    def _verify(self, name: str, out: Any) -> None:
+        """GPURING_VERIFY: compare a checksum of the result across ranks."""
+        checksum = zlib.crc32(_arrays.to_host(out).tobytes())
+        sums = self._control.allgather(checksum, self.config.timeout)
+        if len(set(sums)) > 1:
+            error = GpuringError(
+                f"{name} #{self._seq}: results differ across ranks (checksums "
+                + ", ".join(f"rank {r} {c:08x}" for r, c in enumerate(sums)) + ")")
+            self._broken = error
+            raise error
+
+    def _execute(self, prepared: Any, name: str, in_mem: Any, out_mem: Any, itemsize: int,
+                 op: ReduceOp) -> None:
+        """Announce the collective on the status board, run it, and turn any failure into
+        this call's error (the communicator is unusable afterwards)."""
+        engine, rounds, dtype, inline, text, digest = prepared
         device = engine.device
+        health = self._health
+        assert health is not None
+        seq = self._seq
         try:
-            finished = engine.run(rounds, name=name, collective_seq=self._seq, in_mem=in_mem,
+            if self._failure is not None:
+                raise self._failure
+            health.enter(seq, name, text, digest)
+            finished = engine.run(rounds, name=name, collective_seq=seq, in_mem=in_mem,
                                   out_mem=out_mem, dtype=dtype, itemsize=itemsize, op=op,
                                   inline=inline, after=device.caller_event())
         except (GpuringError, OSError) as exc:
-            self._broken = exc
-            if not isinstance(exc, PeerFailureError):
-                self._control.report_failure(f"rank {self.rank}: {exc}")
-            raise
+            error: BaseException = exc
+            if self._failure is not None:
+                error = _in_context(self._failure, name, seq, self.rank)
+            self._broken = error
+            if self._failure is None and not isinstance(error, CollectiveMismatchError):
+                health.give_up(f"{name} #{seq}: {error}")
+                self._control.report_failure(f"rank {self.rank}: {error}")
+            if error is exc:
+                raise
+            raise error from None
+        finally:
+            health.leave()
         if finished is not None:
+            health.track(finished, name, seq)
             device.order_caller_after(finished)
 
     def _run_alone(self, name: str, x: Any, out: Any) -> Any:
@@ -325,3 +437,110 @@ class Communicator:
         elif out is not x:
             out[...] = x.reshape(out.shape)
         return out
+
+    # -- training features (async, fusion, compression, timeline, interop) --
+    _executor: Executor | None = None  # the async thread, made by the first async verb
+    _timeline: Timeline | None = None  # recording timeline; checked once per collective
+
+    def all_reduce_async(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
+                         chunk_bytes: int | None = None, channels: int | None = None,
+                         compression: str | None = None) -> Work:
+        """`all_reduce` in the background; `wait()` on the returned Work gives its result."""
+        return self._submit("all_reduce", self.all_reduce, x, op=op, out=out,
+                            chunk_bytes=chunk_bytes, channels=channels,
+                            compression=compression)
+
+    def reduce_scatter_async(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
+                             chunk_bytes: int | None = None,
+                             channels: int | None = None) -> Work:
+        """`reduce_scatter` in the background; returns a Work."""
+        return self._submit("reduce_scatter", self.reduce_scatter, x, op=op, out=out,
+                            chunk_bytes=chunk_bytes, channels=channels)
+
+    def all_gather_async(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
+                         channels: int | None = None) -> Work:
+        """`all_gather` in the background; returns a Work."""
+        return self._submit("all_gather", self.all_gather, x, out=out,
+                            chunk_bytes=chunk_bytes, channels=channels)
+
+    def broadcast_async(self, x: Any, *, root: int = 0, chunk_bytes: int | None = None,
+                        channels: int | None = None) -> Work:
+        """`broadcast` in the background; returns a Work."""
+        return self._submit("broadcast", self.broadcast, x, root=root,
+                            chunk_bytes=chunk_bytes, channels=channels)
+
+    def reduce_async(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0,
+                     out: Any = None, chunk_bytes: int | None = None,
+                     channels: int | None = None) -> Work:
+        """`reduce` in the background; returns a Work (its result is None off the root)."""
+        return self._submit("reduce", self.reduce, x, op=op, root=root, out=out,
+                            chunk_bytes=chunk_bytes, channels=channels)
+
+    def all_reduce_many(self, arrays: Sequence[Any], *, op: ReduceOp | str = "sum",
+                        fusion_bytes: int | None = None) -> list[Any]:
+        """`all_reduce` of each array, packed per dtype into buffers of at most
+        `fusion_bytes` (GPURING_FUSION_BYTES, 64 MiB): results in input order."""
+        from .fusion import all_reduce_many
+
+        return all_reduce_many(self, arrays, op=op, fusion_bytes=fusion_bytes)
+
+    def start_timeline(self, path: str | os.PathLike[str]) -> None:
+        """Record every collective and ring round until `stop_timeline()`; every rank calls
+        it. Rank 0 writes the merged Chrome trace to `path` at the stop."""
+        self._ensure_open()
+        self._drain_async()
+        if self._timeline is not None:
+            raise GpuringError("a timeline is already recording; call stop_timeline() first")
+        self._control.barrier(self.config.timeout)  # a common time origin on every rank
+        self._timeline = Timeline(os.fspath(path), self.rank)
+
+    def stop_timeline(self) -> str | None:
+        """Stop recording; every rank calls it. Rank 0 writes the trace of all ranks and
+        returns its path; the other ranks return None."""
+        self._drain_async()
+        timeline, self._timeline = self._timeline, None
+        if timeline is None:
+            return None
+        per_rank = self._control.allgather(timeline.events, self.config.timeout)
+        if self.rank != 0:
+            return None
+        write_trace(timeline.path, per_rank)
+        return timeline.path
+
+    def _all_reduce_compressed(self, x: Any, op: ReduceOp, out: Any, compression: str,
+                               chunk_bytes: int | None, channels: int | None) -> Any:
+        from .compression import all_reduce_compressed
+
+        x = self._check_input(x, "all_reduce")
+        return all_reduce_compressed(self, x, op=op, out=out, compression=compression,
+                                     chunk_bytes=chunk_bytes, channels=channels)
+
+    def _submit(self, name: str, verb: Any, x: Any, **kwargs: Any) -> Work:
+        self._ensure_open()
+        with self._lock:
+            if self._executor is None:
+                self._executor = Executor()
+        cuda = interop.device_kind(x) == "cuda"
+        return self._executor.submit(functools.partial(verb, x, **kwargs), name,
+                                     cuda_device=self.local_rank if cuda else None)
+
+    def _drain_async(self) -> None:
+        executor = self._executor
+        if executor is not None and executor.busy():
+            executor.drain()
+
+    def _close_training(self) -> None:
+        """From close(): finish the async work, then stop the timeline. If the ranks can no
+        longer gather the timeline, each writes its own events to PATH.rankN.json."""
+        if self._executor is not None:
+            self._executor.close()
+        timeline = self._timeline
+        if timeline is None:
+            return
+        try:
+            self.stop_timeline()
+        except Exception as exc:
+            path = f"{timeline.path}.rank{self.rank}.json"
+            write_trace(path, [[] for _ in range(self.rank)] + [timeline.events])
+            warnings.warn(f"timeline: could not merge the ranks' events ({exc}); wrote this "
+                          f"rank's to {path}", RuntimeWarning, stacklevel=3)

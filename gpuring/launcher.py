@@ -154,7 +154,8 @@ def _supervise(ranks: list[_Rank], server: StoreServer, grace: float,
             code = rank.proc.poll()
             if code not in (None, 0) and first_failure is None:
                 first_failure = (rank.rank, code)
-                server.report_failure(rank.rank, f"rank {rank.rank} {describe_status(code)}")
+                server.report_failure(rank.rank, f"rank {rank.rank} {describe_status(code)}",
+                                      dead=True)
                 stop_at = time.monotonic() + grace
         if stop_at is not None and time.monotonic() > stop_at:
             signum = signal.SIGKILL if killed else signal.SIGTERM

@@ -42,6 +42,9 @@ class ControlPlane(abc.ABC):
     def report_failure(self, reason: str) -> None:
         """Tell the peers this rank gave up, where the control plane can (best effort)."""
 
+    def interrupt(self, reason: str) -> None:
+        """Make a pending or later exchange of this rank fail with PeerFailureError(reason)."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Leave the job. Idempotent."""

@@ -8,7 +8,7 @@ import secrets
 import time
 from typing import Any
 
-from .._errors import CollectiveTimeoutError
+from .._errors import CollectiveTimeoutError, PeerFailureError
 from .base import ControlPlane
 
 __all__ = ["MpiControl", "launched_by_mpi"]
@@ -40,11 +40,17 @@ class MpiControl(ControlPlane):
         self.single_node = self.local_size == self.size
         self.job_id = self.comm.bcast(secrets.token_hex(8) if self.rank == 0 else None)
         self._closed = False
+        self._interrupted: str | None = None
+
+    def interrupt(self, reason: str) -> None:
+        self._interrupted = reason
 
     def _wait(self, request: Any, timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-6
         while not request.Test():
+            if self._interrupted is not None:
+                raise PeerFailureError(self._interrupted)
             if deadline is not None and time.monotonic() > deadline:
                 raise CollectiveTimeoutError(
                     f"MPI {what} timed out after {timeout} s on rank {self.rank}: "

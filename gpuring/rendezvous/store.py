@@ -44,9 +44,11 @@ class StoreServer:
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
-        self._posted: dict[int, dict[int, Any]] = {}
+        self._posted: dict[tuple[int, int], dict[int, Any]] = {}
         self._left: set[int] = set()
         self.failures: list[tuple[int, str]] = []
+        #: failures of ranks that are gone for good (exited or disconnected without goodbye)
+        self.deaths: list[tuple[int, str]] = []
         self.refused = 0
         self._closed = False
         threading.Thread(target=self._accept_loop, name="gpuring-store", daemon=True).start()
@@ -63,7 +65,7 @@ class StoreServer:
         try:
             deliver_challenge(conn, self._key)
             answer_challenge(conn, self._key)
-            kind, rank = conn.recv()
+            kind, rank, generation = conn.recv()
             if kind != "hello" or not 0 <= rank < self.size:
                 raise ValueError(f"bad greeting {kind!r} {rank!r}")
         except Exception as exc:
@@ -74,8 +76,9 @@ class StoreServer:
             return
         with self._lock:
             self._conns[rank] = conn
-            if self.failures:  # a peer already died: tell the newcomer at once
-                self._send(rank, ("failure",) + self.failures[0])
+            self._left.discard(rank)
+            if self.deaths:  # a peer already died: tell the newcomer at once
+                self._send(rank, ("failure", *self.deaths[0]))
         while True:
             try:
                 message = conn.recv()
@@ -83,12 +86,12 @@ class StoreServer:
                 self._disconnected(rank)
                 return
             if message[0] == "allgather":
-                self._post(rank, message[1], message[2])
+                self._post(rank, (generation, message[1]), message[2])
             elif message[0] == "bye":
                 with self._lock:
                     self._left.add(rank)
             elif message[0] == "abort":
-                self.report_failure(rank, f"rank {rank} aborted: {message[1]}")
+                self._report_abort(rank, message[1])
 
     def _send(self, rank: int, message: Any) -> None:
         conn = self._conns.get(rank)
@@ -99,7 +102,7 @@ class StoreServer:
         except (OSError, ValueError):
             pass
 
-    def _post(self, rank: int, step: int, obj: Any) -> None:
+    def _post(self, rank: int, step: tuple[int, int], obj: Any) -> None:
         with self._lock:
             posted = self._posted.setdefault(step, {})
             posted[rank] = obj
@@ -107,21 +110,31 @@ class StoreServer:
                 del self._posted[step]
                 values = [posted[r] for r in range(self.size)]
                 for r in range(self.size):
-                    self._send(r, ("allgather", step, values))
+                    self._send(r, ("allgather", step[1], values))
 
     def _disconnected(self, rank: int) -> None:
         with self._lock:
             gone_cleanly = rank in self._left
             self._conns.pop(rank, None)
         if not gone_cleanly:
-            self.report_failure(rank, f"rank {rank} disconnected without closing (died?)")
+            self.report_failure(rank, f"rank {rank} disconnected without closing (died?)",
+                                dead=True)
 
-    def report_failure(self, rank: int, reason: str) -> None:
-        """Tell every connected rank that `rank` failed (first report wins the reason)."""
+    def report_failure(self, rank: int, reason: str, *, dead: bool = False) -> None:
+        """Tell every connected rank that `rank` failed. `dead`: the rank is gone for good,
+        so ranks that connect later are told too."""
         with self._lock:
+            if dead and all(r != rank for r, _ in self.deaths):
+                self.deaths.append((rank, reason))
             if any(r == rank for r, _ in self.failures):
                 return
             self.failures.append((rank, reason))
+            for r in list(self._conns):
+                if r != rank:
+                    self._send(r, ("failure", rank, reason))
+
+    def _report_abort(self, rank: int, reason: str) -> None:
+        with self._lock:
             for r in list(self._conns):
                 if r != rank:
                     self._send(r, ("failure", rank, reason))
@@ -136,7 +149,10 @@ class StoreServer:
 
 
 class StoreClient(ControlPlane):
-    """A rank's side, configured from the environment `gpuring run` sets."""
+    """A rank's side, configured from the environment `gpuring run` sets. Every rank's k-th
+    client of a process forms the job's k-th generation (re-initialisation after a close)."""
+
+    _generation = 0
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int,
                  address: tuple[str, int], key: bytes, job_id: str, timeout: float = 60.0):
@@ -158,7 +174,8 @@ class StoreClient(ControlPlane):
                     raise
                 time.sleep(0.05)
         self._send_lock = threading.Lock()
-        self._conn.send(("hello", rank))
+        StoreClient._generation += 1
+        self._conn.send(("hello", rank, StoreClient._generation))
         self._reader = threading.Thread(target=self._read_loop, name="gpuring-control",
                                         daemon=True)
         self._reader.start()
@@ -218,6 +235,9 @@ class StoreClient(ControlPlane):
                 raise PeerFailureError(message[2], peer=message[1])
             if message[0] == "lost":
                 raise PeerFailureError(message[1])
+
+    def interrupt(self, reason: str) -> None:
+        self._replies.put(("lost", reason))
 
     def report_failure(self, reason: str) -> None:
         try:

@@ -1,0 +1,140 @@
+"""Watching over a communicator: a status board plus one watchdog thread.
+
+The watchdog wakes every few tens of milliseconds and, through the status board, notices a
+peer that died or gave up (and fails this rank's communicator with an error naming it), warns
+about ranks missing from a collective that others have waited in for `stall_warning_s`, and,
+for devices that do not block the host (GPU), fails a collective whose completion event has not
+fired within the timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ._errors import CollectiveMismatchError, CollectiveTimeoutError, GpuringError, PeerFailureError
+from ._status import GAVE_UP, LEFT, MISMATCH, StatusBoard
+from .devices.base import Event
+from .devices.host import HostDevice
+from .rendezvous.base import ControlPlane
+
+__all__ = ["Health"]
+
+log = logging.getLogger("gpuring")
+
+_TICK = 0.05
+
+
+class Health:
+    """Created collectively; `on_failure(error)` is called at most once, from any thread."""
+
+    def __init__(self, control: ControlPlane, host: HostDevice, *, timeout: float,
+                 stall_warning_s: float, on_failure: Callable[[GpuringError], None]):
+        self.rank = control.rank
+        self.board = StatusBoard(control, host)
+        self._timeout = timeout
+        self._stall_warning_s = stall_warning_s
+        self._on_failure = on_failure
+        self._failed = False
+        self._current: tuple[int, str, float] | None = None
+        self._warned_seq = 0
+        self._pending: collections.deque[tuple[Event, float, str, int]] = collections.deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gpuring-watchdog", daemon=True)
+        self._thread.start()
+
+    # -- called by the communicator -----------------------------------------------------------
+    def enter(self, seq: int, name: str, text: str, digest: int) -> None:
+        """Publish entry into collective `seq`; raise if a peer entered it differently or has
+        already left the job."""
+        self._current = (seq, name, time.monotonic())
+        clash = self.board.enter(seq, text, digest)
+        if clash is not None:
+            peer, theirs = clash
+            message = (f"{name} #{seq}: rank {self.rank} called {text} but rank {peer} called "
+                       f"{theirs}")
+            self.board.give_up(MISMATCH, message)
+            raise CollectiveMismatchError(message)
+        gone = self.board.left_before(seq)
+        if gone:
+            raise PeerFailureError(
+                f"{name} #{seq}: rank {gone[0]} closed its communicator before entering it",
+                peer=gone[0], collective=name, seq=seq)
+
+    def leave(self) -> None:
+        self._current = None
+
+    def track(self, event: Event, name: str, seq: int) -> None:
+        """Fail the communicator if `event` has not completed within the timeout."""
+        self._pending.append((event, time.monotonic() + self._timeout, name, seq))
+
+    def give_up(self, reason: str) -> None:
+        self._failed = True
+        self.board.give_up(GAVE_UP, reason)
+
+    def close(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)
+        if not self._failed:
+            self.board.give_up(LEFT, "closed")
+        self.board.close()
+
+    # -- the watchdog thread ------------------------------------------------------------------
+    def _fail(self, error: GpuringError) -> None:
+        if not self._failed:
+            self._failed = True
+            self._on_failure(error)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_TICK):
+            try:
+                self._check()
+            except Exception:
+                log.exception("gpuring watchdog check failed")
+
+    def _check(self) -> None:
+        if self._failed:
+            return
+        trouble = self.board.troubled_peer()
+        if trouble is not None:
+            peer, state, reason = trouble
+            error: GpuringError
+            if state == MISMATCH:
+                error = CollectiveMismatchError(f"rank {peer} found a mismatch: {reason}")
+            else:
+                error = PeerFailureError(f"rank {peer} failed: {reason}", peer=peer)
+            self._fail(error)
+            return
+        self._check_pending()
+        self._check_stall()
+
+    def _check_pending(self) -> None:
+        while self._pending:
+            event, deadline, name, seq = self._pending[0]
+            if event.query():
+                self._pending.popleft()
+            elif time.monotonic() > deadline:
+                self._fail(CollectiveTimeoutError(
+                    f"{name} #{seq} did not complete on rank {self.rank} within "
+                    f"{self._timeout} s", collective=name, seq=seq))
+                return
+            else:
+                return
+
+    def _check_stall(self) -> None:
+        current = self._current
+        if current is None:
+            return
+        seq, name, since = current
+        waited = time.monotonic() - since
+        if waited < self._stall_warning_s or self._warned_seq == seq:
+            return
+        missing = [r for r, entered in enumerate(self.board.entered()) if entered < seq]
+        if missing:
+            self._warned_seq = seq
+            log.warning("gpuring: rank %d has waited %.0f s in %s #%d; ranks %s have not "
+                        "entered it", self.rank, waited, name, seq, missing)

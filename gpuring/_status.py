@@ -1,0 +1,140 @@
+"""The status board: a page of shared memory per rank that every rank on the node can read.
+
+Each rank publishes its pid, the collective it has entered (sequence number, signature hash and
+text), and whether it gave up and why. Peers use it to
+
+- catch mismatched collectives even when agreement is cached (the later of two mismatched ranks
+  sees the earlier one's signature; a memory fence between publishing and reading guarantees one
+  of them does),
+- notice a dead peer (its pid is gone) or one that gave up, within a watchdog tick,
+- report which ranks have not entered a collective that others wait in (stall warnings).
+
+It lives in host shared memory whatever device the collectives use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+
+from .devices.host import HostDevice, HostMemory
+from .rendezvous.base import ControlPlane
+
+__all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT"]
+
+_PAGE = 8192
+_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN = 0, 1, 2, 3, 4
+_HISTORY = 16  # words 16.. hold (seq, hash) for the last 8 collectives
+_DEPTH = 8
+_SIG_AT, _SIG_MAX = 1024, 2048
+_REASON_AT, _REASON_MAX = 4096, 2048
+
+GAVE_UP = 1  #: state: the rank failed and left its collective
+MISMATCH = 2  #: state: the rank found a mismatched collective
+LEFT = 3  #: state: the rank closed its communicator
+
+
+def signature_hash(text: str) -> int:
+    return zlib.crc32(text.encode()) + 1  # never 0, so an unwritten slot never matches
+
+
+class StatusBoard:
+    """Created collectively (every rank calls the constructor at the same point)."""
+
+    def __init__(self, control: ControlPlane, host: HostDevice):
+        self.rank = control.rank
+        self.size = control.size
+        self._host = host
+        local = host.alloc(_PAGE)
+        handles = control.allgather(host.export(local))
+        self._pages: list[HostMemory] = [
+            local if r == self.rank else host.open(h) for r, h in enumerate(handles)]
+        control.barrier()
+        host.seal(local)
+        self._mine = local
+        self._fence = threading.Lock()
+        local.i64[_PID] = os.getpid()  # type: ignore[index]
+
+    # -- this rank --------------------------------------------------------------------------
+    def enter(self, seq: int, text: str, digest: int) -> tuple[int, str] | None:
+        """Publish that this rank entered collective `seq`; return (peer, peer's signature
+        text) for a peer that entered `seq` with a different signature, if any."""
+        words = self._mine.i64
+        assert words is not None
+        slot = _HISTORY + 2 * (seq % _DEPTH)
+        words[slot + 1] = digest
+        words[slot] = seq
+        raw = text.encode()[:_SIG_MAX]
+        self._mine.u8[_SIG_AT:_SIG_AT + len(raw)] = memoryview(raw)
+        words[_SIG_LEN] = len(raw)
+        words[_SEQ] = seq
+        with self._fence:  # a locked instruction: our stores are visible before we read
+            pass
+        for peer, page in enumerate(self._pages):
+            if peer == self.rank:
+                continue
+            theirs = page.i64
+            assert theirs is not None
+            if theirs[slot] == seq and theirs[slot + 1] != digest:
+                return peer, self._text(page, _SIG_AT, _SIG_LEN) if theirs[_SEQ] == seq else "?"
+        return None
+
+    def give_up(self, state: int, reason: str) -> None:
+        """Tell peers this rank left its collective (GAVE_UP or MISMATCH) and why."""
+        raw = reason.encode()[:_REASON_MAX]
+        self._mine.u8[_REASON_AT:_REASON_AT + len(raw)] = memoryview(raw)
+        words = self._mine.i64
+        assert words is not None
+        words[_REASON_LEN] = len(raw)
+        words[_STATE] = state
+
+    # -- peers ------------------------------------------------------------------------------
+    @staticmethod
+    def _text(page: HostMemory, at: int, length_word: int) -> str:
+        words = page.i64
+        assert words is not None
+        n = int(words[length_word])
+        return bytes(page.u8[at:at + n]).decode(errors="replace")
+
+    def troubled_peer(self) -> tuple[int, int, str] | None:
+        """(peer, state, reason) of the first peer that died or gave up, if any."""
+        for peer, page in enumerate(self._pages):
+            if peer == self.rank:
+                continue
+            words = page.i64
+            assert words is not None
+            state = int(words[_STATE])
+            if state in (GAVE_UP, MISMATCH):
+                return peer, state, self._text(page, _REASON_AT, _REASON_LEN)
+            if state != LEFT and not _alive(int(words[_PID])):
+                return peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone"
+        return None
+
+    def entered(self) -> list[int]:
+        """The collective sequence number each rank has entered last."""
+        return [int(page.i64[_SEQ]) for page in self._pages]  # type: ignore[index]
+
+    def left_before(self, seq: int) -> list[int]:
+        """Peers that closed their communicator before entering collective `seq`."""
+        return [peer for peer, page in enumerate(self._pages)
+                if peer != self.rank and page.i64[_STATE] == LEFT  # type: ignore[index]
+                and page.i64[_SEQ] < seq]  # type: ignore[index]
+
+    def close(self) -> None:
+        self._pages = []
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not published yet
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+
