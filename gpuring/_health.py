@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, GpuringError, PeerFailureError
-from ._status import GAVE_UP, LEFT, MISMATCH, StatusBoard
+from ._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard
 from .devices.base import Event
 from .devices.host import HostDevice
 from .rendezvous.base import ControlPlane
@@ -56,6 +56,7 @@ class Health:
             peer, theirs = clash
             message = (f"{name} #{seq}: rank {self.rank} called {text} but rank {peer} called "
                        f"{theirs}")
+            self._failed = True
             self.board.give_up(MISMATCH, message)
             raise CollectiveMismatchError(message)
         gone = self.board.left_before(seq)
@@ -71,9 +72,13 @@ class Health:
         """Fail the communicator if `event` has not completed within the timeout."""
         self._pending.append((event, time.monotonic() + self._timeout, name, seq))
 
-    def give_up(self, reason: str) -> None:
+    def give_up(self, reason: str, *, timed_out_on: int | None = None) -> None:
+        """Tell peers this rank left (after a timeout waiting for `timed_out_on`, if given)."""
         self._failed = True
-        self.board.give_up(GAVE_UP, reason)
+        if timed_out_on is None:
+            self.board.give_up(GAVE_UP, reason)
+        else:
+            self.board.give_up(TIMED_OUT, reason, timed_out_on)
 
     def close(self) -> None:
         self._stop.set()
@@ -101,14 +106,24 @@ class Health:
             return
         trouble = self.board.troubled_peer()
         if trouble is not None:
-            peer, state, reason = trouble
+            peer, state, reason, culprit = trouble
             error: GpuringError
             if state == MISMATCH:
                 error = CollectiveMismatchError(f"rank {peer} found a mismatch: {reason}")
+            elif state == TIMED_OUT:
+                error = CollectiveTimeoutError(f"rank {peer} timed out: {reason}", peer=culprit)
             else:
-                error = PeerFailureError(f"rank {peer} failed: {reason}", peer=peer)
+                error = PeerFailureError(f"rank {peer} failed: {reason}", peer=culprit)
             self._fail(error)
             return
+        current = self._current
+        if current is not None:
+            gone = self.board.left_before(current[0])
+            if gone:
+                self._fail(PeerFailureError(
+                    f"rank {gone[0]} closed its communicator without entering {current[1]} "
+                    f"#{current[0]}", peer=gone[0]))
+                return
         self._check_pending()
         self._check_stall()
 

@@ -21,10 +21,10 @@ import zlib
 from .devices.host import HostDevice, HostMemory
 from .rendezvous.base import ControlPlane
 
-__all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT"]
+__all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT", "TIMED_OUT"]
 
 _PAGE = 8192
-_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN = 0, 1, 2, 3, 4
+_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT = 0, 1, 2, 3, 4, 5
 _HISTORY = 16  # words 16.. hold (seq, hash) for the last 8 collectives
 _DEPTH = 8
 _SIG_AT, _SIG_MAX = 1024, 2048
@@ -33,6 +33,7 @@ _REASON_AT, _REASON_MAX = 4096, 2048
 GAVE_UP = 1  #: state: the rank failed and left its collective
 MISMATCH = 2  #: state: the rank found a mismatched collective
 LEFT = 3  #: state: the rank closed its communicator
+TIMED_OUT = 4  #: state: the rank gave up waiting for another rank (the culprit)
 
 
 def signature_hash(text: str) -> int:
@@ -80,13 +81,15 @@ class StatusBoard:
                 return peer, self._text(page, _SIG_AT, _SIG_LEN) if theirs[_SEQ] == seq else "?"
         return None
 
-    def give_up(self, state: int, reason: str) -> None:
-        """Tell peers this rank left its collective (GAVE_UP or MISMATCH) and why."""
+    def give_up(self, state: int, reason: str, culprit: int = -1) -> None:
+        """Tell peers this rank left its collective (GAVE_UP, MISMATCH, TIMED_OUT, LEFT),
+        why, and which rank it blames, if any."""
         raw = reason.encode()[:_REASON_MAX]
         self._mine.u8[_REASON_AT:_REASON_AT + len(raw)] = memoryview(raw)
         words = self._mine.i64
         assert words is not None
         words[_REASON_LEN] = len(raw)
+        words[_CULPRIT] = culprit
         words[_STATE] = state
 
     # -- peers ------------------------------------------------------------------------------
@@ -97,18 +100,19 @@ class StatusBoard:
         n = int(words[length_word])
         return bytes(page.u8[at:at + n]).decode(errors="replace")
 
-    def troubled_peer(self) -> tuple[int, int, str] | None:
-        """(peer, state, reason) of the first peer that died or gave up, if any."""
+    def troubled_peer(self) -> tuple[int, int, str, int] | None:
+        """(peer, state, reason, culprit) of the first peer that died or gave up, if any."""
         for peer, page in enumerate(self._pages):
             if peer == self.rank:
                 continue
             words = page.i64
             assert words is not None
             state = int(words[_STATE])
-            if state in (GAVE_UP, MISMATCH):
-                return peer, state, self._text(page, _REASON_AT, _REASON_LEN)
+            if state in (GAVE_UP, MISMATCH, TIMED_OUT):
+                return peer, state, self._text(page, _REASON_AT, _REASON_LEN), int(
+                    words[_CULPRIT])
             if state != LEFT and not _alive(int(words[_PID])):
-                return peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone"
+                return peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone", peer
         return None
 
     def entered(self) -> list[int]:

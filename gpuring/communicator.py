@@ -68,7 +68,7 @@ def _in_context(failure: GpuringError, name: str, seq: int, rank: int) -> Gpurin
     if isinstance(failure, PeerFailureError):
         return PeerFailureError(where, peer=failure.peer, collective=name, seq=seq)
     if isinstance(failure, CollectiveTimeoutError):
-        return CollectiveTimeoutError(where, collective=name, seq=seq)
+        return CollectiveTimeoutError(where, collective=name, seq=seq, peer=failure.peer)
     return type(failure)(where)
 
 
@@ -308,6 +308,8 @@ class Communicator:
             raise CollectiveMismatchError(
                 f"ranks called different collectives ({signature[0]} on rank {self.rank}): "
                 f"{detail}", differences=differences)
+        if len(self._agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
+            self._agreed.clear()
         self._agreed.add(signature)
 
     def _engine(self, kind: str) -> Engine:
@@ -418,8 +420,10 @@ class Communicator:
                 error = _in_context(self._failure, name, seq, self.rank)
             self._broken = error
             if self._failure is None and not isinstance(error, CollectiveMismatchError):
-                health.give_up(f"{name} #{seq}: {error}")
-                self._control.report_failure(f"rank {self.rank}: {error}")
+                culprit = error.peer if isinstance(error, CollectiveTimeoutError) else None
+                health.give_up(f"{name} #{seq}: {error}", timed_out_on=culprit)
+                if culprit is None:
+                    self._control.report_failure(f"rank {self.rank}: {error}")
             if error is exc:
                 raise
             raise error from None
