@@ -17,8 +17,9 @@ import gpuring
 
 def report(comm: gpuring.Communicator, exc: BaseException, since: float) -> None:
     peer = getattr(exc, "peer", None)
-    print(f"RESULT {comm.rank} {type(exc).__name__} peer={peer} after={time.monotonic() - since:.2f}"
-          f" :: {exc}", flush=True)
+    after = time.monotonic() - since
+    print(f"RESULT {comm.rank} {type(exc).__name__} peer={peer} after={after:.2f} :: {exc}",
+          flush=True)
 
 
 def case_kill(comm: gpuring.Communicator) -> None:

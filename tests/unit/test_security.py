@@ -1,0 +1,69 @@
+"""Nobody else gets in: the control plane wants the job key, shared memory is owner-only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from multiprocessing.connection import Client
+
+import pytest
+
+from gpuring.devices.host import HostDevice
+from gpuring.rendezvous.store import StoreClient, StoreServer
+
+
+def test_connection_without_the_key_is_refused_and_logged(caplog):
+    server = StoreServer(1, b"k" * 32)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpuring.rendezvous"):
+            with pytest.raises(Exception):  # noqa: B017 - refused in the handshake, any way
+                conn = Client(server.address, family="AF_INET", authkey=b"wrong key")
+                conn.send(("hello", 0, 1))
+                conn.recv()
+            deadline = time.monotonic() + 10
+            while server.refused == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert server.refused == 1
+        assert any("refused" in r.getMessage() for r in caplog.records)
+    finally:
+        server.close()
+
+
+def test_the_right_key_is_admitted():
+    key = os.urandom(32)
+    server = StoreServer(1, key)
+    try:
+        client = StoreClient(0, 1, 0, 1, server.address, key, "job")
+        assert client.allgather("hi", timeout=10) == ["hi"]
+        client.close()
+        assert server.refused == 0
+    finally:
+        server.close()
+
+
+def test_listens_on_loopback_by_default():
+    server = StoreServer(1, b"k" * 32)
+    try:
+        assert server.address[0] == "127.0.0.1"
+    finally:
+        server.close()
+
+
+def test_shared_memory_is_owner_only_and_unguessable():
+    a, b = HostDevice(), HostDevice()
+    try:
+        m1, m2 = a.alloc(4096), b.alloc(4096)
+        for mem in (m1, m2):
+            mode = stat.S_IMODE(os.stat(mem.path).st_mode)
+            assert mode == 0o600, oct(mode)
+        names = {os.path.basename(m1.path), os.path.basename(m2.path)}
+        assert len(names) == 2
+        assert all(len(name) >= len("gpuring-") + 32 for name in names)
+        path = m1.path
+        a.seal(m1)  # after every peer mapped it, the name is gone
+        assert not os.path.exists(path)
+    finally:
+        a.close()
+        b.close()
