@@ -39,7 +39,7 @@ class Config:
     #: parallel rings
     channels: int | None = None
     #: size of one buffer region; a collective larger than this runs in several rounds
-    buffer_bytes: int = 16 << 20
+    buffer_bytes: int | None = None
     #: all_reduce up to this size runs one-shot (one flag hop) instead of the ring
     one_shot_bytes: int = 64 << 10
     #: log which ranks are missing from a collective others have waited in this long
@@ -77,5 +77,5 @@ class Config:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.channels is not None and not 1 <= self.channels <= 32:
             raise ValueError(f"channels must be between 1 and 32, got {self.channels}")
-        if self.buffer_bytes < 4096:
+        if self.buffer_bytes is not None and self.buffer_bytes < 4096:
             raise ValueError(f"buffer_bytes must be at least 4096, got {self.buffer_bytes}")

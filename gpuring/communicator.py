@@ -47,7 +47,7 @@ def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
                           timeout=config.timeout)
     from .devices.cuda import CudaDevice
 
-    return CudaDevice(device_id=control.local_rank, timeout=config.timeout)
+    return CudaDevice(local_rank=control.local_rank, timeout=config.timeout)
 
 
 def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane) -> None:
@@ -242,7 +242,7 @@ class Communicator:
                 self._agree(("barrier", "-", (), "-", "-", 0))
                 engine = next(iter(self._engines.values()), None) or self._engine("cpu")
                 rounds = plan_collective("barrier", self.size, self.rank, 0, itemsize=1,
-                                         capacity_bytes=self.config.buffer_bytes,
+                                         capacity_bytes=engine.capacity,
                                          chunk_bytes=1, channels=1)
                 prepared = self._prepared[key] = (engine, rounds, "uint8", True, text,
                                                   signature_hash(text))
@@ -317,7 +317,7 @@ class Communicator:
         if engine is None:
             device = _make_device(kind, self._control, self.config)
             try:
-                engine = Engine(device, self._control, capacity_bytes=self.config.buffer_bytes,
+                engine = Engine(device, self._control, capacity_bytes=self._buffer_bytes(device),
                                 timeout=self.config.timeout)
             except BaseException:
                 device.close()
@@ -367,11 +367,14 @@ class Communicator:
         Config(chunk_bytes=chunk, channels=nchannels).validate()
         rounds = plan_collective(
             name, self.size, self.rank, count, itemsize=x.dtype.itemsize,
-            capacity_bytes=self.config.buffer_bytes, chunk_bytes=chunk, channels=nchannels,
+            capacity_bytes=engine.capacity, chunk_bytes=chunk, channels=nchannels,
             root=root, one_shot_bytes=self.config.one_shot_bytes)
         text = (f"{name}(shape={tuple(x.shape)}, dtype={dtype}, op={op.value}, root={root}, "
                 f"device={kind})")
         return engine, rounds, dtype, nchannels == 1, text, signature_hash(text)
+
+    def _buffer_bytes(self, device: Device) -> int:
+        return self.config.buffer_bytes or device.default_buffer_bytes
 
     def _ensure_health(self) -> None:
         """Create the status board and watchdog (collectively, on first use)."""

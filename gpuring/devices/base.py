@@ -155,6 +155,8 @@ class Device(abc.ABC):
     default_chunk_bytes: int
     #: parallel rings the scheduler uses when the user sets none
     default_channels: int
+    #: size of one buffer region when the user sets none (collectives run in rounds of it)
+    default_buffer_bytes: int = 16 << 20
     #: True when a collective must be complete before it returns (host memory); False when
     #: ordering the caller's stream after it is enough (GPU memory)
     blocking: bool

@@ -277,6 +277,7 @@ class CudaDevice(Device):
     kind = "cuda"
     default_chunk_bytes = 1 << 21
     default_channels = 2
+    default_buffer_bytes = 64 << 20
     blocking = False
 
     def __init__(self, device_id: int | None = None, *, local_rank: int | None = None,
