@@ -17,6 +17,12 @@ def _run(args: argparse.Namespace) -> int:
     return run(command, args.nranks, grace=args.grace, host=args.host)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuring", description=__doc__)
     commands = parser.add_subparsers(dest="subcommand", required=True)
@@ -33,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER,
                      help="the program, e.g. python train.py (a .py file runs with this Python)")
     run.set_defaults(func=_run)
+    bench = commands.add_parser(
+        "bench", help="measure collectives like nccl-tests, checked, beside MPI/NCCL/Gloo",
+        description="Time a collective over a range of sizes (nccl-tests' columns: time, "
+                    "algbw, busbw, #wrong, out-of-place and in-place), check every result, "
+                    "compare with peers and with the memory-bandwidth floor. Exits 1 when a "
+                    "result is wrong. Example: gpuring bench all_reduce --ranks 2 -b 8 -e 64M")
+    from .bench.cli import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

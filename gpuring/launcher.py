@@ -143,7 +143,8 @@ def _supervise(ranks: list[_Rank], server: StoreServer, grace: float,
     stop_at: float | None = None
     killed = False
     forwarded = False
-    while any(rank.proc.poll() is None for rank in ranks):
+    while True:
+        running = any(rank.proc.poll() is None for rank in ranks)
         if stopping.is_set() and not forwarded:
             forwarded = True
             for rank in ranks:
@@ -164,6 +165,8 @@ def _supervise(ranks: list[_Rank], server: StoreServer, grace: float,
                     _signal_group(rank.proc, signum)
             killed = True
             stop_at = time.monotonic() + 2.0
+        if not running:  # the sweep above saw every final status
+            break
         time.sleep(0.02)
     if first_failure is None and received:
         return (-1, -received[0])

@@ -7,6 +7,8 @@ parts). Integers compare exactly (wrap-around is the same in any order); floats 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import numpy as np
 
 __all__ = ["SEED", "make_input", "reference", "expected_for_rank", "tolerance", "count_wrong",
@@ -42,20 +44,26 @@ def _wide(dt: np.dtype) -> np.dtype:
     return dt
 
 
-def reference(op: str, inputs: list[np.ndarray]) -> np.ndarray:
-    """The element-wise reduction of `inputs` (rank order) as gpuring defines `op`.
+def reference(op: str, inputs: Iterable[np.ndarray]) -> np.ndarray:
+    """The element-wise reduction of `inputs` (rank order) as gpuring defines `op`; inputs
+    may be generated one at a time.
 
     Floats accumulate in double precision; integers in their own type (wrapping), and avg of
     integers truncates toward zero."""
-    if not inputs:
-        raise ValueError("no inputs")
-    dt = inputs[0].dtype
-    acc = inputs[0].astype(_wide(dt))
     ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
              "max": np.maximum}[op]
-    for x in inputs[1:]:
-        ufunc(acc, x, out=acc)
-    n = len(inputs)
+    acc: np.ndarray | None = None
+    dt = np.dtype(np.float64)
+    n = 0
+    for x in inputs:
+        n += 1
+        if acc is None:
+            dt = x.dtype
+            acc = x.astype(_wide(dt))
+        else:
+            ufunc(acc, x, out=acc)
+    if acc is None:
+        raise ValueError("no inputs")
     if op == "avg" and n > 1:
         if dt.kind in "fc":
             acc /= n
@@ -67,21 +75,23 @@ def reference(op: str, inputs: list[np.ndarray]) -> np.ndarray:
     return acc.astype(dt, copy=False)
 
 
-def expected_for_rank(kind: str, op: str, inputs: list[np.ndarray], rank: int,
-                      root: int) -> np.ndarray | None:
-    """What `rank` must hold after the collective; None when it receives nothing."""
-    n = len(inputs)
+def expected_for_rank(kind: str, op: str, make: Callable[[int], np.ndarray], n: int,
+                      rank: int, root: int) -> np.ndarray | None:
+    """What `rank` must hold after the collective, from `make(r)` = rank r's input; None
+    when it receives nothing."""
+    ranks = range(n)
     if kind == "all_reduce":
-        return reference(op, inputs)
+        return reference(op, map(make, ranks))
     if kind == "reduce_scatter":
-        block = inputs[0].size // n
-        return reference(op, inputs)[rank * block:(rank + 1) * block]
+        full = reference(op, map(make, ranks))
+        block = full.size // n
+        return full[rank * block:(rank + 1) * block].copy()
     if kind == "all_gather":
-        return np.stack(inputs)
+        return np.stack([make(r) for r in ranks])
     if kind == "broadcast":
-        return inputs[root]
+        return make(root)
     if kind == "reduce":
-        return reference(op, inputs) if rank == root else None
+        return reference(op, map(make, ranks)) if rank == root else None
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -115,7 +125,7 @@ def count_wrong(result: np.ndarray, expected: np.ndarray, rtol: float) -> int:
 def poison(array: object) -> None:
     """Fill an output with values no correct result has (NaN, or the type's maximum)."""
     dt = np.dtype(array.dtype)  # type: ignore[attr-defined]
-    value = np.nan if dt.kind in "fc" else np.iinfo(dt).max
+    value = np.nan if dt.kind in "fc" else np.iinfo(dt).max  # type: ignore[type-var]
     array.fill(value)  # type: ignore[attr-defined]
 
 

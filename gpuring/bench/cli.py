@@ -1,0 +1,133 @@
+"""`gpuring bench`: arguments (nccl-tests' flags where they mean the same), and launching
+ranks with `--ranks N` when not already inside `gpuring run` or mpiexec."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from .._config import parse_size
+from .._ops import SUPPORTED_DTYPES, ReduceOp, check_op_dtype
+from .metrics import COLLECTIVES, REDUCING
+from .peers import parse_peers
+from .runner import Settings, run
+
+__all__ = ["add_arguments", "main", "settings_from_args", "to_argv", "already_launched"]
+
+_OPS = ("sum", "prod", "min", "max", "avg")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `gpuring bench`."""
+    p.add_argument("collective", nargs="?", default="all_reduce", choices=COLLECTIVES,
+                   help="what to measure (default all_reduce)")
+    p.add_argument("-b", "--minbytes", default="8", help="smallest size: 8, 4K, 64M, 1G")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2,
+                   help="multiply the size by this each step (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5,
+                   help="untimed warm-up iterations (default 5)")
+    p.add_argument("-c", "--check", type=int, default=1,
+                   help="checked iterations, apart from the timed ones (default 1; 0: none)")
+    p.add_argument("-o", "--op", default="sum", choices=(*_OPS, "all"),
+                   help="reduction (default sum; all: each in turn)")
+    p.add_argument("-d", "--datatype", default="float32", choices=SUPPORTED_DTYPES,
+                   help="element type (default float32)")
+    p.add_argument("-r", "--root", type=int, default=0,
+                   help="root of broadcast and reduce (default 0)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="launch this many ranks (ignored inside gpuring run or mpiexec)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                   help="NumPy arrays on the CPU or CuPy arrays on GPUs (auto: cuda when "
+                        "CuPy sees a GPU)")
+    p.add_argument("--peers", default="",
+                   help="compare with these, comma-separated: mpi, nccl, gloo, or all")
+    p.add_argument("--json", metavar="FILE", help="write every number here")
+    p.add_argument("--csv", metavar="FILE", help="write the rows here")
+    p.add_argument("--plot", metavar="FILE.png", help="draw busbw and latency (matplotlib)")
+    p.add_argument("--chunk-bytes", dest="chunk_bytes", default=None,
+                   help="pipeline piece size passed to every collective")
+    p.add_argument("--channels", type=int, default=None, help="parallel rings per collective")
+
+
+def already_launched() -> bool:
+    """Inside `gpuring run` (GPURING_STORE set) or an MPI launcher."""
+    from ..rendezvous.mpi import launched_by_mpi
+    from ..rendezvous.store import ENV_ADDR
+
+    return bool(os.environ.get(ENV_ADDR)) or launched_by_mpi()
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Validated Settings (ValueError or TypeError with a message for the user); the device
+    stays as given ("auto" is resolved by the ranks)."""
+    if args.iters < 1 or args.warmup_iters < 0 or args.check < 0:
+        raise ValueError("-n must be at least 1, -w and -c at least 0")
+    ops = list(_OPS) if args.op == "all" else [args.op]
+    if args.collective in REDUCING:
+        for op in ops:
+            check_op_dtype(ReduceOp.parse(op), args.datatype)
+    if args.channels is not None and not 1 <= args.channels <= 32:
+        raise ValueError("--channels must be between 1 and 32")
+    return Settings(
+        collective=args.collective, min_bytes=parse_size(args.minbytes),
+        max_bytes=parse_size(args.maxbytes), factor=args.stepfactor, iters=args.iters,
+        warmup=args.warmup_iters, check_iters=args.check, ops=ops, dtype=args.datatype,
+        root=args.root, device=args.device, peers=parse_peers(args.peers),
+        chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
+        channels=args.channels, json=args.json, csv=args.csv, plot=args.plot)
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The same run as arguments for the ranks (without --ranks)."""
+    argv = [args.collective, "-b", str(args.minbytes), "-e", str(args.maxbytes),
+            "-f", str(args.stepfactor), "-n", str(args.iters), "-w", str(args.warmup_iters),
+            "-c", str(args.check), "-o", args.op, "-d", args.datatype, "-r", str(args.root),
+            "--device", args.device]
+    for flag, value in (("--peers", args.peers), ("--json", args.json), ("--csv", args.csv),
+                        ("--plot", args.plot), ("--chunk-bytes", args.chunk_bytes),
+                        ("--channels", args.channels)):
+        if value not in (None, ""):
+            argv += [flag, str(value)]
+    return argv
+
+
+def _spawn(args: argparse.Namespace) -> int:
+    from ..launcher import run
+    from .progress import STREAM_ENV, Follower, ProgressView
+
+    with tempfile.TemporaryDirectory(prefix="gpuring-bench-") as tmp:
+        stream = os.path.join(tmp, "rank0.jsonl")
+        open(stream, "w").close()
+        follower = Follower(stream, ProgressView())
+        follower.start()
+        try:
+            env = dict(os.environ, **{STREAM_ENV: stream})
+            code = run([sys.executable, "-m", "gpuring", "bench", *to_argv(args)], args.ranks,
+                       env=env, quiet=True)
+        finally:
+            follower.stop()
+    if code and not follower.saw_failure:
+        print(f"gpuring bench: the ranks failed (exit status {code})", file=sys.stderr)
+    return code
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `gpuring bench`; the exit status is 1 when any result was wrong."""
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, TypeError) as exc:  # TypeError: op not defined for the dtype
+        print(f"gpuring bench: {exc}", file=sys.stderr)
+        return 2
+    if args.ranks is not None and args.ranks < 1:
+        print("gpuring bench: --ranks must be at least 1", file=sys.stderr)
+        return 2
+    if args.ranks is not None and not already_launched():
+        return _spawn(args)
+    from .timing import resolve_device
+
+    settings.device = resolve_device(settings.device)
+    return run(settings)

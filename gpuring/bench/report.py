@@ -1,0 +1,252 @@
+"""The table (nccl-tests' layout), the peer and floor sections, JSON, CSV and the plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .metrics import IN_PLACE, OUT_OF_PLACE
+
+__all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
+           "footer_lines", "peer_lines", "floor_lines", "ratios", "avg_busbw", "to_json",
+           "write_json", "write_csv", "plot"]
+
+SCHEMA = "gpuring.bench/1"
+_PLACE = (OUT_OF_PLACE, IN_PLACE)
+_CELL = f"{'':>11}{'n/a':>9}{'':>9}{'':>7}"
+
+
+@dataclass
+class Result:
+    """One system, size, op and placement. Times are the slowest rank's median (us)."""
+
+    system: str
+    collective: str
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    placement: str
+    ranks: int
+    time_us: float
+    min_us: float
+    max_us: float
+    algbw_GBps: float
+    busbw_GBps: float
+    wrong: int
+    rank_median_us: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Floor:
+    """gpuring against the memory-bandwidth floor at one size."""
+
+    size: int
+    redop: str
+    traffic_bytes: float
+    traffic_over_size: float
+    floor_us: float
+    time_us: float
+    efficiency_pct: float
+
+
+def header_lines(machine: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """The '#' lines above the table: what ran, where, with what."""
+    v = machine.get("versions", {})
+    lines = [
+        f"# gpuring bench {settings['collective']}: {settings['ranks']} ranks, device "
+        f"{settings['device']}, dtype {settings['dtype']}, sizes {settings['min_bytes']} .. "
+        f"{settings['max_bytes']} B x{settings['factor']}, {settings['iters']} iterations, "
+        f"{settings['warmup']} warm-up, {settings['check_iters']} check",
+        f"# machine: {machine.get('host')}, {machine.get('cpu')}, {machine.get('cpus')} CPUs, "
+        f"{machine.get('os')}",
+    ]
+    g = machine.get("gpus")
+    if g:
+        lines.append(f"# GPUs: {', '.join(g['names']) or 'none'}; driver {g['driver']}")
+    libs = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    lines.append(f"# versions: {libs}")
+    lines.append(f"# commit: {machine.get('commit') or 'not a git checkout'}; chunk_bytes "
+                 f"{settings.get('chunk_bytes') or 'default'}, channels "
+                 f"{settings.get('channels') or 'default'}")
+    lines.append("# time: median over the timed iterations on each rank, then the slowest "
+                 "rank's median; checks run apart from the timed iterations")
+    return lines
+
+
+def table_header() -> list[str]:
+    left = f"{'size':>12}{'count':>13}{'type':>9}{'redop':>7}{'root':>6}"
+    left_units = f"{'(B)':>12}{'(elements)':>13}{'':>9}{'':>7}{'':>6}"
+    cells = f"{'time':>11}{'algbw':>9}{'busbw':>9}{'#wrong':>7}"
+    units = f"{'(us)':>11}{'(GB/s)':>9}{'(GB/s)':>9}{'':>7}"
+    width = len(cells)
+    return [
+        f"#{'':>{len(left) - 1}}{'out-of-place':^{width}}  {'in-place':^{width}}",
+        f"#{left[1:]}{cells}  {cells}",
+        f"#{left_units[1:]}{units}  {units}",
+    ]
+
+
+def _cell(r: Result | None) -> str:
+    if r is None:
+        return _CELL
+    return f"{r.time_us:>11.2f}{r.algbw_GBps:>9.2f}{r.busbw_GBps:>9.2f}{r.wrong:>7d}"
+
+
+def table_row(by_place: dict[str, Result]) -> str:
+    """One line: a size and op, out-of-place then in-place ('n/a' where gpuring has none)."""
+    first = next(iter(by_place.values()))
+    left = (f"{first.size:>12d}{first.count:>13d}{first.type:>9}{first.redop:>7}"
+            f"{first.root:>6d}")
+    return f"{left}{_cell(by_place.get(OUT_OF_PLACE))}  {_cell(by_place.get(IN_PLACE))}"
+
+
+def avg_busbw(results: list[Result]) -> float:
+    values = [r.busbw_GBps for r in results if r.system == "gpuring"]
+    return statistics.fmean(values) if values else 0.0
+
+
+def footer_lines(results: list[Result]) -> list[str]:
+    wrong = sum(r.wrong for r in results)
+    return [f"# Wrong elements    : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+            f"# Avg bus bandwidth : {avg_busbw(results):.4f} GB/s",
+            "#"]
+
+
+def _primary(results: list[Result], size: int, redop: str, placement: str) -> Result | None:
+    mine = [r for r in results if r.system == "gpuring" and r.size == size
+            and r.redop == redop]
+    for r in mine:
+        if r.placement == placement:
+            return r
+    return mine[0] if mine else None
+
+
+def ratios(results: list[Result]) -> list[dict[str, Any]]:
+    """gpuring busbw / peer busbw per peer row (same size and op; the peer's placement when
+    gpuring has it)."""
+    out = []
+    for p in results:
+        if p.system == "gpuring":
+            continue
+        g = _primary(results, p.size, p.redop, p.placement)
+        if g is None:
+            continue
+        ratio = (p.time_us / g.time_us) if g.time_us > 0 else float("nan")
+        out.append({"peer": p.system, "size": p.size, "redop": p.redop,
+                    "gpuring_placement": g.placement, "ratio": ratio})
+    return out
+
+
+def peer_lines(notes: list[str], results: list[Result]) -> list[str]:
+    lines = ["# Peers: the same arrays, ranks and sizes; ratio = gpuring busbw / peer busbw "
+             "(> 1: gpuring is faster)"]
+    lines += [f"#   {note}" for note in notes]
+    peers = [r for r in results if r.system != "gpuring"]
+    if not peers:
+        return lines
+    by_key = {(q["peer"], q["size"], q["redop"]): q["ratio"] for q in ratios(results)}
+    lines.append(f"#{'size':>11}{'redop':>7}{'system':>8}{'placement':>14}{'time':>11}"
+                 f"{'algbw':>9}{'busbw':>9}{'#wrong':>7}{'ratio':>8}")
+    lines.append(f"#{'(B)':>11}{'':>7}{'':>8}{'':>14}{'(us)':>11}{'(GB/s)':>9}{'(GB/s)':>9}"
+                 f"{'':>7}{'':>8}")
+    for p in peers:
+        ratio = by_key.get((p.system, p.size, p.redop), float("nan"))
+        lines.append(f"{p.size:>12d}{p.redop:>7}{p.system:>8}{p.placement:>14}"
+                     f"{p.time_us:>11.2f}{p.algbw_GBps:>9.2f}{p.busbw_GBps:>9.2f}"
+                     f"{p.wrong:>7d}{ratio:>8.2f}")
+    return lines
+
+
+def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
+    lines = [f"# Floor: memory bandwidth {bandwidth['GBps_per_rank']:.2f} GB/s per rank "
+             f"({bandwidth['method']}); floor = bytes the busiest rank moves through memory "
+             "/ that bandwidth; efficiency = floor / gpuring's time"]
+    if not floors:
+        return [*lines, "#   (one rank: nothing moves)"]
+    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'floor':>11}"
+                 f"{'gpuring':>11}{'efficiency':>12}")
+    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'(us)':>11}{'(us)':>11}{'(%)':>12}")
+    for f in floors:
+        lines.append(f"{f.size:>12d}{f.redop:>7}{f.traffic_bytes:>14.0f}"
+                     f"{f.traffic_over_size:>8.2f}{f.floor_us:>11.2f}{f.time_us:>11.2f}"
+                     f"{f.efficiency_pct:>12.1f}")
+    return lines
+
+
+def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dict[str, Any],
+            peers: list[str], results: list[Result], floors: list[Floor]) -> dict[str, Any]:
+    """The document --json writes (schema "gpuring.bench/1")."""
+    return {
+        "schema": SCHEMA,
+        "settings": settings,
+        "machine": machine,
+        "memory_bandwidth": bandwidth,
+        "peers": peers,
+        "results": [asdict(r) for r in results],
+        "ratios": ratios(results),
+        "floor": [asdict(f) for f in floors],
+        "avg_busbw_GBps": avg_busbw(results),
+        "wrong_total": sum(r.wrong for r in results),
+    }
+
+
+def write_json(path: str, document: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+
+
+def write_csv(path: str, results: list[Result]) -> None:
+    """One row per result; the per-rank medians are left out."""
+    names = [k for k in Result.__dataclass_fields__ if k != "rank_median_us"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
+        writer.writeheader()
+        for r in results:
+            writer.writerow(asdict(r))
+
+
+def plot(path: str, results: list[Result], title: str, small_bytes: int = 64 << 10) -> str:
+    """busbw against size (log2 x) per system, and latency at small sizes; returns a note."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (f"--plot {path}: matplotlib is not installed (pip install matplotlib or "
+                "gpuring[bench]); no plot written")
+    lines: dict[str, list[Result]] = {}
+    for r in results:
+        label = r.system if r.system != "gpuring" else f"gpuring {r.placement}"
+        if len({x.redop for x in results}) > 1:
+            label += f" {r.redop}"
+        lines.setdefault(label, []).append(r)
+    fig, (bw, lat) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    small = [r for r in results if r.size <= small_bytes] or results
+    for label, rows in lines.items():
+        rows = sorted(rows, key=lambda r: r.size)
+        style = "--" if "in-place" in label else "-"
+        bw.plot([r.size for r in rows], [r.busbw_GBps for r in rows], style, marker="o",
+                markersize=3, label=label)
+        srows = [r for r in rows if r in small]
+        lat.plot([r.size for r in srows], [r.time_us for r in srows], style, marker="o",
+                 markersize=3, label=label)
+    for ax in (bw, lat):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    bw.set_ylabel("bus bandwidth (GB/s)")
+    bw.set_title("bus bandwidth")
+    lat.set_ylabel("time (us, slowest rank's median)")
+    lat.set_title(f"latency, sizes up to {max(r.size for r in small)} B")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"# plot written to {path}"

@@ -1,0 +1,240 @@
+"""What every rank runs: for each op and size, time and check gpuring and the peers."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import report
+from .data import corrupt, count_wrong, expected_for_rank, make_input, tolerance
+from .metrics import (
+    OUT_OF_PLACE,
+    REDUCING,
+    align_bytes,
+    bus_factor,
+    memory_traffic,
+    placements,
+    plan_count,
+    size_series,
+)
+from .peers import select_peers
+from .progress import Output, stream_path_from_env
+from .systems import Buffers, Gpuring, System, Unsupported, make_buffers
+from .timing import Backend, cuda_backend, host_backend, time_calls
+
+__all__ = ["Settings", "run", "CORRUPT_ENV"]
+
+#: testing hook: with "1", rank 0 spoils one element of every checked result
+CORRUPT_ENV = "GPURING_BENCH_CORRUPT"
+
+
+@dataclass
+class Settings:
+    """Everything one `gpuring bench` run needs (sizes in bytes)."""
+
+    collective: str = "all_reduce"
+    min_bytes: int = 8
+    max_bytes: int = 64 << 20
+    factor: int = 2
+    iters: int = 20
+    warmup: int = 5
+    check_iters: int = 1
+    ops: list[str] = field(default_factory=lambda: ["sum"])
+    dtype: str = "float32"
+    root: int = 0
+    device: str = "cpu"
+    peers: list[str] = field(default_factory=list)
+    chunk_bytes: int | None = None
+    channels: int | None = None
+    json: str | None = None
+    csv: str | None = None
+    plot: str | None = None
+    membw_bytes: int = 128 << 20
+
+
+def _human(size: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift}{unit}"
+    return f"{size}B"
+
+
+class _Bench:
+    def __init__(self, s: Settings, comm: Any, backend: Backend, out: Output):
+        self.s, self.comm, self.backend, self.out = s, comm, backend, out
+        self.n, self.rank = comm.size, comm.rank
+        self.itemsize = np.dtype(s.dtype).itemsize
+        self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
+        self.notes: dict[str, str] = {}
+
+    def gather(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
+
+    def bandwidth(self) -> dict[str, Any]:
+        per_rank = self.gather(np.array([self.backend.copy_bandwidth(
+            self.s.membw_bytes, 5, self.comm.barrier)]))[:, 0]
+        what = "CuPy device copy" if self.backend.name == "cuda" else "NumPy copy"
+        return {"GBps_per_rank": float(per_rank.mean()), "per_rank": per_rank.tolist(),
+                "method": f"{what} of {self.s.membw_bytes >> 20} MiB on every rank at once, "
+                          "read + write counted, best of 5"}
+
+    def measure(self, system: System, kind: str, placement: str, op: str, size: int,
+                source: np.ndarray, expected: np.ndarray | None) -> report.Result | None:
+        s = self.s
+        try:
+            buffers = make_buffers(kind, placement, source, rank=self.rank, root=s.root,
+                                   n=self.n, backend=self.backend)
+            fn = system.call(kind, buffers, op, s.root)
+        except Unsupported as exc:
+            self.notes.setdefault(f"{system.name} {kind} {op}", f"{system.name}: {exc}")
+            return None
+        times = time_calls(fn, iters=s.iters, warmup=s.warmup, backend=self.backend,
+                           sync=system.sync)
+        wrong = self.check(fn, buffers, system, expected)
+        table = self.gather(np.append(times, wrong))
+        medians = np.median(table[:, :-1], axis=1)
+        slowest = int(np.argmax(medians))
+        t = float(medians[slowest])
+        algbw = size / t / 1e9 if t > 0 else 0.0
+        return report.Result(
+            system=system.name, collective=kind, size=size,
+            count=size // self.itemsize, type=s.dtype, redop=op, root=s.root if kind in
+            ("broadcast", "reduce") else -1, placement=placement, ranks=self.n,
+            time_us=t * 1e6, min_us=float(table[slowest, :-1].min()) * 1e6,
+            max_us=float(table[slowest, :-1].max()) * 1e6, algbw_GBps=algbw,
+            busbw_GBps=algbw * bus_factor(kind, self.n), wrong=int(table[:, -1].sum()),
+            rank_median_us=(medians * 1e6).tolist())
+
+    def check(self, fn: Any, buffers: Buffers, system: System,
+              expected: np.ndarray | None) -> int:
+        wrong = 0
+        rtol = tolerance(self.s.dtype, self.n)
+        for _ in range(self.s.check_iters):
+            buffers.reset()
+            self.backend.synchronize()
+            system.sync()
+            fn()
+            self.backend.synchronize()
+            if buffers.out is None or expected is None:
+                continue
+            got = self.backend.to_host(buffers.out)
+            if self.corrupt and self.rank == 0:
+                got = got.copy()
+                corrupt(got)
+            wrong += count_wrong(got, expected, rtol)
+        return wrong
+
+    def floor(self, gp: report.Result, op: str, bandwidth: float) -> report.Floor | None:
+        if self.n < 2 or bandwidth <= 0:
+            return None
+        config = self.comm.config
+        traffic = memory_traffic(
+            gp.collective, self.n, gp.size, self.itemsize, root=self.s.root,
+            buffer_bytes=getattr(config, "buffer_bytes", 16 << 20),
+            one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10), avg=op == "avg")
+        floor_us = traffic / (bandwidth * 1e9) * 1e6
+        return report.Floor(size=gp.size, redop=op, traffic_bytes=traffic,
+                            traffic_over_size=traffic / gp.size, floor_us=floor_us,
+                            time_us=gp.time_us,
+                            efficiency_pct=100.0 * floor_us / gp.time_us if gp.time_us else 0.0)
+
+
+def run(s: Settings) -> int:
+    """Run the benchmark on this rank; returns 1 on every rank when any result was wrong."""
+    import gpuring
+
+    backend = cuda_backend() if s.device == "cuda" else host_backend()
+    comm = gpuring.init()
+    out = Output(comm.rank == 0, stream_path_from_env())
+    peers: list[System] = []
+    try:
+        return _run(s, comm, backend, out, peers)
+    finally:
+        for peer in peers:
+            peer.close()
+        out.close()
+        comm.close()
+
+
+def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[System]) -> int:
+    from .machine import describe
+
+    bench = _Bench(s, comm, backend, out)
+    n, rank, kind = comm.size, comm.rank, s.collective
+    found, peer_notes = select_peers(s.peers, comm, s.device)
+    peers.extend(found)
+    systems: list[System] = [Gpuring(comm, s.chunk_bytes, s.channels), *peers]
+    ops = s.ops if kind in REDUCING else ["none"]
+    sizes = size_series(s.min_bytes, s.max_bytes, s.factor, align_bytes(kind, n, bench.itemsize))
+    settings = {**asdict(s), "ranks": n, "ops": ops, "sizes": sizes}
+    machine = describe() if rank == 0 else {}
+    bandwidth = bench.bandwidth()
+    for line in report.header_lines(machine, settings):
+        out.line(line)
+    for line in report.table_header():
+        out.line(line)
+    results: list[report.Result] = []
+    floors: list[report.Floor] = []
+    total, done = len(ops) * len(sizes) * len(systems), 0
+    for op in ops:
+        for size in sizes:
+            count = plan_count(kind, n, size, bench.itemsize)
+            salt = zlib.crc32(f"{kind} {op} {size} {s.dtype}".encode())
+
+            def make(r: int, count: int = count, salt: int = salt) -> np.ndarray:
+                return make_input(r, count, s.dtype, salt=salt)
+
+            source = make(rank)
+            expected = (expected_for_rank(kind, op, make, n, rank, s.root)
+                        if s.check_iters else None)
+            row: dict[str, report.Result] = {}
+            for system in systems:
+                out.progress(done, total, f"{kind} {op} {_human(size)} {system.name}")
+                wanted = system.placement(kind)
+                for placement in placements(kind) if wanted is None else (wanted,):
+                    result = bench.measure(system, kind, placement, op, size, source, expected)
+                    if result is not None:
+                        results.append(result)
+                        if system.name == "gpuring":
+                            row[placement] = result
+                done += 1
+            if row:
+                out.line(report.table_row(row))
+                gp = row.get(OUT_OF_PLACE) or next(iter(row.values()))
+                floor = bench.floor(gp, op, bandwidth["GBps_per_rank"])
+                if floor is not None:
+                    floors.append(floor)
+    out.progress(total, total, "done")
+    mine = [r for r in results if r.system == "gpuring"]
+    for line in report.footer_lines(mine):
+        out.line(line)
+    notes = peer_notes + list(bench.notes.values())
+    if s.peers or bench.notes:
+        for line in report.peer_lines(notes, results):
+            out.line(line)
+    for line in report.floor_lines(bandwidth, floors):
+        out.line(line)
+    if rank == 0:
+        _write_files(s, settings, machine, bandwidth, notes, results, floors, out)
+    return 1 if sum(r.wrong for r in results) else 0
+
+
+def _write_files(s: Settings, settings: dict[str, Any], machine: dict[str, Any],
+                 bandwidth: dict[str, Any], notes: list[str], results: list[report.Result],
+                 floors: list[report.Floor], out: Output) -> None:
+    if s.json:
+        report.write_json(s.json, report.to_json(
+            settings=settings, machine=machine, bandwidth=bandwidth, peers=notes,
+            results=results, floors=floors))
+        out.line(f"# JSON written to {s.json}")
+    if s.csv:
+        report.write_csv(s.csv, results)
+        out.line(f"# CSV written to {s.csv}")
+    if s.plot:
+        title = (f"gpuring bench {s.collective}, {settings['ranks']} ranks, {s.device}, "
+                 f"{s.dtype}")
+        out.line(report.plot(s.plot, results, title))

@@ -1,0 +1,61 @@
+"""`gpuring bench --ranks 2` end to end: it launches its ranks, checks, and writes JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ..conftest import mpiexec
+
+ENV_DROP = ("GPURING_STORE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def bench(args: list[str], tmp_path, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    env.update(GPURING_TIMEOUT="60", **extra)
+    return subprocess.run([sys.executable, "-m", "gpuring", "bench", *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_two_ranks_small_sizes(tmp_path):
+    proc = bench(["all_reduce", "--ranks", "2", "-b", "8", "-e", "64K", "-n", "3", "-w", "1",
+                  "--device", "cpu", "--peers", "mpi", "--json", "r.json", "--csv", "r.csv"],
+                 tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "out-of-place" in out and "# Wrong elements    : 0 OK" in out
+    assert "mpi: skipped (run under mpiexec to compare with MPI)" in out
+    assert not any(line.startswith("[0]") for line in out.splitlines())  # no launcher prefix
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["settings"]["ranks"] == 2 and doc["wrong_total"] == 0
+    sizes = sorted({r["size"] for r in doc["results"]})
+    assert sizes == [8 << i for i in range(14)]
+    assert all(len(r["rank_median_us"]) == 2 for r in doc["results"])
+    assert doc["floor"] and doc["memory_bandwidth"]["GBps_per_rank"] > 0
+    assert (tmp_path / "r.csv").read_text().count("\n") == 1 + 2 * 14
+
+
+def test_a_wrong_result_fails_the_run(tmp_path):
+    proc = bench(["broadcast", "--ranks", "2", "-b", "1K", "-e", "2K", "-n", "1", "-w", "0",
+                  "--device", "cpu"], tmp_path, GPURING_BENCH_CORRUPT="1")
+    assert proc.returncode == 1, f"status {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr}"
+    assert "# Wrong elements    : 2 FAILED" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_under_mpiexec_with_the_mpi_peer(tmp_path):
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("mpiexec with mpi4py is not available")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    proc = subprocess.run([exe, "-n", "2", sys.executable, "-m", "gpuring", "bench",
+                           "reduce_scatter", "-b", "64", "-e", "4K", "-n", "2", "-w", "1",
+                           "--device", "cpu", "--peers", "mpi"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mpi: measured" in proc.stdout
+    assert proc.stdout.count(" mpi  out-of-place") == 7

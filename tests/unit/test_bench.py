@@ -1,0 +1,254 @@
+"""`gpuring bench` pieces on the CPU: sizes, factors, traffic, checking, layout, files, peers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from gpuring.bench import data, metrics, report
+from gpuring.bench.cli import settings_from_args, to_argv
+from gpuring.bench.machine import cpu_model
+from gpuring.bench.peers import parse_peers, select_peers
+from gpuring.bench.progress import Follower, Output, ProgressView
+from gpuring.cli import build_parser
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_sizes_from_flags():
+    s = settings_from_args(parse("-b", "4K", "-e", "64M", "-f", "4", "-n", "3", "-o", "all"))
+    assert (s.min_bytes, s.max_bytes, s.factor, s.iters) == (4096, 64 << 20, 4, 3)
+    assert s.ops == ["sum", "prod", "min", "max", "avg"]
+    assert settings_from_args(parse("-e", "1G")).max_bytes == 1 << 30
+    with pytest.raises(ValueError):
+        settings_from_args(parse("-b", "lots"))
+    with pytest.raises(TypeError):  # min is not defined for complex numbers
+        settings_from_args(parse("-d", "complex64", "-o", "min"))
+
+
+def test_size_series_rounds_to_blocks_without_repeats():
+    assert metrics.size_series(8, 64, 2, 4) == [8, 16, 32, 64]
+    assert metrics.size_series(8, 100, 2, 12) == [12, 24, 60]
+    assert metrics.size_series(1, 8, 2, 8) == [8]
+    with pytest.raises(ValueError):
+        metrics.size_series(64, 8, 2, 4)
+
+
+def test_argv_for_the_ranks_round_trips():
+    args = parse("reduce", "-b", "1K", "-e", "2M", "-o", "max", "-r", "1", "--peers", "mpi",
+                 "--json", "x.json", "--chunk-bytes", "64K", "--channels", "2", "--ranks", "3")
+    again = build_parser().parse_args(["bench", *to_argv(args)])
+    assert again.ranks is None
+    assert settings_from_args(again) == settings_from_args(args)
+
+
+@pytest.mark.parametrize("kind,factor", [("all_reduce", 1.5), ("reduce_scatter", 0.75),
+                                         ("all_gather", 0.75), ("broadcast", 1.0),
+                                         ("reduce", 1.0)])
+def test_bus_factors_for_four_ranks(kind, factor):
+    assert metrics.bus_factor(kind, 4) == factor
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("kind", metrics.COLLECTIVES)
+def test_traffic_counted_from_the_plan_matches_the_documented_formula(kind, n):
+    size = 4 * n * 3000  # float32, beyond the one-shot limit, several rounds
+    counted = metrics.memory_traffic(kind, n, size, 4, buffer_bytes=16384)
+    assert counted == pytest.approx(metrics.closed_form_traffic(kind, n, size), rel=1e-2)
+    small = metrics.memory_traffic("all_reduce", n, 4 * n, 4)
+    assert small == metrics.closed_form_traffic("all_reduce", n, 4 * n, one_shot=True)
+
+
+def test_ring_all_reduce_traffic_is_five_n_minus_one_over_n_plus_two():
+    for n in (2, 3, 8):
+        assert metrics.closed_form_traffic("all_reduce", n, 1000) == pytest.approx(
+            (5 * (n - 1) / n + 2) * 1000)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint16", "float16", "float32", "float64",
+                                   "complex64"])
+def test_inputs_are_random_nonzero_and_reproducible(dtype):
+    a = data.make_input(1, 1000, dtype, salt=7)
+    assert a.dtype == np.dtype(dtype)
+    assert np.all(a != 0)
+    assert len(np.unique(a)) > 5
+    np.testing.assert_array_equal(a, data.make_input(1, 1000, dtype, salt=7))
+    assert not np.array_equal(a, data.make_input(2, 1000, dtype, salt=7))
+
+
+def test_reference_matches_numpy_and_avg_of_integers_truncates():
+    xs = [np.array([3, -7, 5], np.int32), np.array([2, 2, -8], np.int32)]
+    np.testing.assert_array_equal(data.reference("sum", iter(xs)), [5, -5, -3])
+    np.testing.assert_array_equal(data.reference("avg", xs), [2, -2, -1])
+    np.testing.assert_array_equal(data.reference("min", xs), [2, -7, -8])
+    wrap = [np.array([100], np.int8), np.array([100], np.int8)]
+    assert data.reference("sum", wrap)[0] == np.int8(-56)
+
+
+def test_expected_per_collective():
+    def make(r: int) -> np.ndarray:
+        return np.arange(6, dtype=np.int64) + 10 * r
+
+    assert list(data.expected_for_rank("reduce_scatter", "sum", make, 3, 1, 0)) == [36, 39]
+    assert data.expected_for_rank("all_gather", "none", make, 3, 0, 0).shape == (3, 6)
+    assert list(data.expected_for_rank("broadcast", "none", make, 3, 0, 2)) == list(make(2))
+    assert data.expected_for_rank("reduce", "sum", make, 3, 1, 0) is None
+
+
+def test_count_wrong_catches_a_corrupted_result():
+    n = 4
+    inputs = [data.make_input(r, 10000, "float32") for r in range(n)]
+    expected = data.reference("sum", inputs)
+    got = inputs[0].copy()
+    for x in inputs[1:]:  # another order: differs in the last bits only
+        got = got + x
+    rtol = data.tolerance("float32", n)
+    assert data.count_wrong(got, expected, rtol) == 0
+    data.corrupt(got)
+    assert data.count_wrong(got, expected, rtol) == 1
+    got[5] = np.nan
+    assert data.count_wrong(got, expected, rtol) == 2
+    ints = np.arange(1, 9, dtype=np.int16)
+    spoiled = ints.copy()
+    data.corrupt(spoiled)
+    assert data.count_wrong(spoiled, ints, 0.0) == 1
+    poisoned = np.empty(8, np.uint8)
+    data.poison(poisoned)
+    assert data.count_wrong(poisoned, ints.astype(np.uint8), 0.0) == 8
+
+
+def result(placement: str, wrong: int = 0, system: str = "gpuring") -> report.Result:
+    return report.Result(system=system, collective="all_reduce", size=1 << 20, count=1 << 18,
+                         type="float32", redop="sum", root=-1, placement=placement, ranks=2,
+                         time_us=250.0, min_us=240.0, max_us=300.0, algbw_GBps=4.19,
+                         busbw_GBps=4.19, wrong=wrong)
+
+
+def test_table_layout_lines_up():
+    head = report.table_header()
+    both = report.table_row({"out-of-place": result("out-of-place"),
+                             "in-place": result("in-place", wrong=3)})
+    one = report.table_row({"out-of-place": result("out-of-place")})
+    assert len(head) == 3
+    assert len(head[1]) == len(head[2]) == len(both) == len(one)
+    assert both.split() == ["1048576", "262144", "float32", "sum", "-1", "250.00", "4.19",
+                            "4.19", "0", "250.00", "4.19", "4.19", "3"]
+    assert one.split()[-1] == "n/a"
+    # the time column ends where its header ends
+    assert head[1].index("time") + 4 == both.index("250.00") + 6
+    footer = report.footer_lines([result("out-of-place", wrong=1)])
+    assert "FAILED" in footer[0] and "Avg bus bandwidth" in footer[1]
+
+
+def test_json_schema_and_csv(tmp_path):
+    rows = [result("out-of-place"), result("out-of-place", system="mpi")]
+    rows[1].time_us = 500.0
+    floor = report.Floor(size=1 << 20, redop="sum", traffic_bytes=4.5 * (1 << 20),
+                         traffic_over_size=4.5, floor_us=200.0, time_us=250.0,
+                         efficiency_pct=80.0)
+    doc = report.to_json(settings={"collective": "all_reduce"}, machine={"cpu": "x"},
+                         bandwidth={"GBps_per_rank": 20.0, "per_rank": [20.0], "method": "m"},
+                         peers=["mpi: measured"], results=rows, floors=[floor])
+    path = tmp_path / "r.json"
+    report.write_json(str(path), doc)
+    back = json.loads(path.read_text())
+    assert back["schema"] == report.SCHEMA
+    assert set(back) >= {"settings", "machine", "memory_bandwidth", "peers", "results",
+                         "ratios", "floor", "avg_busbw_GBps", "wrong_total"}
+    assert set(back["results"][0]) >= {"system", "size", "count", "type", "redop", "root",
+                                       "placement", "time_us", "min_us", "max_us",
+                                       "algbw_GBps", "busbw_GBps", "wrong"}
+    assert back["ratios"] == [{"peer": "mpi", "size": 1 << 20, "redop": "sum",
+                               "gpuring_placement": "out-of-place", "ratio": 2.0}]
+    csv_path = tmp_path / "r.csv"
+    report.write_csv(str(csv_path), rows)
+    lines = csv_path.read_text().splitlines()
+    assert lines[0].startswith("system,collective,size") and len(lines) == 3
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    note = report.plot(str(tmp_path / "p.png"), [result("out-of-place")], "t")
+    assert "matplotlib is not installed" in note
+    assert not (tmp_path / "p.png").exists()
+
+
+class _Comm:
+    rank, size = 0, 2
+
+
+def test_missing_peers_are_named_and_skipped(monkeypatch):
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+                 "SLURM_MPI_TYPE", "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_TOPOLIB"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    peers, notes = select_peers(parse_peers("all"), _Comm(), "cpu")
+    assert peers == []
+    assert notes == ["mpi: skipped (run under mpiexec to compare with MPI)",
+                     "nccl: skipped (NCCL needs --device cuda and GPUs)",
+                     "gloo: skipped (torch is not importable)"]
+    with pytest.raises(ValueError):
+        parse_peers("mpi,carrier-pigeon")
+
+
+def test_cpu_model_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Example CPU @ 3.0GHz\n")
+    assert cpu_model(str(info)) == "Example CPU @ 3.0GHz"
+    assert cpu_model(str(tmp_path / "absent"))
+
+
+def test_stream_output_is_replayed_by_the_follower(tmp_path, capsys):
+    path = tmp_path / "s.jsonl"
+    path.write_text("")
+    follower = Follower(str(path), ProgressView(enabled=False))
+    follower.start()
+    out = Output(True, str(path))
+    out.line("row one")
+    out.progress(1, 2, "all_reduce 8B")
+    out.line("# Wrong elements    : 1 FAILED")
+    out.close()
+    follower.stop()
+    assert capsys.readouterr().out.splitlines() == ["row one", "# Wrong elements    : 1 FAILED"]
+    assert follower.saw_failure
+    silent = Output(False, str(tmp_path / "never.jsonl"))
+    silent.line("x")
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+def _no_launcher(monkeypatch):
+    for name in ("GPURING_STORE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_one_rank_run_in_process_writes_json(tmp_path, monkeypatch, capsys):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
+    path = tmp_path / "one.json"
+    code = main(["bench", "reduce_scatter", "-b", "8", "-e", "256", "-n", "2", "-w", "0",
+                 "-d", "int64", "--device", "cpu", "--json", str(path)])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["ranks"] == 1 and doc["wrong_total"] == 0
+    assert [r["size"] for r in doc["results"]] == [8, 16, 32, 64, 128, 256]
+    assert "# Wrong elements    : 0 OK" in capsys.readouterr().out
+
+
+def test_corruption_hook_makes_the_exit_status_nonzero(monkeypatch, capsys):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
+    monkeypatch.setenv("GPURING_BENCH_CORRUPT", "1")
+    code = main(["bench", "-b", "64", "-e", "128", "-n", "1", "-w", "0", "-c", "2",
+                 "--device", "cpu"])
+    assert code == 1
+    text = capsys.readouterr().out
+    assert "# Wrong elements    : 8 FAILED" in text  # 2 sizes x 2 placements x 2 checks
