@@ -1,0 +1,134 @@
+"""HostDevice on its own: memory, ordered streams, flags, timeouts, abort, averaging."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gpuring._ops import ReduceOp
+from gpuring.devices.base import Flag, FlagWaitAborted, FlagWaitTimeout, Span
+from gpuring.devices.host import HostDevice, _average_into
+
+
+@pytest.fixture
+def device():
+    d = HostDevice(timeout=5.0, jitter=True)
+    yield d
+    d.close()
+
+
+def span(mem, offset, nbytes):
+    return Span(mem, offset, nbytes)
+
+
+def test_peer_mapping_sees_the_same_bytes(device):
+    mem = device.alloc(4096)
+    other = HostDevice()
+    try:
+        peer = other.open(device.export(mem))
+        mem.u8[:4] = [1, 2, 3, 4]
+        assert list(peer.u8[:4]) == [1, 2, 3, 4]
+        assert device.open(device.export(mem)) is mem  # our own handle: no second mapping
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_stream_runs_in_order(device, inline):
+    mem = device.alloc(1 << 16)
+    a = np.arange(100, dtype=np.float32)
+    src = device.wrap(a)
+    stream = device.create_stream(inline=inline)
+    stream.copy(span(mem, 4096, 400), span(src, 0, 400))
+    stream.reduce(span(mem, 8192, 400), span(mem, 4096, 400), span(src, 0, 400), "float32",
+                  ReduceOp.SUM)
+    stream.write_flag(Flag(mem, 0), 7)
+    stream.synchronize()
+    assert np.array_equal(mem.view(8192, 400, "float32"), 2 * a)
+    assert mem.i64[0] == 7
+
+
+def test_wait_holds_later_operations(device):
+    mem = device.alloc(8192)
+    stream = device.create_stream()
+    stream.wait_flag(Flag(mem, 0), 5, "test")
+    stream.write_flag(Flag(mem, 8), 1)
+    time.sleep(0.05)
+    assert mem.i64[1] == 0  # still held
+    mem.i64[0] = 5
+    stream.synchronize()
+    assert mem.i64[1] == 1
+
+
+def test_wait_times_out_with_what_it_waited_for():
+    device = HostDevice(timeout=0.2)
+    try:
+        mem = device.alloc(4096)
+        stream = device.create_stream()
+        stream.wait_flag(Flag(mem, 0), 3, ("peer", 1))
+        with pytest.raises(FlagWaitTimeout) as info:
+            stream.synchronize()
+        assert info.value.value == 3 and info.value.observed == 0 and info.value.tag == ("peer", 1)
+    finally:
+        device.close()
+
+
+def test_abort_unblocks_a_waiting_stream(device):
+    mem = device.alloc(4096)
+    stream = device.create_stream()
+    stream.wait_flag(Flag(mem, 0), 1, "never")
+    threading.Timer(0.1, device.abort, ("stop",)).start()
+    with pytest.raises(FlagWaitAborted, match="stop"):
+        stream.synchronize()
+
+
+def test_events_order_two_streams(device):
+    mem = device.alloc(4096)
+    first, second = device.create_stream(), device.create_stream()
+    first.wait_flag(Flag(mem, 0), 1, "gate")
+    first.write_flag(Flag(mem, 8), 2)
+    second.wait_event(first.record())
+    second.write_flag(Flag(mem, 16), 3)
+    time.sleep(0.05)
+    assert mem.i64[2] == 0
+    mem.i64[0] = 1
+    second.synchronize()
+    assert mem.i64[1] == 2 and mem.i64[2] == 3
+
+
+def test_integer_average_rounds_toward_zero():
+    x = np.array([-7, 7, -8, 8, 5], np.int32)
+    y = np.array([0, 0, 0, 0, -6], np.int32)
+    d = np.empty_like(x)
+    _average_into(d, x, y, 2)
+    assert d.tolist() == [-3, 3, -4, 4, 0]
+    u = np.array([7, 255], np.uint8)
+    du = np.empty_like(u)
+    _average_into(du, u, np.array([0, 1], np.uint8), 2)
+    assert du.tolist() == [3, 0]  # 255 + 1 wraps to 0, as the sum does
+
+
+def test_float16_average_rounds_once():
+    x = np.array([65504, 1e-4], np.float16)
+    d = np.empty_like(x)
+    _average_into(d, x, x, 2)  # the float16 sum would overflow; float32 does not
+    assert d.tolist() == x.tolist()
+
+
+def test_close_removes_files_and_is_idempotent():
+    device = HostDevice()
+    mem = device.alloc(4096)
+    path = mem.path
+    assert os.path.exists(path)
+    device.close()
+    device.close()
+    assert not os.path.exists(path)
+
+
+def test_wrap_refuses_non_contiguous(device):
+    with pytest.raises(TypeError):
+        device.wrap(np.ones((4, 4))[:, ::2])
