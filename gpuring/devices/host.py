@@ -461,6 +461,7 @@ class HostDevice(Device):
         if self._closed:
             return
         self._closed = True
+        self.abort("the device was closed")  # a stream still waiting on a flag stops now
         for stream in self._streams:
             stream.close()
         for mem in list(self._opened.values()) + self._owned:
