@@ -8,9 +8,12 @@ from ._errors import (
     PeerFailureError,
 )
 from ._ops import ReduceOp
+from ._work import Work
 from ._world import (
     all_gather,
     all_reduce,
+    all_reduce_async,
+    all_reduce_many,
     barrier,
     broadcast,
     init,
@@ -31,6 +34,9 @@ __all__ = [
     "broadcast",
     "reduce",
     "barrier",
+    "all_reduce_async",
+    "all_reduce_many",
+    "Work",
     "GpuringError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",

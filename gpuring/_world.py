@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from ._config import Config
 from ._errors import GpuringError
 from ._ops import ReduceOp
+from ._work import Work
 from .communicator import Communicator
 from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "reduce", "barrier"]
+           "reduce", "barrier", "all_reduce_async", "all_reduce_many"]
 
 _lock = threading.Lock()
 _current: Communicator | None = None
@@ -48,6 +50,9 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
         config = Config.from_env(timeout=timeout, chunk_bytes=chunk_bytes, channels=channels,
                                  buffer_bytes=buffer_bytes)
         _current = Communicator(_control_plane(), config)
+        trace = os.environ.get("GPURING_TIMELINE")
+        if trace:
+            _current.start_timeline(trace)
         return _current
 
 
@@ -95,3 +100,13 @@ def reduce(x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None
 def barrier() -> None:
     """`Communicator.barrier` on the communicator init() made."""
     current().barrier()
+
+
+def all_reduce_async(x: Any, *, op: ReduceOp | str = "sum", out: Any = None) -> Work:
+    """`Communicator.all_reduce_async` on the communicator init() made."""
+    return current().all_reduce_async(x, op=op, out=out)
+
+
+def all_reduce_many(arrays: Sequence[Any], *, op: ReduceOp | str = "sum") -> list[Any]:
+    """`Communicator.all_reduce_many` on the communicator init() made."""
+    return current().all_reduce_many(arrays, op=op)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import warnings
@@ -527,9 +526,14 @@ class Communicator:
         with self._lock:
             if self._executor is None:
                 self._executor = Executor()
-        cuda = interop.device_kind(x) == "cuda"
-        return self._executor.submit(functools.partial(verb, x, **kwargs), name,
-                                     cuda_device=self.local_rank if cuda else None)
+        # views made here, in the caller's thread: DLPack orders them on the caller's stream
+        args, kwargs, restore = interop.convert((x,), kwargs)
+        cuda = interop.device_kind(args[0]) == "cuda"
+
+        def run() -> Any:
+            return restore(verb(*args, **kwargs))
+
+        return self._executor.submit(run, name, cuda_device=self.local_rank if cuda else None)
 
     def _drain_async(self) -> None:
         executor = self._executor

@@ -69,9 +69,9 @@ class StoreServer:
             if kind != "hello" or not 0 <= rank < self.size:
                 raise ValueError(f"bad greeting {kind!r} {rank!r}")
         except Exception as exc:
+            log.warning("gpuring: refused a control connection without the job key (%s)", exc)
             with self._lock:
                 self.refused += 1
-            log.warning("gpuring: refused a control connection without the job key (%s)", exc)
             conn.close()
             return
         with self._lock:

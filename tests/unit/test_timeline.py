@@ -1,0 +1,64 @@
+"""Timeline: the trace file format, and recording around a fake engine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from gpuring.communicator import Communicator
+from gpuring.rendezvous.local import SingleProcess
+from gpuring.timeline import Timeline, write_trace
+
+
+class FakeComm:
+    _seq = 7
+
+    def __init__(self):
+        self.calls = []
+
+    def _execute(self, prepared, name, in_mem, out_mem, itemsize, op):
+        self.calls.append((prepared, name, itemsize))
+
+
+class Plan:
+    channels = ((), ())
+
+
+def test_rounds_run_one_at_a_time_and_are_recorded(tmp_path):
+    comm = FakeComm()
+    timeline = Timeline(str(tmp_path / "t.json"), rank=1)
+    prepared = ("engine", (Plan(), Plan(), Plan()), "float32", True, "text", 123)
+    x = np.ones(10, np.float32)
+    timeline.execute(comm, prepared, "all_reduce", None, None, x, "sum")
+    assert [len(call[0][1]) for call in comm.calls] == [1, 1, 1]
+    assert all(call[0][2:] == prepared[2:] and call[2] == 4 for call in comm.calls)
+    rounds = [e for e in timeline.events if e["tid"] == 1]
+    (collective,) = [e for e in timeline.events if e["tid"] == 0]
+    assert [e["args"]["round"] for e in rounds] == [0, 1, 2]
+    assert collective["args"] == {"bytes": 40, "dtype": "float32", "seq": 7, "op": "sum",
+                                  "rounds": 3}
+    assert all(e["pid"] == 1 and e["ph"] == "X" and e["dur"] >= 0 for e in timeline.events)
+
+
+def test_trace_file_has_a_named_track_per_rank(tmp_path):
+    path = tmp_path / "trace.json"
+    write_trace(str(path), [[{"name": "a", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1}],
+                            []])
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    assert sum(e["ph"] == "X" for e in events) == 1
+
+
+def test_start_stop_alone_writes_a_trace(tmp_path):
+    comm = Communicator(SingleProcess())
+    assert comm.stop_timeline() is None  # not recording: nothing to do
+    path = tmp_path / "alone.json"
+    comm.start_timeline(path)
+    comm.all_reduce(np.ones(3))
+    assert comm.stop_timeline() == str(path)
+    assert "traceEvents" in json.loads(path.read_text())
+    comm.start_timeline(path)
+    comm.close()  # close() stops and writes
+    assert path.exists()
