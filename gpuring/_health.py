@@ -34,7 +34,7 @@ class Health:
     def __init__(self, control: ControlPlane, host: HostDevice, *, timeout: float,
                  stall_warning_s: float, on_failure: Callable[[GpuringError], None]):
         self.rank = control.rank
-        self.board = StatusBoard(control, host)
+        self.board = StatusBoard(control, host, timeout)
         self._timeout = timeout
         self._stall_warning_s = stall_warning_s
         self._on_failure = on_failure

@@ -20,6 +20,7 @@ import zlib
 
 from .devices.host import HostDevice, HostMemory
 from .rendezvous.base import ControlPlane
+from .scheduler import open_peer
 
 __all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT", "TIMED_OUT"]
 
@@ -43,15 +44,16 @@ def signature_hash(text: str) -> int:
 class StatusBoard:
     """Created collectively (every rank calls the constructor at the same point)."""
 
-    def __init__(self, control: ControlPlane, host: HostDevice):
+    def __init__(self, control: ControlPlane, host: HostDevice, timeout: float):
         self.rank = control.rank
         self.size = control.size
         self._host = host
         local = host.alloc(_PAGE)
-        handles = control.allgather(host.export(local))
+        handles = control.allgather(host.export(local), timeout)
         self._pages: list[HostMemory] = [
-            local if r == self.rank else host.open(h) for r, h in enumerate(handles)]
-        control.barrier()
+            local if r == self.rank else open_peer(host, h, r)  # type: ignore[misc]
+            for r, h in enumerate(handles)]
+        control.barrier(timeout)
         host.seal(local)
         self._mine = local
         self._fence = threading.Lock()

@@ -32,8 +32,17 @@ from .timeline import Timeline, write_trace
 
 __all__ = ["Communicator"]
 
-_SIGNATURE_FIELDS = ("collective", "device", "shape", "dtype", "op", "root")
+_SIGNATURE_FIELDS = ("collective", "device", "shape", "dtype", "op", "root", "chunk_bytes",
+                     "channels", "one_shot_bytes", "buffer_bytes", "verify")
 _ALONE = object()  # prepared call of a world of one: nothing to plan
+
+
+def _device_class(kind: str) -> type[Device]:
+    if kind == "cpu":
+        return HostDevice
+    from .devices.cuda import CudaDevice
+
+    return CudaDevice
 
 
 def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
@@ -238,8 +247,9 @@ class Communicator:
             if prepared is None:
                 text = "barrier()"
                 self._ensure_health()
-                self._agree(("barrier", "-", (), "-", "-", 0))
-                engine = next(iter(self._engines.values()), None) or self._engine("cpu")
+                self._agree(("barrier", "-", (), "-", "-", 0, 1, 1, 0, 0, self.config.verify))
+                engine = next(iter(self._engines.values()), None) or self._engine(
+                    "cpu", self.config.buffer_bytes or HostDevice.default_buffer_bytes)
                 rounds = plan_collective("barrier", self.size, self.rank, 0, itemsize=1,
                                          capacity_bytes=engine.capacity,
                                          chunk_bytes=1, channels=1)
@@ -247,6 +257,8 @@ class Communicator:
                                                   signature_hash(text))
             self._seq += 1
             self._execute(prepared, "barrier", None, None, 1, ReduceOp.SUM)
+            if not prepared[0].device.blocking:  # a barrier holds the host too
+                prepared[0].synchronize()
 
     # -- checks -------------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -257,7 +269,8 @@ class Communicator:
         if broken is not None:
             raise CommunicatorClosedError(
                 f"the communicator failed earlier and can no longer be used "
-                f"({broken}); close it and call gpuring.init() again") from broken
+                f"({str(broken) or repr(broken)}); close it and call gpuring.init() again"
+            ) from broken
 
     def _check_input(self, x: Any, name: str) -> Any:
         _arrays.device_kind(x)
@@ -296,7 +309,7 @@ class Communicator:
             return
         signatures = self._control.allgather(signature, self.config.timeout)
         differences: dict[str, dict[int, object]] = {}
-        for i, field in enumerate(_SIGNATURE_FIELDS):
+        for i, field in enumerate(_SIGNATURE_FIELDS[:len(signature)]):
             values = {r: s[i] for r, s in enumerate(signatures)}
             if len(set(map(repr, values.values()))) > 1:
                 differences[field] = values
@@ -311,12 +324,12 @@ class Communicator:
             self._agreed.clear()
         self._agreed.add(signature)
 
-    def _engine(self, kind: str) -> Engine:
+    def _engine(self, kind: str, capacity: int) -> Engine:
         engine = self._engines.get(kind)
         if engine is None:
             device = _make_device(kind, self._control, self.config)
             try:
-                engine = Engine(device, self._control, capacity_bytes=self._buffer_bytes(device),
+                engine = Engine(device, self._control, capacity_bytes=capacity,
                                 timeout=self.config.timeout)
             except BaseException:
                 device.close()
@@ -351,35 +364,53 @@ class Communicator:
 
     def _prepare(self, name: str, x: Any, count: int, op: ReduceOp, root: int,
                  chunk_bytes: int | None, channels: int | None) -> Any:
-        """Agree with the peers on this call's signature, then pick engine and plan."""
+        """Agree with the peers on this call's signature (including every setting that shapes
+        the plan), then pick engine and plan."""
         kind = _arrays.device_kind(x)
         dtype = _arrays.dtype_name(x)
-        if self.size > 1:
-            self._ensure_health()
-        self._agree((name, kind, tuple(x.shape), dtype, op.value, root))
         if self.size == 1:
+            self._agree((name, kind, tuple(x.shape), dtype, op.value, root))
             return _ALONE
-        engine = self._engine(kind)
-        device = engine.device
-        chunk = chunk_bytes or self.config.chunk_bytes or device.default_chunk_bytes
-        nchannels = channels or self.config.channels or device.default_channels
+        device_class = _device_class(kind)
+        chunk = chunk_bytes or self.config.chunk_bytes or device_class.default_chunk_bytes
+        nchannels = channels or self.config.channels or device_class.default_channels
         Config(chunk_bytes=chunk, channels=nchannels).validate()
-        rounds = plan_collective(
-            name, self.size, self.rank, count, itemsize=x.dtype.itemsize,
-            capacity_bytes=engine.capacity, chunk_bytes=chunk, channels=nchannels,
-            root=root, one_shot_bytes=self.config.one_shot_bytes)
+        engine = self._engines.get(kind)
+        capacity = engine.capacity if engine is not None else (
+            self.config.buffer_bytes or device_class.default_buffer_bytes)
+        signature = (name, kind, tuple(x.shape), dtype, op.value, root, chunk, nchannels,
+                     self.config.one_shot_bytes, capacity, self.config.verify)
+        self._ensure_health()
+        self._agree(signature)
+        try:
+            engine = self._engine(kind, capacity)
+            rounds = plan_collective(
+                name, self.size, self.rank, count, itemsize=x.dtype.itemsize,
+                capacity_bytes=capacity, chunk_bytes=chunk, channels=nchannels, root=root,
+                one_shot_bytes=self.config.one_shot_bytes)
+        except BaseException as exc:  # after agreement the peers go on: tell them
+            self._give_up(exc, name)
+            raise
         text = (f"{name}(shape={tuple(x.shape)}, dtype={dtype}, op={op.value}, root={root}, "
-                f"device={kind})")
+                f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
         return engine, rounds, dtype, nchannels == 1, text, signature_hash(text)
 
-    def _buffer_bytes(self, device: Device) -> int:
-        return self.config.buffer_bytes or device.default_buffer_bytes
+    def _give_up(self, error: BaseException, name: str, culprit: int | None = None) -> None:
+        """This rank cannot go on: mark the communicator broken and tell the peers."""
+        self._broken = error
+        if self._health is not None:
+            self._health.give_up(f"{name} #{self._seq}: {error!r}", timed_out_on=culprit)
+        if culprit is None:
+            self._control.report_failure(f"rank {self.rank}: {error!r}")
+        for engine in list(self._engines.values()):
+            engine.device.abort(f"rank {self.rank} gave up: {error!r}")
 
     def _ensure_health(self) -> None:
         """Create the status board and watchdog (collectively, on first use)."""
         if self._health is None:
             host = HostDevice(name_prefix=f"{SHM_PREFIX}{self._control.job_id}-"
-                                          f"r{self.rank}-status-", timeout=self.config.timeout)
+                                          f"r{self.rank}-status-", timeout=self.config.timeout,
+                              for_collectives=False)
             try:
                 self._health = Health(self._control, host, timeout=self.config.timeout,
                                       stall_warning_s=self.config.stall_warning_s,
@@ -416,16 +447,18 @@ class Communicator:
             finished = engine.run(rounds, name=name, collective_seq=seq, in_mem=in_mem,
                                   out_mem=out_mem, dtype=dtype, itemsize=itemsize, op=op,
                                   inline=inline, after=device.caller_event())
-        except (GpuringError, OSError) as exc:
+        except BaseException as exc:  # whatever it is, the round counters are now unusable
             error: BaseException = exc
             if self._failure is not None:
                 error = _in_context(self._failure, name, seq, self.rank)
-            self._broken = error
-            if self._failure is None and not isinstance(error, CollectiveMismatchError):
-                culprit = error.peer if isinstance(error, CollectiveTimeoutError) else None
-                health.give_up(f"{name} #{seq}: {error}", timed_out_on=culprit)
-                if culprit is None:
-                    self._control.report_failure(f"rank {self.rank}: {error}")
+                self._broken = error
+            elif isinstance(error, CollectiveMismatchError):
+                self._broken = error  # the status board already told the peers
+            else:
+                culprit = None
+                if isinstance(error, CollectiveTimeoutError):
+                    error, culprit = self._blame(error, health, name, seq)
+                self._give_up(error, name, culprit)
             if error is exc:
                 raise
             raise error from None
@@ -434,6 +467,17 @@ class Communicator:
         if finished is not None:
             health.track(finished, name, seq)
             device.order_caller_after(finished)
+
+    def _blame(self, error: CollectiveTimeoutError, health: Health, name: str,
+               seq: int) -> tuple[CollectiveTimeoutError, int | None]:
+        """A timeout names the rank this one waited for; if some ranks never entered the
+        collective, name the first of those instead (the ring only shows the neighbour)."""
+        missing = [r for r, entered in enumerate(health.board.entered()) if entered < seq]
+        if not missing or missing[0] == error.peer:
+            return error, error.peer
+        return CollectiveTimeoutError(
+            f"{error}; ranks {missing} have not entered {name} #{seq}", collective=name,
+            seq=seq, peer=missing[0]), missing[0]
 
     def _run_alone(self, name: str, x: Any, out: Any) -> Any:
         if name == "all_gather":

@@ -105,8 +105,6 @@ def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127
             ranks.append(_Rank(r, proc, pumps))
         first_failure = _supervise(ranks, server, grace, stopping, received)
     finally:
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler)
         for rank in ranks:
             if rank.proc.poll() is None:
                 _signal_group(rank.proc, signal.SIGKILL)
@@ -119,6 +117,8 @@ def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        for s, handler in old_handlers.items():  # restored only once everything is cleaned
+            signal.signal(s, handler)
     if first_failure is None:
         return 0
     rank_id, code = first_failure

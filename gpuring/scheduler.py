@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from ._errors import CollectiveTimeoutError, PeerFailureError
+from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
 from ._ops import ReduceOp
 from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, RoundPlan, Wait
 from .devices.base import (
@@ -46,7 +46,17 @@ MAX_CHANNELS = 32
 _FLAG_BYTES = 4096
 _DONE_OFFSET = MAX_CHANNELS * 8
 _SEQ_SHIFT = 32
+_MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
+
+
+def open_peer(device: Device, handle: Any, rank: int) -> Memory:
+    """Map rank's memory; a peer that already left becomes a PeerFailureError."""
+    try:
+        return device.open(handle)
+    except FileNotFoundError:
+        raise PeerFailureError(f"rank {rank} left before its buffers could be mapped",
+                               peer=rank) from None
 
 
 class Engine:
@@ -60,15 +70,16 @@ class Engine:
         self.capacity = capacity_bytes
         self.timeout = timeout
         self._seq = 0
+        self._last: Event | None = None
         self._streams: list[Stream] = []
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
         local = device.alloc(_FLAG_BYTES + 4 * capacity_bytes)
-        handles = control.allgather(device.export(local))
+        handles = control.allgather(device.export(local), timeout)
         self._mems: list[Memory] = [
-            local if r == self.rank else device.open(h) for r, h in enumerate(handles)]
-        control.barrier()  # every peer has mapped every buffer
+            local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
+        control.barrier(timeout)  # every peer has mapped every buffer
         device.seal(local)
         self._done_flag = Flag(local, _DONE_OFFSET)
         self._peer_done = [Flag(mem, _DONE_OFFSET) for mem in self._mems]
@@ -89,10 +100,16 @@ class Engine:
         """Enqueue every round, after `after` if given. Blocking devices return once the
         result is complete; others return an event that completes with the collective."""
         divisor = self.size if op is ReduceOp.AVG else 1
+        if self._seq + len(rounds) >= _MAX_SEQ:
+            raise GpuringError("this communicator has run 2^31 rounds, the most its flags can "
+                               "count; close it and call gpuring.init() again")
+        # after the caller's queued work, and after this engine's previous collective (on
+        # devices that do not block, streams of consecutive collectives are otherwise unordered)
+        before = [e for e in (after, self._last) if e is not None]
         try:
             if inline:  # one stream (in this thread where the device can): the latency path
-                if after is not None:
-                    self._inline.wait_event(after)
+                for event in before:
+                    self._inline.wait_event(event)
                 for plan in rounds:
                     self._seq += 1
                     seq = self._seq
@@ -100,7 +117,7 @@ class Engine:
                     for c in range(last + 1):
                         self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor,
                                      self._inline, c == last)(in_mem, out_mem, seq)
-                return self._finish([self._inline], after)
+                return self._finish([self._inline])
             used: list[Stream] = []
             for plan in rounds:
                 self._seq += 1
@@ -109,8 +126,8 @@ class Engine:
                 for stream in streams:
                     if stream not in used:
                         used.append(stream)
-                        if after is not None:
-                            stream.wait_event(after)
+                        for event in before:
+                            stream.wait_event(event)
                 for c, stream in enumerate(streams):
                     self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor, stream,
                                  len(streams) == 1)(in_mem, out_mem, seq)
@@ -119,7 +136,7 @@ class Engine:
                     for other in streams[1:]:
                         first.wait_event(other.record())
                     first.write_flag(self._done_flag, seq)
-            return self._finish(used, after)
+            return self._finish(used or [self._inline])
         except FlagWaitTimeout as exc:
             peer, what = exc.tag
             raise CollectiveTimeoutError(
@@ -131,16 +148,30 @@ class Engine:
                 f"{name} #{collective_seq} aborted on rank {self.rank}: {exc.reason}",
                 collective=name, seq=collective_seq) from None
 
-    def _finish(self, used: list[Stream], after: Event | None) -> Event | None:
-        """Blocking devices: wait for the streams. Others: one event for all of them."""
+    def _finish(self, used: list[Stream]) -> Event | None:
+        """Blocking devices: wait for the streams (the first error wins, a timeout before an
+        abort it caused). Others: one event for all of them, remembered for the next call."""
         if self.device.blocking:
+            errors: list[BaseException] = []
             for stream in used:
-                stream.synchronize()
+                try:
+                    stream.synchronize()
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
+                raise (timeouts or errors)[0]
             return None
         first = used[0]
         for other in used[1:]:
             first.wait_event(other.record())
-        return first.record()
+        self._last = first.record()
+        return self._last
+
+    def synchronize(self) -> None:
+        """Block the host until everything enqueued so far has completed."""
+        for stream in [self._inline, *self._streams]:
+            stream.synchronize()
 
     def _runner(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:
@@ -170,9 +201,11 @@ class Engine:
                 return Span(mems[loc.rank], offset, nbytes)
             return Arg(0 if loc.space == IN else 1, loc.offset * itemsize, nbytes)
 
+        # Credit: every rank, this one included (its other channels), has finished round
+        # seq - 2, which used the buffer half this round is about to write.
         program: list[Instruction] = [
             WaitI(self._peer_done[peer], -2, 0, (peer, "buffer credit"))
-            for peer in range(self.size) if peer != self.rank]
+            for peer in range(self.size)]
         ready = Flag(mems[self.rank], c * 8)
         for o in ops:
             if isinstance(o, Copy):

@@ -41,6 +41,9 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     chunk = max(1, chunk_bytes // itemsize)
     if cap < n:
         raise ValueError(f"buffer of {capacity_bytes} bytes is too small for {n} ranks")
+    if cap // chunk >= 1 << 31:  # piece numbers share a 64-bit flag with the round number
+        raise ValueError(f"chunk of {chunk_bytes} bytes is too small for a buffer of "
+                         f"{capacity_bytes} bytes; use a larger chunk_bytes")
     if kind == "barrier":
         return (barrier_round(n, rank),)
     if kind == ALL_REDUCE and 0 < count * itemsize <= one_shot_bytes and count <= cap:

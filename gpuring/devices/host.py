@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import platform
 import random
 import secrets
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import GpuringError
 from .._ops import ReduceOp
 from .base import (
     Arg,
@@ -46,6 +48,8 @@ from .base import (
 __all__ = ["HostDevice", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
+#: machines whose stores become visible to other cores in program order (TSO)
+_TSO_MACHINES = ("x86_64", "amd64", "i686", "i386")
 #: how long a flag wait yields before it starts to sleep (sleeping costs ~50 us of latency)
 _SPIN_SECONDS = 2e-4
 SHM_PREFIX = "gpuring-"
@@ -281,7 +285,8 @@ class HostDevice(Device):
     """NumPy arrays in host memory, shared with peers through /dev/shm.
 
     `name_prefix` should be unique per job (the launcher removes files that start with it when
-    the job ends); `timeout` bounds every flag wait in seconds.
+    the job ends); `timeout` bounds every flag wait in seconds. Collectives need x86-64 memory
+    ordering; `for_collectives=False` allows other machines for plain shared pages.
     """
 
     kind = "cpu"
@@ -290,7 +295,11 @@ class HostDevice(Device):
     blocking = True
 
     def __init__(self, *, name_prefix: str | None = None, timeout: float = 300.0,
-                 jitter: bool | None = None):
+                 jitter: bool | None = None, for_collectives: bool = True):
+        if for_collectives and platform.machine().lower() not in _TSO_MACHINES:
+            raise GpuringError(
+                f"the host device needs x86-64 memory ordering; this is a "
+                f"{platform.machine()} machine, where its flags could publish data too early")
         self.name_prefix = name_prefix or f"{SHM_PREFIX}{secrets.token_hex(8)}-"
         self.timeout = timeout
         self.jitter = bool(int(os.environ.get("GPURING_JITTER", "0"))) if jitter is None else jitter
@@ -305,7 +314,13 @@ class HostDevice(Device):
         path = os.path.join(SHM_DIR, f"{self.name_prefix}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise GpuringError(
+                    f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR} ({exc}); "
+                    "make it larger (docker: --shm-size) or lower GPURING_BUFFER_BYTES"
+                ) from exc
             mapping = mmap.mmap(fd, nbytes)
         except BaseException:
             _unlink_quietly(path)

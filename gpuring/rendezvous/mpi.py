@@ -41,17 +41,23 @@ class MpiControl(ControlPlane):
         self.job_id = self.comm.bcast(secrets.token_hex(8) if self.rank == 0 else None)
         self._closed = False
         self._interrupted: str | None = None
+        self._abandoned: list[Any] = []
 
     def interrupt(self, reason: str) -> None:
         self._interrupted = reason
 
-    def _wait(self, request: Any, timeout: float | None, what: str) -> None:
+    def _wait(self, request: Any, timeout: float | None, what: str,
+              buffers: tuple[Any, ...] = ()) -> None:
+        """Poll `request` until done; on a timeout or interrupt keep `buffers` alive for good,
+        since MPI may still write them."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-6
         while not request.Test():
             if self._interrupted is not None:
+                self._abandoned.append((request, buffers))
                 raise PeerFailureError(self._interrupted)
             if deadline is not None and time.monotonic() > deadline:
+                self._abandoned.append((request, buffers))
                 raise CollectiveTimeoutError(
                     f"MPI {what} timed out after {timeout} s on rank {self.rank}: "
                     f"some rank did not take part")
@@ -65,11 +71,11 @@ class MpiControl(ControlPlane):
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         sizes = np.zeros(self.size, np.int64)
         mine = np.array([data.size], np.int64)
-        self._wait(self.comm.Iallgather(mine, sizes), timeout, "allgather")
+        self._wait(self.comm.Iallgather(mine, sizes), timeout, "allgather", (mine, sizes))
         gathered = np.empty(int(sizes.sum()), np.uint8)
         displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         request = self.comm.Iallgatherv(data, [gathered, sizes, displs, MPI.BYTE])
-        self._wait(request, timeout, "allgather")
+        self._wait(request, timeout, "allgather", (data, gathered, sizes, displs))
         return [pickle.loads(gathered[displs[r]:displs[r] + sizes[r]].tobytes())
                 for r in range(self.size)]
 

@@ -45,7 +45,7 @@ class StoreServer:
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
         self._posted: dict[tuple[int, int], dict[int, Any]] = {}
-        self._left: set[int] = set()
+        self._left: set[int] = set()  # id() of connections that said goodbye
         self.failures: list[tuple[int, str]] = []
         #: failures of ranks that are gone for good (exited or disconnected without goodbye)
         self.deaths: list[tuple[int, str]] = []
@@ -76,20 +76,19 @@ class StoreServer:
             return
         with self._lock:
             self._conns[rank] = conn
-            self._left.discard(rank)
             if self.deaths:  # a peer already died: tell the newcomer at once
                 self._send(rank, ("failure", *self.deaths[0]))
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                self._disconnected(rank)
+                self._disconnected(rank, conn)
                 return
             if message[0] == "allgather":
                 self._post(rank, (generation, message[1]), message[2])
             elif message[0] == "bye":
                 with self._lock:
-                    self._left.add(rank)
+                    self._left.add(id(conn))
             elif message[0] == "abort":
                 self._report_abort(rank, message[1])
 
@@ -112,10 +111,12 @@ class StoreServer:
                 for r in range(self.size):
                     self._send(r, ("allgather", step[1], values))
 
-    def _disconnected(self, rank: int) -> None:
+    def _disconnected(self, rank: int, conn: Connection) -> None:
         with self._lock:
-            gone_cleanly = rank in self._left
-            self._conns.pop(rank, None)
+            gone_cleanly = id(conn) in self._left
+            self._left.discard(id(conn))
+            if self._conns.get(rank) is conn:  # not a newer connection of the same rank
+                del self._conns[rank]
         if not gone_cleanly:
             self.report_failure(rank, f"rank {rank} disconnected without closing (died?)",
                                 dead=True)
@@ -198,7 +199,7 @@ class StoreClient(ControlPlane):
         while True:
             try:
                 message = self._conn.recv()
-            except (EOFError, OSError):
+            except Exception:
                 if not self._closed:
                     self._replies.put(("lost", "the launcher's control connection closed"))
                 return

@@ -9,8 +9,9 @@ from ..conftest import WORKER, launch
 LAUNCHERS = ["gpuring", pytest.param("mpiexec", marks=pytest.mark.mpi)]
 
 
-def run_case(launcher: str, n: int, case: str, tmp_path) -> list[str]:
-    proc = launch(launcher, n, [str(WORKER), case, str(tmp_path)])
+def run_case(launcher: str, n: int, case: str, tmp_path,
+             env: dict[str, str] | None = None) -> list[str]:
+    proc = launch(launcher, n, [str(WORKER), case, str(tmp_path)], env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
     for r in range(1, n):
@@ -46,3 +47,10 @@ def test_mismatch_raises_on_every_rank(launcher, n, tmp_path):
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_module_api(launcher, tmp_path):
     run_case(launcher, 3, "module_api", tmp_path)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_many_rounds_with_small_buffers(n, tmp_path):
+    """Buffers of 8 KiB: every collective runs in many rounds, on 1 to 3 channels, so buffer
+    halves are reused constantly (the write-after-read hazard across rounds)."""
+    run_case("gpuring", n, "back_to_back", tmp_path, env={"GPURING_BUFFER_BYTES": "8K"})

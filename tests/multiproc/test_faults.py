@@ -76,6 +76,15 @@ def test_abort_unblocks_and_reinit_works():
     assert "REINIT 0 ok" in proc.stdout and "REINIT 1 ok" in proc.stdout, out
 
 
+def test_interrupt_inside_a_collective_breaks_it_everywhere():
+    proc = launch("gpuring", 3, [WORKER, "interrupt"], env={"GPURING_TIMEOUT": "60",
+                                                            "GPURING_JITTER": "0"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    got = results(proc.stdout)
+    assert got[0][0] == "PeerFailureError" and got[2][0] == "PeerFailureError", out
+    assert got[1][0] == "CommunicatorClosedError", out
+
+
 @pytest.mark.slow
 def test_soak_4_ranks():
     proc = launch("gpuring", 4, [WORKER, "soak"], env={"GPURING_JITTER": "0"}, timeout=900)

@@ -106,6 +106,33 @@ def case_abort(comm: gpuring.Communicator) -> None:
         print(f"REINIT {fresh.rank} ok", flush=True)
 
 
+def case_interrupt(comm: gpuring.Communicator) -> None:
+    """A KeyboardInterrupt lands inside rank 1's collective (injected through the host
+    device's jitter hook); rank 1 catches it and carries on. Nobody may get stale data."""
+    comm.barrier()
+    x = np.full(16, comm.rank + 1.0, np.float32)
+    if comm.rank == 1:
+        stream = comm._engines["cpu"]._inline
+        calls = [0]
+
+        def interrupt() -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+
+        stream._jitter = interrupt
+    since = time.monotonic()
+    for _ in range(2):
+        try:
+            got = comm.all_reduce(x)
+            raise AssertionError(f"rank {comm.rank} got {got} from a broken collective")
+        except KeyboardInterrupt:
+            continue
+        except gpuring.GpuringError as exc:
+            report(comm, exc, since)
+            return
+
+
 def case_soak(comm: gpuring.Communicator) -> None:
     """Thousands of mixed collectives of random sizes, all verified; no growth in open files,
     mappings or memory."""
