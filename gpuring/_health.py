@@ -48,8 +48,8 @@ class Health:
 
     # -- called by the communicator -----------------------------------------------------------
     def enter(self, seq: int, name: str, text: str, digest: int) -> None:
-        """Publish entry into collective `seq`; raise if a peer entered it differently or has
-        already left the job."""
+        """Publish entry into collective `seq`; raise if a peer entered it differently. (Peers
+        that left are the watchdog's business: it checks every tick.)"""
         self._current = (seq, name, time.monotonic())
         clash = self.board.enter(seq, text, digest)
         if clash is not None:
@@ -59,11 +59,6 @@ class Health:
             self._failed = True
             self.board.give_up(MISMATCH, message)
             raise CollectiveMismatchError(message)
-        gone = self.board.left_before(seq)
-        if gone:
-            raise PeerFailureError(
-                f"{name} #{seq}: rank {gone[0]} closed its communicator before entering it",
-                peer=gone[0], collective=name, seq=seq)
 
     def leave(self) -> None:
         self._current = None

@@ -64,7 +64,10 @@ _UFUNCS = {
 
 
 class HostMemory(Memory):
-    """Bytes in host memory: a shared-memory mapping or a borrowed array."""
+    """Bytes in host memory: a shared-memory mapping or a borrowed array. `i64` indexes the
+    64-bit words of a mapping (flags): plain Python ints, cheaper than NumPy scalars."""
+
+    __slots__ = ("i64", "mapping", "nbytes", "owner", "path", "u8")
 
     def __init__(self, u8: np.ndarray, *, mapping: mmap.mmap | None = None,
                  path: str | None = None, owner: bool = False):
@@ -73,7 +76,9 @@ class HostMemory(Memory):
         self.mapping = mapping
         self.path = path
         self.owner = owner
-        self.i64 = u8[: (u8.nbytes // 8) * 8].view(np.int64) if mapping is not None else None
+        self.i64: memoryview | None = (
+            memoryview(mapping)[: (self.nbytes // 8) * 8].cast("q") if mapping is not None
+            else None)
 
     def view(self, offset: int, nbytes: int, dtype: str) -> np.ndarray:
         return self.u8[offset:offset + nbytes].view(dtype)
@@ -84,12 +89,35 @@ class HostMemory(Memory):
             _unlink_quietly(self.path)
             self.path = None
         if self.mapping is not None:
+            if self.i64 is not None:
+                self.i64.release()
             self.u8 = self.i64 = None  # type: ignore[assignment]
             try:
                 self.mapping.close()
             except BufferError:  # a view is still alive somewhere: the GC unmaps it later
                 pass
             self.mapping = None
+
+
+class HostArray(Memory):
+    """A borrowed C-contiguous NumPy array, seen flat in its own dtype (`flat`) and, on
+    demand, as bytes (`u8`)."""
+
+    __slots__ = ("_u8", "flat", "nbytes")
+
+    def __init__(self, flat: np.ndarray):
+        self.flat = flat
+        self.nbytes = flat.nbytes
+        self._u8: np.ndarray | None = None
+
+    @property
+    def u8(self) -> np.ndarray:
+        if self._u8 is None:
+            self._u8 = self.flat.view(np.uint8)
+        return self._u8
+
+    def view(self, offset: int, nbytes: int, dtype: str) -> np.ndarray:
+        return self.u8[offset:offset + nbytes].view(dtype)
 
 
 def _unlink_quietly(path: str) -> None:
@@ -357,10 +385,10 @@ class HostDevice(Device):
         if mem.owner and mem.path is not None:
             _unlink_quietly(mem.path)
 
-    def wrap(self, array: Any) -> HostMemory:
+    def wrap(self, array: Any) -> HostArray:
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("HostDevice wraps C-contiguous NumPy arrays only")
-        return HostMemory(array.reshape(-1).view(np.uint8))
+        return HostArray(array if array.ndim == 1 else array.reshape(-1))
 
     # -- programs -----------------------------------------------------------------------
     def compile(self, program: tuple[Instruction, ...], dtype: str, op: ReduceOp,
@@ -382,15 +410,19 @@ class HostDevice(Device):
               stream: _InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
         jitter = stream._jitter
 
-        def view(o: Span | Arg, as_dtype: str) -> Callable[[tuple[Any, Any]], np.ndarray]:
+        itemsize = np.dtype(dtype).itemsize
+
+        def view(o: Span | Arg) -> Callable[[tuple[Any, Any]], np.ndarray]:
+            """Every span of a collective holds its dtype: input and output arguments are
+            sliced in elements (HostArray.flat), buffers viewed once here."""
             if isinstance(o, Arg):
-                which, lo, hi = o.which, o.offset, o.offset + o.nbytes
-                return lambda mems: mems[which].u8[lo:hi].view(as_dtype)
-            fixed = o.mem.view(o.offset, o.nbytes, as_dtype)  # type: ignore[attr-defined]
+                which, lo, hi = o.which, o.offset // itemsize, (o.offset + o.nbytes) // itemsize
+                return lambda mems: mems[which].flat[lo:hi]
+            fixed = o.mem.view(o.offset, o.nbytes, dtype)  # type: ignore[attr-defined]
             return lambda mems: fixed
 
         if isinstance(ins, CopyI):
-            dst, src = view(ins.dst, "u1"), view(ins.src, "u1")
+            dst, src = view(ins.dst), view(ins.src)
 
             def copy(mems: tuple[Any, Any], seq: int) -> None:
                 jitter()
@@ -398,7 +430,7 @@ class HostDevice(Device):
 
             return copy
         if isinstance(ins, ReduceI):
-            d, a, b = view(ins.dst, dtype), view(ins.a, dtype), view(ins.b, dtype)
+            d, a, b = view(ins.dst), view(ins.a), view(ins.b)
             divisor = ins.divisor
             ufunc = _UFUNCS[op]
 
