@@ -40,3 +40,15 @@ def launch(launcher: str, n: int, args: list[str], *, env: dict[str, str] | None
             pytest.skip("mpiexec with mpi4py is not available")
         cmd = [exe, "-n", str(n), sys.executable, *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,
+               env: dict[str, str] | None = None) -> list[str]:
+    """Run `worker case tmp_path` on n ranks; check it succeeded and that every rank wrote the
+    same digests (bitwise identical results); return rank 0's digest lines."""
+    proc = launch(launcher, n, [str(worker), case, str(tmp_path)], env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
+    for r in range(1, n):
+        assert digests[r] == digests[0], f"rank {r}'s results differ bitwise from rank 0's"
+    return digests[0].splitlines()

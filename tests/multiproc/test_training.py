@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ..conftest import launch
+from ..conftest import launch, run_worker
 
 HERE = Path(__file__).parent
 WORKER = HERE / "worker_training.py"
@@ -18,14 +18,9 @@ EXAMPLE = HERE.parent.parent / "examples" / "data_parallel.py"
 LAUNCHERS = ["gpuring", pytest.param("mpiexec", marks=pytest.mark.mpi)]
 
 
-def run_case(launcher: str, n: int, case: str, tmp_path: Path,
+def run_case(launcher: str, n: int, case: str, tmp_path,
              env: dict[str, str] | None = None) -> list[str]:
-    proc = launch(launcher, n, [str(WORKER), case, str(tmp_path)], env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
-    for r in range(1, n):
-        assert digests[r] == digests[0], f"rank {r}'s results differ bitwise from rank 0's"
-    return digests[0].splitlines()
+    return run_worker(WORKER, launcher, n, case, tmp_path, env)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpuring.communicator import Communicator
 from gpuring.compression import unit_roundoff, wire_dtype
-from gpuring.rendezvous.local import SingleProcess
 
 try:
     import ml_dtypes  # noqa: F401
@@ -15,13 +13,6 @@ try:
 except ImportError:
     HAVE_BF16 = False
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="ml_dtypes is not installed")
-
-
-@pytest.fixture
-def comm():
-    c = Communicator(SingleProcess())
-    yield c
-    c.close()
 
 
 def test_wire_formats():

@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 from gpuring import interop
-from gpuring.communicator import Communicator
-from gpuring.rendezvous.local import SingleProcess
 
 
 class Producer:
@@ -21,13 +19,6 @@ class Producer:
 
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
-
-
-@pytest.fixture
-def comm():
-    c = Communicator(SingleProcess())
-    yield c
-    c.close()
 
 
 def test_to_native_shares_memory():

@@ -9,15 +9,6 @@ import pytest
 
 import gpuring
 from gpuring._work import Executor, Work
-from gpuring.communicator import Communicator
-from gpuring.rendezvous.local import SingleProcess
-
-
-@pytest.fixture
-def comm():
-    c = Communicator(SingleProcess())
-    yield c
-    c.close()
 
 
 def test_executor_runs_in_submission_order():
