@@ -85,6 +85,24 @@ def test_interrupt_inside_a_collective_breaks_it_everywhere():
     assert got[1][0] == "CommunicatorClosedError", out
 
 
+def test_stall_warning_names_the_missing_rank():
+    proc = launch("gpuring", 3, [WORKER, "stall"], env={"GPURING_STALL_WARNING": "0.5"},
+                  timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(r"rank [02] has waited \d+ s in all_reduce #2; ranks \[1\] have not "
+                     r"entered it", proc.stderr), out
+
+
+def test_verify_mode_catches_results_that_differ():
+    proc = launch("gpuring", 2, [WORKER, "verify"], env={"GPURING_VERIFY": "1"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    got = results(proc.stdout)
+    assert set(got) == {0, 1}, out
+    assert all(name == "GpuringError" for name, _, _ in got.values()), out
+    assert "results differ across ranks" in proc.stdout, out
+
+
 @pytest.mark.slow
 def test_soak_4_ranks():
     proc = launch("gpuring", 4, [WORKER, "soak"], env={"GPURING_JITTER": "0"}, timeout=900)

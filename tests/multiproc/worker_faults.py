@@ -133,6 +133,37 @@ def case_interrupt(comm: gpuring.Communicator) -> None:
             return
 
 
+def case_stall(comm: gpuring.Communicator) -> None:
+    """Rank 1 arrives late (within the timeout): the others log that it is missing."""
+    x = np.ones(100, np.float64)
+    comm.all_reduce(x)
+    if comm.rank == 1:
+        time.sleep(2.0)
+    got = comm.all_reduce(x)
+    assert np.all(got == comm.size)
+    print(f"RESULT {comm.rank} ok stall", flush=True)
+
+
+def case_verify(comm: gpuring.Communicator) -> None:
+    """GPURING_VERIFY=1: results that differ across ranks raise on every rank. The difference
+    is faked by corrupting what rank 1 checksums."""
+    assert comm.config.verify
+    x = np.arange(50, dtype=np.float32)
+    comm.all_reduce(x)  # agreeing results pass
+    if comm.rank == 1:
+        from gpuring import _arrays
+
+        real = _arrays.to_host
+        _arrays.to_host = lambda a: real(a) + 1
+    since = time.monotonic()
+    try:
+        comm.all_reduce(x)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+    else:
+        raise AssertionError("differing results were not detected")
+
+
 def case_soak(comm: gpuring.Communicator) -> None:
     """Thousands of mixed collectives of random sizes, all verified; no growth in open files,
     mappings or memory."""
