@@ -7,7 +7,7 @@ import enum
 __all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_op_dtype"]
 
 INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-FLOAT_DTYPES = ("float16", "float32", "float64")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16: ml_dtypes
 COMPLEX_DTYPES = ("complex64", "complex128")
 SUPPORTED_DTYPES = INTEGER_DTYPES + FLOAT_DTYPES + COMPLEX_DTYPES
 

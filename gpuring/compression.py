@@ -52,11 +52,7 @@ def all_reduce_compressed(comm: Any, x: Any, *, op: ReduceOp, out: Any, compress
     if dtype not in ("float32", "float64"):
         raise TypeError(f"compression={compression!r} applies to float32 and float64 arrays, "
                         f"got {dtype}; call all_reduce without compression")
-    kind = _arrays.device_kind(x)
-    wire = wire_dtype(compression) if kind == "cpu" or compression == "fp16" else None
-    if wire is None:
-        raise NotImplementedError("compression='bf16' on CUDA needs bf16 reduce kernels, "
-                                  "which gpuring does not ship yet; use compression='fp16'")
+    wire = wire_dtype(compression)  # bf16 on CUDA: CuPy >= 14 with ml_dtypes
     x = _arrays.contiguous(x)
     out = comm._check_out(out, x, x.shape, "all_reduce", may_alias=True)
     ring_op = ReduceOp.SUM if op is ReduceOp.AVG else op

@@ -13,12 +13,13 @@
 // Arithmetic rules (they match the host device, and give the same bits on every rank):
 // - integers wrap modulo 2^bits (computed in unsigned 64-bit: no signed-overflow UB);
 //   division truncates toward zero like C.
-// - float16 is computed in float32 (op, then the division) and rounded once to half.
+// - float16 and bfloat16 are computed in float32 (op, then the division) and rounded once.
 // - min/max propagate NaN like numpy.minimum/maximum.
 // - complex multiply uses explicitly rounded operations, so no FMA contraction changes bits.
 // The vectorised and the scalar paths call the same element function, so a piece gives the
 // same bits whatever its alignment.
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 typedef unsigned long long u64;
@@ -135,6 +136,14 @@ __device__ __forceinline__ __half combine(__half a, __half b, long long divisor)
 }
 
 template <typename Op>
+__device__ __forceinline__ __nv_bfloat16 combine(__nv_bfloat16 a, __nv_bfloat16 b,
+                                                 long long divisor) {
+    float r = Op::apply(__bfloat162float(a), __bfloat162float(b));
+    if (divisor != 1) r = r / (float)divisor;
+    return __float2bfloat16_rn(r);
+}
+
+template <typename Op>
 __device__ __forceinline__ cfloat combine(cfloat a, cfloat b, long long divisor) {
     cfloat r = Op::apply(a, b);
     if (divisor != 1) {
@@ -236,6 +245,7 @@ GPURING_REDUCE_REAL(uint16, unsigned short)
 GPURING_REDUCE_REAL(uint32, unsigned int)
 GPURING_REDUCE_REAL(uint64, u64)
 GPURING_REDUCE_REAL(float16, __half)
+GPURING_REDUCE_REAL(bfloat16, __nv_bfloat16)
 GPURING_REDUCE_REAL(float32, float)
 GPURING_REDUCE_REAL(float64, double)
 GPURING_REDUCE_COMPLEX(complex64, cfloat)

@@ -187,10 +187,11 @@ class _StreamBase(Stream):
 
 
 def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
-    """d = (x + y) / divisor: floats and complex rounded once from the higher precision sum
-    for float16; integers truncated toward zero (as C and NCCL do)."""
+    """d = (x + y) / divisor: float16 and bfloat16 computed in float32 and rounded once;
+    other floats and complex in their own type; integers truncated toward zero (as C and NCCL
+    do)."""
     kind = d.dtype.kind
-    if d.dtype == np.float16:
+    if d.dtype == np.float16 or d.dtype.name == "bfloat16":
         d[...] = (x.astype(np.float32) + y) / np.float32(divisor)
     elif kind in "fc":
         np.add(x, y, out=d)

@@ -77,7 +77,7 @@ def _reference(a: np.ndarray, b: np.ndarray, op: ReduceOp, divisor: int) -> np.n
                 v = abs(v) // divisor * (1 if v >= 0 else -1)
             out.append(v)
         return np.array(out, dtype=dt)
-    work = np.float32 if dt == np.float16 else dt.type
+    work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
     x, y = a.astype(work), b.astype(work)
     ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
              ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
@@ -114,6 +114,8 @@ def _check(got: np.ndarray, want: np.ndarray, dtype: str, op: ReduceOp) -> None:
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
 def test_reduce_matches_numpy(device: CudaDevice, dtype: str) -> None:
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(1)
     n = 5003
     a, b = _random(dtype, n, rng), _random(dtype, n, rng)

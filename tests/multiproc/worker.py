@@ -17,6 +17,12 @@ import gpuring
 
 INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 FLOATS = ["float16", "float32", "float64"]
+try:  # bfloat16 arrays come from ml_dtypes
+    import ml_dtypes  # noqa: F401
+
+    FLOATS.insert(1, "bfloat16")
+except ImportError:
+    pass
 COMPLEX = ["complex64", "complex128"]
 DTYPES = INTS + FLOATS + COMPLEX
 OPS = ["sum", "prod", "min", "max", "avg"]
@@ -82,7 +88,7 @@ class Checker:
         if got.dtype.kind in "iu" or copy:
             assert np.array_equal(got, want), f"{what}: wrong values"
         else:
-            tol = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12,
+            tol = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12,
                    "complex64": 1e-5, "complex128": 1e-12}[got.dtype.name]
             scale = np.abs(want).max() if want.size else 1.0
             err = np.abs(got.astype(want.dtype) - want).max() if want.size else 0.0
