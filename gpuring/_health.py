@@ -128,9 +128,10 @@ class Health:
             if event.query():
                 self._pending.popleft()
             elif time.monotonic() > deadline:
-                self._fail(CollectiveTimeoutError(
-                    f"{name} #{seq} did not complete on rank {self.rank} within "
-                    f"{self._timeout} s", collective=name, seq=seq))
+                message = (f"{name} #{seq} did not complete on rank {self.rank} within "
+                           f"{self._timeout} s")
+                self.board.give_up(TIMED_OUT, message)  # peers learn before any release
+                self._fail(CollectiveTimeoutError(message, collective=name, seq=seq))
                 return
             else:
                 return

@@ -58,13 +58,14 @@ def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
     return CudaDevice(local_rank=control.local_rank, timeout=config.timeout)
 
 
-def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane) -> None:
+def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane,
+             state: dict[str, bool]) -> None:
     """Close in order: the watchdog, the engines, the status board's memory, the control
     plane. Runs once, from close() or when the communicator is garbage collected."""
     for item in watch:  # Health first, then the HostDevice that holds the board
         item.close()
     for engine in engines.values():
-        engine.close()
+        engine.close(control, orderly=state["orderly"])
     engines.clear()
     watch.clear()
     control.close()
@@ -100,7 +101,9 @@ class Communicator:
         self._closed = False
         self._watch: list[Any] = []
         self._health: Health | None = None
-        self._finalizer = weakref.finalize(self, _release, self._engines, self._watch, control)
+        self._state = {"orderly": True}  # False once failed: close then leaks GPU buffers
+        self._finalizer = weakref.finalize(self, _release, self._engines, self._watch, control,
+                                           self._state)
         control.on_peer_failure(self._on_peer_failure)
 
     # -- identity -----------------------------------------------------------------------
@@ -141,6 +144,7 @@ class Communicator:
             return
         self._close_training()
         self._closed = True
+        self._state["orderly"] = self._failure is None and self._broken is None
         self._finalizer()
         from . import _world
 
@@ -163,6 +167,7 @@ class Communicator:
         if self._failure is not None:
             return
         self._failure = error
+        self._state["orderly"] = False
         for engine in list(self._engines.values()):
             engine.device.abort(str(error))
         self._control.interrupt(str(error))
@@ -258,7 +263,11 @@ class Communicator:
             self._seq += 1
             self._execute(prepared, "barrier", None, None, 1, ReduceOp.SUM)
             if not prepared[0].device.blocking:  # a barrier holds the host too
-                prepared[0].synchronize()
+                try:
+                    prepared[0].synchronize()
+                except BaseException as exc:
+                    self._give_up(exc, "barrier")
+                    raise
 
     # -- checks -------------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -352,8 +361,12 @@ class Communicator:
             if prepared is _ALONE:
                 return self._run_alone(name, x, out)
             device = prepared[0].device
-            in_mem = device.wrap(x) if count else None
-            out_mem = device.wrap(out) if out is not None and count else None
+            try:
+                in_mem = device.wrap(x) if count else None
+                out_mem = device.wrap(out) if out is not None and count else None
+            except BaseException as exc:  # this rank's seq moved on: the peers must know
+                self._give_up(exc, name)
+                raise
             if self._timeline is None:
                 self._execute(prepared, name, in_mem, out_mem, x.dtype.itemsize, op)
             else:
@@ -398,6 +411,7 @@ class Communicator:
     def _give_up(self, error: BaseException, name: str, culprit: int | None = None) -> None:
         """This rank cannot go on: mark the communicator broken and tell the peers."""
         self._broken = error
+        self._state["orderly"] = False
         if self._health is not None:
             self._health.give_up(f"{name} #{self._seq}: {error!r}", timed_out_on=culprit)
         if culprit is None:
@@ -577,7 +591,8 @@ class Communicator:
         def run() -> Any:
             return restore(verb(*args, **kwargs))
 
-        return self._executor.submit(run, name, cuda_device=self.local_rank if cuda else None)
+        device_id = int(args[0].device.id) if cuda else None  # the array's own GPU
+        return self._executor.submit(run, name, cuda_device=device_id)
 
     def _drain_async(self) -> None:
         executor = self._executor

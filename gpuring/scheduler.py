@@ -16,6 +16,7 @@ reading that half from two rounds ago (the write-after-read hazard across rounds
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
@@ -107,6 +108,8 @@ class Engine:
         # devices that do not block, streams of consecutive collectives are otherwise unordered)
         before = [e for e in (after, self._last) if e is not None]
         try:
+            if not rounds:  # an empty array: nothing to enqueue, the last event still stands
+                return None if self.device.blocking else self._last
             if inline:  # one stream (in this thread where the device can): the latency path
                 for event in before:
                     self._inline.wait_event(event)
@@ -136,7 +139,7 @@ class Engine:
                     for other in streams[1:]:
                         first.wait_event(other.record())
                     first.write_flag(self._done_flag, seq)
-            return self._finish(used or [self._inline])
+            return self._finish(used)
         except FlagWaitTimeout as exc:
             peer, what = exc.tag
             raise CollectiveTimeoutError(
@@ -222,6 +225,22 @@ class Engine:
             program.append(WriteI(self._done_flag, 0, 0))
         return tuple(program)
 
-    def close(self) -> None:
-        self.device.close()
+    def close(self, control: ControlPlane, *, orderly: bool) -> None:
+        """Free this engine. On a device whose peers map our memory through the driver (GPU),
+        every rank first finishes its work and unmaps its peers, then all meet, and only then
+        free: no peer ever reads freed memory. If that cannot happen (a failed job), the
+        memory is leaked instead."""
+        device = self.device
+        if not device.blocking and self.size > 1:
+            try:
+                if not orderly:
+                    raise GpuringError("the communicator failed")
+                self.synchronize()
+                device.detach_peers()
+                control.barrier(min(self.timeout, 60.0))
+            except BaseException as exc:
+                warnings.warn(f"gpuring: GPU buffers left allocated at close ({exc}); peers "
+                              "may still read them", RuntimeWarning, stacklevel=2)
+                return
+        device.close()
 

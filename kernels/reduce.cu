@@ -5,7 +5,8 @@
 //       ops: sum, prod, min, max (complex: sum, prod). dst may alias a or b.
 //   gpuring_copy_bytes(dst, src, nbytes)
 //   gpuring_wait_flag(flag, value, timeout_ns, status)       one thread, spin fallback
-//   gpuring_write_flag(flag, value)                           one thread
+//   gpuring_write_flag(flag, value, status)                   one thread, skipped once
+//                                                             status is not 0
 //
 // Every kernel is `extern "C"`, so its name is the symbol (no name mangling, no
 // name_expressions needed). Kernel names are listed in gpuring/devices/_kernels.py.
@@ -294,8 +295,12 @@ extern "C" __global__ void gpuring_wait_flag(volatile u64* flag, u64 value, u64 
 }
 
 // *flag = value once everything before it in the stream is visible to every peer.
-extern "C" __global__ void gpuring_write_flag(volatile u64* flag, u64 value) {
+extern "C" __global__ void gpuring_write_flag(volatile u64* flag, u64 value,
+                                              volatile int* status) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    // After an abort or a timed-out wait, the data before this point may be garbage: never
+    // publish it.
+    if (*status != 0) return;
     __threadfence_system();
     *flag = value;
     __threadfence_system();

@@ -204,12 +204,17 @@ class Device(abc.ABC):
                 elif isinstance(ins, ReduceI):
                     stream.reduce(span(ins.dst), span(ins.a), span(ins.b), dtype, op,
                                   ins.divisor)
-                elif isinstance(ins, WaitI):
-                    stream.wait_flag(ins.flag, ins.rel + (seq << ins.shift), ins.tag)
+                elif isinstance(ins, WaitI):  # early credits are <= 0: flags start at 0
+                    stream.wait_flag(ins.flag, max(0, ins.rel + (seq << ins.shift)), ins.tag)
                 else:
                     stream.write_flag(ins.flag, ins.rel + (seq << ins.shift))
 
         return run
+
+    def detach_peers(self) -> None:
+        """Unmap every peer's memory (once this rank no longer reads it). Closing a
+        communicator calls this on every rank before any rank frees its own memory.
+        Default: nothing to do (host mappings keep shared memory alive by themselves)."""
 
     def seal(self, mem: Memory) -> None:
         """Every peer has opened `mem`: drop any name it was shared by, so that nothing is

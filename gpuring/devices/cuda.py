@@ -14,10 +14,10 @@ Timeouts and abort. A spinning wait kernel gives up after the device's timeout a
 status word in mapped pinned host memory; the host reads that word without a copy and raises.
 A stream memory wait has no timeout and cannot be cancelled, so the host bounds it instead:
 `Stream.synchronize` polls with backoff and raises FlagWaitTimeout at the deadline. `abort`
-sets the status word (spinning waits return at once) and writes the awaited value into every
-still-unsatisfied flag of a recent stream memory wait, so that stuck streams drain and memory
-can be freed; data produced after an abort is garbage, and every later wait or synchronize
-raises FlagWaitAborted.
+sets the status word: spinning waits return at once and flag-write kernels stop publishing,
+so nothing computed after a failure reaches a peer. Streams blocked in stream memory waits
+stay blocked (releasing them would mean writing into peers' flags); a failed communicator
+leaks their memory at close rather than free memory a peer might still read.
 
 The device never synchronizes the host in a collective: `blocking` is False, and the caller's
 stream is ordered with events (`caller_event`, `order_caller_after`).
@@ -209,7 +209,8 @@ class _CudaStream(Stream):
                     driver.cuuint64_t(value), fence), "cuStreamWriteValue64")
             else:
                 _kernels.get_function(_kernels.WRITE_FLAG_KERNEL)(
-                    (1,), (1,), (np.uint64(addr), np.uint64(value)), stream=self.raw)
+                    (1,), (1,), (np.uint64(addr), np.uint64(value),
+                                 np.uint64(dev.status_ptr)), stream=self.raw)
 
     def record(self) -> Event:
         with self._device.gpu:
@@ -452,31 +453,11 @@ class CudaDevice(Device):
         self._abort_reason = reason
         if self._closed:
             return
-        self._status.value = _STATUS_ABORTED  # spinning wait kernels return
-        if self.flags_mode == "memops":
-            self._release_memop_waits()
-
-    def _release_memop_waits(self) -> None:
-        """Write the awaited value into each short flag of a recent wait, so that streams
-        stuck in cuStreamWaitValue64 drain (a stream memory wait cannot be cancelled)."""
-        from cuda.bindings import driver
-
-        wanted: dict[int, int] = {}
-        for flag, value, _tag in self._recent_waits(None):
-            addr = _addr(flag)
-            wanted[addr] = max(wanted.get(addr, 0), value)
-        with self.gpu:
-            self.bind_driver()
-            for addr, value in wanted.items():
-                try:
-                    if self.read_u64(addr) < value:
-                        _check_cu(driver.cuStreamWriteValue64(
-                            driver.CUstream(self._side.ptr), driver.CUdeviceptr(addr),
-                            driver.cuuint64_t(value), 0), "cuStreamWriteValue64")
-                except Exception as exc:  # a dead peer's mapping: keep releasing the rest
-                    warnings.warn(f"gpuring: could not release flag {addr:#x}: {exc}",
-                                  RuntimeWarning, stacklevel=3)
-            self._side.synchronize()
+        # Spinning wait kernels return, and write kernels stop publishing, so nothing computed
+        # after this point reaches a peer. Streams blocked in stream memory waits stay blocked:
+        # releasing them would mean writing into peers' flags, which other ranks read too.
+        # Closing a failed communicator leaks such streams' memory instead.
+        self._status.value = _STATUS_ABORTED
 
     def _drain(self, seconds: float) -> bool:
         """Wait up to `seconds` for every stream to be idle; True if they are."""
@@ -490,6 +471,14 @@ class CudaDevice(Device):
             time.sleep(delay)
             delay = min(delay * 2, 1e-2)
         return True
+
+    def detach_peers(self) -> None:
+        runtime = _cupy().cuda.runtime
+        with self.gpu:
+            for mem in self._opened.values():
+                runtime.ipcCloseMemHandle(mem.ptr)
+                mem.release()
+            self._opened.clear()
 
     def close(self) -> None:
         """Wait for the streams (bounded), close peer mappings, free memory. Idempotent.
@@ -506,11 +495,9 @@ class CudaDevice(Device):
             warnings.warn("gpuring: CUDA streams still busy at close; leaking their memory",
                           RuntimeWarning, stacklevel=2)
             return
+        self.detach_peers()
         runtime = _cupy().cuda.runtime
         with self.gpu:
-            for mem in self._opened.values():
-                runtime.ipcCloseMemHandle(mem.ptr)
-                mem.release()
             for mem in self._owned:
                 mem.release()  # drops the cupy.cuda.Memory: cudaFree
             self._opened.clear()
