@@ -49,3 +49,11 @@ def test_many_rounds_with_small_buffers(n, tmp_path):
     """Buffers of 8 KiB: every collective runs in many rounds, on 1 to 3 channels, so buffer
     halves are reused constantly (the write-after-read hazard across rounds)."""
     run_case("gpuring", n, "back_to_back", tmp_path, env={"GPURING_BUFFER_BYTES": "8K"})
+
+
+@pytest.mark.parametrize("case", ["dtypes_ops", "sizes", "back_to_back"])
+def test_nonblocking_device_path(case, tmp_path):
+    """The scheduler's GPU path (no host blocking, events, ordering by the engine) on the
+    host device, so that it is tested without a GPU."""
+    run_case("gpuring", 3, case, tmp_path, env={"GPURING_TEST_NONBLOCKING": "1",
+                                                "GPURING_BUFFER_BYTES": "64K"})

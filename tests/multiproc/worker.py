@@ -255,8 +255,39 @@ def case_module_api(c: Checker) -> None:
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
+def use_nonblocking_host_device() -> None:
+    """Run NumPy collectives through the scheduler's non-blocking path (the one GPUs take):
+    threaded streams only, completion by events, each collective ordered after the previous
+    one by the engine; the caller waits for the final event, as a CUDA stream would."""
+    from gpuring import communicator
+    from gpuring.devices.host import HostDevice
+
+    class NonBlockingHostDevice(HostDevice):
+        blocking = False
+        default_channels = 2
+
+        def create_stream(self, *, inline: bool = False):
+            return super().create_stream(inline=False)
+
+        def order_caller_after(self, event) -> None:
+            event.wait(self)
+
+    make = communicator._make_device
+
+    def make_device(kind, control, config):
+        device = make(kind, control, config)
+        if kind == "cpu":
+            device.close()
+            return NonBlockingHostDevice(name_prefix=device.name_prefix, timeout=config.timeout)
+        return device
+
+    communicator._make_device = make_device
+
+
 def main() -> None:
     case, outdir = sys.argv[1], sys.argv[2]
+    if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
+        use_nonblocking_host_device()
     device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     xp = np
     if device == "cuda":
