@@ -85,11 +85,6 @@ class Engine:
         self._done_flag = Flag(local, _DONE_OFFSET)
         self._peer_done = [Flag(mem, _DONE_OFFSET) for mem in self._mems]
 
-    @property
-    def seq(self) -> int:
-        """Rounds run so far."""
-        return self._seq
-
     def _stream(self, c: int) -> Stream:
         while len(self._streams) <= c:
             self._streams.append(self.device.create_stream())

@@ -18,9 +18,7 @@ from .ring import (
     ring_round,
 )
 
-__all__ = ["plan_collective", "KINDS"]
-
-KINDS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, "barrier")
+__all__ = ["plan_collective"]
 
 
 @functools.lru_cache(maxsize=512)

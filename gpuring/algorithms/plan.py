@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = [
-    "IN", "OUT", "BUF", "RS", "AG", "READY", "DONE",
+    "IN", "OUT", "BUF", "RS", "AG",
     "Loc", "Copy", "Reduce", "Wait", "Signal", "Op", "ChannelPlan", "RoundPlan",
     "split_even",
 ]
@@ -23,9 +23,6 @@ BUF = 2  #: a rank's communication buffer (peers map it)
 RS = 0  #: staged input and reduce-scatter partials
 AG = 1  #: final segments and all-gather forwards
 
-# The two flag slots of a rank.
-READY = 0  #: per channel: pieces published in the current round
-DONE = 1  #: per rank: last round whose reads of peers' buffers have all completed
 
 
 class Loc(NamedTuple):
@@ -54,21 +51,16 @@ class Reduce(NamedTuple):
 
 
 class Wait(NamedTuple):
-    """Wait until `peer`'s flag `slot` reaches `value`.
-
-    READY values are piece indices within the round (1-based); DONE values are round offsets
-    (-2 means "two rounds before this one").
-    """
+    """Wait until `peer`'s READY flag of this channel reaches `value` (the 1-based index, in
+    this round, of the piece the peer published)."""
 
     peer: int
-    slot: int
     value: int
 
 
 class Signal(NamedTuple):
-    """Set this rank's flag `slot` to `value` (same conventions as Wait)."""
+    """Publish this rank's READY flag of this channel: `value` pieces are written."""
 
-    slot: int
     value: int
 
 

@@ -24,7 +24,6 @@ from .plan import (
     BUF,
     IN,
     OUT,
-    READY,
     RS,
     ChannelPlan,
     Copy,
@@ -77,11 +76,11 @@ def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, 
 
     def publish(region: int, g: int, p: int) -> None:
         published[(region, g, p)] = len(published) + 1
-        ops.append(Signal(READY, len(published)))
+        ops.append(Signal(len(published)))
 
     def wait_left(region: int, g: int, p: int) -> None:
         if left_index is not None:
-            ops.append(Wait(left, READY, left_index[(region, g, p)]))
+            ops.append(Wait(left, left_index[(region, g, p)]))
 
     if kind in (ALL_REDUCE, REDUCE_SCATTER):
         g = (x - 1) % n
@@ -173,19 +172,19 @@ def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int
             dst = Loc(OUT, in_off + o)
             if pos == 0:
                 ops.append(Copy(mine, src, k))
-                ops.append(Signal(READY, p + 1))
+                ops.append(Signal(p + 1))
                 continue
-            ops.append(Wait(left, READY, p + 1))
+            ops.append(Wait(left, p + 1))
             if kind == BROADCAST:
                 if pos < n - 1:
                     ops.append(Copy(mine, theirs, k))
-                    ops.append(Signal(READY, p + 1))
+                    ops.append(Signal(p + 1))
                     ops.append(Copy(dst, mine, k))
                 else:
                     ops.append(Copy(dst, theirs, k))
             elif pos < n - 1:
                 ops.append(Reduce(mine, src, theirs, k, False))
-                ops.append(Signal(READY, p + 1))
+                ops.append(Signal(p + 1))
             else:
                 ops.append(Reduce(dst, src, theirs, k, True))
         plans.append(tuple(ops))

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuring.algorithms.collectives import plan_collective
-from gpuring.algorithms.plan import BUF, IN, OUT, READY, Copy, Reduce, Signal, Wait, split_even
+from gpuring.algorithms.plan import BUF, IN, OUT, Copy, Reduce, Signal, Wait, split_even
 from gpuring.algorithms.ring import piece_ranges
 
 
@@ -85,7 +85,7 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
                 a, b = read(r, op.a, op.length), read(r, op.b, op.length)
                 write(r, op.dst, [x + y for x, y in zip(a, b, strict=True)])
             elif type(op) is Signal:
-                assert op.slot == READY and op.value > flags[r][c]
+                assert op.value > flags[r][c]
                 flags[r][c] = op.value
             cursors[(r, c)] += 1
             if cursors[(r, c)] == len(plans[r][rnd].channels[c]):
