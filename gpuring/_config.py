@@ -46,6 +46,8 @@ class Config:
     stall_warning_s: float = 60.0
     #: compare a checksum of every all_reduce, all_gather and broadcast result across ranks
     verify: bool = False
+    #: NumPy collectives: "auto" (shared memory on one node, MPI across nodes) or "mpi"
+    transport: str = "auto"
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
@@ -63,6 +65,7 @@ class Config:
             if os.environ.get("GPURING_STALL_WARNING") else None,
             "verify": os.environ.get("GPURING_VERIFY", "0") not in ("", "0")
             if "GPURING_VERIFY" in os.environ else None,
+            "transport": os.environ.get("GPURING_TRANSPORT") or None,
         }
         for source in (env, overrides):
             changes = {k: v for k, v in source.items() if v is not None}
@@ -77,5 +80,7 @@ class Config:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.channels is not None and not 1 <= self.channels <= 32:
             raise ValueError(f"channels must be between 1 and 32, got {self.channels}")
+        if self.transport not in ("auto", "mpi"):
+            raise ValueError(f"transport must be 'auto' or 'mpi', got {self.transport!r}")
         if self.buffer_bytes is not None and self.buffer_bytes < 4096:
             raise ValueError(f"buffer_bytes must be at least 4096, got {self.buffer_bytes}")

@@ -35,6 +35,7 @@ __all__ = ["Communicator"]
 _SIGNATURE_FIELDS = ("collective", "device", "shape", "dtype", "op", "root", "chunk_bytes",
                      "channels", "one_shot_bytes", "buffer_bytes", "verify")
 _ALONE = object()  # prepared call of a world of one: nothing to plan
+_VIA_MPI = object()  # prepared call that MPI carries (NumPy arrays across nodes)
 
 
 def _device_class(kind: str) -> type[Device]:
@@ -100,6 +101,7 @@ class Communicator:
         self._failure: GpuringError | None = None
         self._closed = False
         self._watch: list[Any] = []
+        self._mpi: Any = None  # MpiCollectives, made on first use
         self._health: Health | None = None
         self._state = {"orderly": True}  # False once failed: close then leaks GPU buffers
         self._finalizer = weakref.finalize(self, _release, self._engines, self._watch, control,
@@ -249,6 +251,13 @@ class Communicator:
         with self._lock:
             key = ("barrier",)
             prepared = self._prepared.get(key)
+            if prepared is None and self._via_mpi():
+                self._agree(("barrier", "-", (), "-", "-", 0))
+                prepared = self._prepared[key] = _VIA_MPI
+            if prepared is _VIA_MPI:
+                self._seq += 1
+                self._run_via_mpi("barrier", None, None, ReduceOp.SUM, 0)
+                return
             if prepared is None:
                 text = "barrier()"
                 self._ensure_health()
@@ -360,6 +369,9 @@ class Communicator:
             self._seq += 1
             if prepared is _ALONE:
                 return self._run_alone(name, x, out)
+            if prepared is _VIA_MPI:
+                self._run_via_mpi(name, x, out, op, root)
+                return out
             device = prepared[0].device
             try:
                 in_mem = device.wrap(x) if count else None
@@ -381,9 +393,9 @@ class Communicator:
         the plan), then pick engine and plan."""
         kind = _arrays.device_kind(x)
         dtype = _arrays.dtype_name(x)
-        if self.size == 1:
+        if self.size == 1 or (kind == "cpu" and self._via_mpi()):
             self._agree((name, kind, tuple(x.shape), dtype, op.value, root))
-            return _ALONE
+            return _ALONE if self.size == 1 else _VIA_MPI
         device_class = _device_class(kind)
         chunk = chunk_bytes or self.config.chunk_bytes or device_class.default_chunk_bytes
         nchannels = channels or self.config.channels or device_class.default_channels
@@ -407,6 +419,34 @@ class Communicator:
         text = (f"{name}(shape={tuple(x.shape)}, dtype={dtype}, op={op.value}, root={root}, "
                 f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
         return engine, rounds, dtype, nchannels == 1, text, signature_hash(text)
+
+    def _via_mpi(self) -> bool:
+        """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
+        if self._control.single_node and self.config.transport != "mpi":
+            return False
+        from .rendezvous.mpi import MpiControl
+
+        if not isinstance(self._control, MpiControl):
+            raise GpuringError("NumPy collectives across nodes (or GPURING_TRANSPORT=mpi) "
+                               "need the ranks to come from mpiexec")
+        return True
+
+    def _run_via_mpi(self, name: str, x: Any, out: Any, op: ReduceOp, root: int) -> None:
+        if self._mpi is None:
+            from .rendezvous.mpi import MpiControl
+            from .transports.mpi import MpiCollectives
+
+            assert isinstance(self._control, MpiControl)
+            self._mpi = MpiCollectives(self._control, self.config.timeout)
+        try:
+            if name == "barrier":
+                self._mpi.barrier()
+            else:
+                self._mpi.run(name, x, out, op, root)
+        except BaseException as exc:
+            self._broken = exc
+            self._state["orderly"] = False
+            raise
 
     def _give_up(self, error: BaseException, name: str, culprit: int | None = None) -> None:
         """This rank cannot go on: mark the communicator broken and tell the peers."""

@@ -46,8 +46,8 @@ class MpiControl(ControlPlane):
     def interrupt(self, reason: str) -> None:
         self._interrupted = reason
 
-    def _wait(self, request: Any, timeout: float | None, what: str,
-              buffers: tuple[Any, ...] = ()) -> None:
+    def wait(self, request: Any, timeout: float | None, what: str,
+             buffers: tuple[Any, ...] = ()) -> None:
         """Poll `request` until done; on a timeout or interrupt keep `buffers` alive for good,
         since MPI may still write them."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -71,11 +71,11 @@ class MpiControl(ControlPlane):
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         sizes = np.zeros(self.size, np.int64)
         mine = np.array([data.size], np.int64)
-        self._wait(self.comm.Iallgather(mine, sizes), timeout, "allgather", (mine, sizes))
+        self.wait(self.comm.Iallgather(mine, sizes), timeout, "allgather", (mine, sizes))
         gathered = np.empty(int(sizes.sum()), np.uint8)
         displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         request = self.comm.Iallgatherv(data, [gathered, sizes, displs, MPI.BYTE])
-        self._wait(request, timeout, "allgather", (data, gathered, sizes, displs))
+        self.wait(request, timeout, "allgather", (data, gathered, sizes, displs))
         return [pickle.loads(gathered[displs[r]:displs[r] + sizes[r]].tobytes())
                 for r in range(self.size)]
 

@@ -57,3 +57,10 @@ def test_nonblocking_device_path(case, tmp_path):
     host device, so that it is tested without a GPU."""
     run_case("gpuring", 3, case, tmp_path, env={"GPURING_TEST_NONBLOCKING": "1",
                                                 "GPURING_BUFFER_BYTES": "64K"})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["dtypes_ops", "sizes", "back_to_back", "mismatch"])
+def test_mpi_transport(case, tmp_path):
+    """NumPy collectives carried by MPI (the path between nodes), forced on one node."""
+    run_case("mpiexec", 3, case, tmp_path, env={"GPURING_TRANSPORT": "mpi"})
