@@ -245,7 +245,7 @@ class Communicator:
     @public_verb
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        self._ensure_open()
+        self._ensure_open("barrier")
         if self.size == 1:
             return
         with self._lock:
@@ -279,10 +279,17 @@ class Communicator:
                     raise
 
     # -- checks -------------------------------------------------------------------------
-    def _ensure_open(self) -> None:
+    def _ensure_open(self, name: str = "") -> None:
+        """Raise if the communicator cannot run collective `name`: closed, or failed. A failure
+        that came in between calls (a peer died) is raised once as itself, naming this call;
+        later calls get CommunicatorClosedError."""
         if self._closed:
             raise CommunicatorClosedError("the communicator is closed; call gpuring.init() "
                                           "for a new one")
+        if self._broken is None and self._failure is not None and name:
+            error = _in_context(self._failure, name, self._seq + 1, self.rank)
+            self._broken = error
+            raise error
         broken = self._broken or self._failure
         if broken is not None:
             raise CommunicatorClosedError(
@@ -357,7 +364,7 @@ class Communicator:
 
     def _run(self, name: str, x: Any, out: Any, count: int, op: ReduceOp, root: int,
              chunk_bytes: int | None, channels: int | None) -> Any:
-        self._ensure_open()
+        self._ensure_open(name)
         key = (name, x.shape, x.dtype, type(x), op, root, chunk_bytes, channels)
         with self._lock:
             prepared = self._prepared.get(key)
@@ -620,7 +627,7 @@ class Communicator:
                                      chunk_bytes=chunk_bytes, channels=channels)
 
     def _submit(self, name: str, verb: Any, x: Any, **kwargs: Any) -> Work:
-        self._ensure_open()
+        self._ensure_open(name)
         with self._lock:
             if self._executor is None:
                 self._executor = Executor()
