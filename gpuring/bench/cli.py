@@ -67,6 +67,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.iters < 1 or args.warmup_iters < 0 or args.check < 0:
         raise ValueError("-n must be at least 1, -w and -c at least 0")
     ops = list(_OPS) if args.op == "all" else [args.op]
+    if args.datatype == "bfloat16":
+        try:
+            import ml_dtypes  # noqa: F401 - gives NumPy the bfloat16 dtype
+        except ImportError:
+            raise ValueError("-d bfloat16 needs ml_dtypes: pip install ml_dtypes") from None
     if args.collective in REDUCING:
         for op in ops:
             check_op_dtype(ReduceOp.parse(op), args.datatype)

@@ -22,9 +22,9 @@ def make_input(rank: int, count: int, dtype: str, *, salt: int = 0) -> np.ndarra
     """Rank `rank`'s input of `count` elements; the same on every process."""
     rng = np.random.default_rng([SEED, salt, rank, count])
     dt = np.dtype(dtype)
-    if dt.kind in "iu":
+    if _kind(dt) in "iu":
         return rng.integers(1, 8, size=count, dtype=dt)
-    if dt.kind == "c":
+    if _kind(dt) == "c":
         part = np.float64 if dt.itemsize == 16 else np.float32
         out = np.empty(count, dt)
         out.real = rng.random(count, dtype=part) + 0.5
@@ -36,10 +36,15 @@ def make_input(rank: int, count: int, dtype: str, *, salt: int = 0) -> np.ndarra
     return values.astype(dt, copy=False)
 
 
+def _kind(dt: np.dtype) -> str:
+    """NumPy's kind letter, with ml_dtypes' bfloat16 counted as the float it is."""
+    return "f" if dt.name == "bfloat16" else dt.kind
+
+
 def _wide(dt: np.dtype) -> np.dtype:
-    if dt.kind == "f":
+    if _kind(dt) == "f":
         return np.dtype(np.float64)
-    if dt.kind == "c":
+    if _kind(dt) == "c":
         return np.dtype(np.complex128)
     return dt
 
@@ -65,11 +70,11 @@ def reference(op: str, inputs: Iterable[np.ndarray]) -> np.ndarray:
     if acc is None:
         raise ValueError("no inputs")
     if op == "avg" and n > 1:
-        if dt.kind in "fc":
+        if _kind(dt) in "fc":
             acc /= n
         else:
             quotient, remainder = np.divmod(acc, dt.type(n))
-            if dt.kind == "i":
+            if _kind(dt) == "i":
                 quotient += ((remainder != 0) & (acc < 0)).astype(dt)
             acc = quotient
     return acc.astype(dt, copy=False)
@@ -98,10 +103,10 @@ def expected_for_rank(kind: str, op: str, make: Callable[[int], np.ndarray], n: 
 def tolerance(dtype: str, n: int) -> float:
     """Relative tolerance for a reduction over n ranks (0 for integers: exact)."""
     dt = np.dtype(dtype)
-    if dt.kind in "iu":
+    if _kind(dt) in "iu":
         return 0.0
-    eps = float(np.finfo(dt).eps)
-    return (8.0 if dt.kind == "c" else 4.0) * max(n, 1) * eps
+    eps = 2.0 ** -7 if dt.name == "bfloat16" else float(np.finfo(dt).eps)
+    return (8.0 if _kind(dt) == "c" else 4.0) * max(n, 1) * eps
 
 
 def count_wrong(result: np.ndarray, expected: np.ndarray, rtol: float) -> int:
@@ -125,11 +130,11 @@ def count_wrong(result: np.ndarray, expected: np.ndarray, rtol: float) -> int:
 def poison(array: object) -> None:
     """Fill an output with values no correct result has (NaN, or the type's maximum)."""
     dt = np.dtype(array.dtype)  # type: ignore[attr-defined]
-    value = np.nan if dt.kind in "fc" else np.iinfo(dt).max  # type: ignore[type-var]
+    value = np.nan if _kind(dt) in "fc" else np.iinfo(dt).max  # type: ignore[type-var]
     array.fill(value)  # type: ignore[attr-defined]
 
 
 def corrupt(array: object) -> None:
     """Spoil one element (the testing hook GPURING_BENCH_CORRUPT=1 uses it)."""
     flat = array.reshape(-1)  # type: ignore[attr-defined]
-    flat[0] = flat[0] + 1 if np.dtype(flat.dtype).kind in "iu" else flat[0] * 2 + 1
+    flat[0] = flat[0] + 1 if _kind(np.dtype(flat.dtype)) in "iu" else flat[0] * 2 + 1
