@@ -18,9 +18,9 @@ import os
 import threading
 import zlib
 
+from .devices.base import open_peer
 from .devices.host import HostDevice, HostMemory
 from .rendezvous.base import ControlPlane
-from .scheduler import open_peer
 
 __all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT", "TIMED_OUT"]
 

@@ -187,7 +187,7 @@ class Communicator:
         rop = ReduceOp.parse(op)
         if compression is not None:
             return self._all_reduce_compressed(x, rop, out, compression, chunk_bytes, channels)
-        x = self._check_input(x, "all_reduce")
+        x = self._check_input(x)
         check_op_dtype(rop, _arrays.dtype_name(x))
         out = self._check_out(out, x, x.shape, "all_reduce", may_alias=True)
         return self._run("all_reduce", x, out, x.size, rop, 0, chunk_bytes, channels)
@@ -198,7 +198,7 @@ class Communicator:
         """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
         result split into `size` equal blocks. `x.size` must be divisible by `size`."""
         rop = ReduceOp.parse(op)
-        x = self._check_input(x, "reduce_scatter")
+        x = self._check_input(x)
         check_op_dtype(rop, _arrays.dtype_name(x))
         if x.size % self.size:
             raise ValueError(f"reduce_scatter needs x.size divisible by the {self.size} ranks, "
@@ -210,7 +210,7 @@ class Communicator:
     def all_gather(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
                    channels: int | None = None) -> Any:
         """Every rank's `x` stacked in rank order: shape `(size, *x.shape)`."""
-        x = self._check_input(x, "all_gather")
+        x = self._check_input(x)
         check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
         out = self._check_out(out, x, (self.size, *x.shape), "all_gather")
         return self._run("all_gather", x, out, x.size, ReduceOp.SUM, 0, chunk_bytes, channels)
@@ -233,7 +233,7 @@ class Communicator:
         result on root and None on the other ranks (`out` is only used on root)."""
         rop = ReduceOp.parse(op)
         root = self._check_root(root)
-        x = self._check_input(x, "reduce")
+        x = self._check_input(x)
         check_op_dtype(rop, _arrays.dtype_name(x))
         if self.rank == root:
             out = self._check_out(out, x, x.shape, "reduce", may_alias=True)
@@ -297,7 +297,7 @@ class Communicator:
                 f"({str(broken) or repr(broken)}); close it and call gpuring.init() again"
             ) from broken
 
-    def _check_input(self, x: Any, name: str) -> Any:
+    def _check_input(self, x: Any) -> Any:
         _arrays.device_kind(x)
         return _arrays.contiguous(x)
 
@@ -622,7 +622,7 @@ class Communicator:
                                chunk_bytes: int | None, channels: int | None) -> Any:
         from .compression import all_reduce_compressed
 
-        x = self._check_input(x, "all_reduce")
+        x = self._check_input(x)
         return all_reduce_compressed(self, x, op=op, out=out, compression=compression,
                                      chunk_bytes=chunk_bytes, channels=channels)
 

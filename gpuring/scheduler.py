@@ -38,6 +38,7 @@ from .devices.base import (
     Stream,
     WaitI,
     WriteI,
+    open_peer,
 )
 from .rendezvous.base import ControlPlane
 
@@ -49,15 +50,6 @@ _DONE_OFFSET = MAX_CHANNELS * 8
 _SEQ_SHIFT = 32
 _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
-
-
-def open_peer(device: Device, handle: Any, rank: int) -> Memory:
-    """Map rank's memory; a peer that already left becomes a PeerFailureError."""
-    try:
-        return device.open(handle)
-    except FileNotFoundError:
-        raise PeerFailureError(f"rank {rank} left before its buffers could be mapped",
-                               peer=rank) from None
 
 
 class Engine:

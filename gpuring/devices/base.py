@@ -12,10 +12,12 @@ import abc
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .._errors import PeerFailureError
 from .._ops import ReduceOp
 
 __all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
-           "FlagWaitAborted", "CopyI", "ReduceI", "WaitI", "WriteI", "Instruction", "Runner"]
+           "FlagWaitAborted", "CopyI", "ReduceI", "WaitI", "WriteI", "Instruction", "Runner",
+           "open_peer"]
 
 
 class Memory(abc.ABC):
@@ -236,3 +238,12 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Free local memory, close peer mappings, stop streams. Idempotent."""
+
+
+def open_peer(device: Device, handle: Any, rank: int) -> Memory:
+    """Map rank's memory; a peer that already left (its name is gone) is a PeerFailureError."""
+    try:
+        return device.open(handle)
+    except FileNotFoundError:
+        raise PeerFailureError(f"rank {rank} left before its memory could be mapped",
+                               peer=rank) from None
