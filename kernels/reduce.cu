@@ -11,12 +11,15 @@
 // Every kernel is `extern "C"`, so its name is the symbol (no name mangling, no
 // name_expressions needed). Kernel names are listed in gpuring/devices/_kernels.py.
 //
-// Arithmetic rules (they match the host device, and give the same bits on every rank):
+// Arithmetic rules (the same bits on every rank; the host device follows them too, and
+// tests/unit/test_kernels_on_host.py runs these kernels on the CPU against it):
 // - integers wrap modulo 2^bits (computed in unsigned 64-bit: no signed-overflow UB);
 //   division truncates toward zero like C.
 // - float16 and bfloat16 are computed in float32 (op, then the division) and rounded once.
 // - min/max propagate NaN like numpy.minimum/maximum.
-// - complex multiply uses explicitly rounded operations, so no FMA contraction changes bits.
+// - complex multiply uses explicitly rounded operations, so no FMA contraction changes bits
+//   (NumPy's complex multiply may use FMA, so the host device can differ in the last bit).
+// - complex avg divides each part by the divisor.
 // The vectorised and the scalar paths call the same element function, so a piece gives the
 // same bits whatever its alignment.
 
@@ -268,9 +271,13 @@ extern "C" __global__ void gpuring_copy_bytes(unsigned char* dst, const unsigned
 
 // Nanoseconds of the GPU global timer.
 __device__ __forceinline__ u64 global_ns() {
+#ifdef __CUDA_ARCH__
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+#else
+    return gpuring_host_globaltimer();  // host emulation of the kernels (tests)
+#endif
 }
 
 // Hold the stream until *flag >= value. Gives up after `timeout_ns` nanoseconds (0: never)

@@ -188,14 +188,19 @@ class _StreamBase(Stream):
 
 def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
     """d = (x + y) / divisor: float16 and bfloat16 computed in float32 and rounded once;
-    other floats and complex in their own type; integers truncated toward zero (as C and NCCL
-    do)."""
+    other floats in their own type; complex parts each divided by the divisor (as the CUDA
+    kernel does; NumPy's complex division would multiply by a rounded reciprocal); integers
+    truncated toward zero (as C and NCCL do)."""
     kind = d.dtype.kind
     if d.dtype == np.float16 or d.dtype.name == "bfloat16":
         d[...] = (x.astype(np.float32) + y) / np.float32(divisor)
-    elif kind in "fc":
+    elif kind == "f":
         np.add(x, y, out=d)
         np.divide(d, divisor, out=d)
+    elif kind == "c":
+        np.add(x, y, out=d)
+        parts = d.view(d.real.dtype)
+        np.divide(parts, divisor, out=parts)
     else:
         total = np.add(x, y)
         quotient, remainder = np.divmod(total, d.dtype.type(divisor))

@@ -1,0 +1,81 @@
+// Host emulation of the CUDA built-ins that kernels/reduce.cu uses, so that its kernels
+// compile with a host C++ compiler and run on the CPU in tests (see test_kernels_on_host.py).
+// A launch runs every (block, thread) of the grid in turn on the calling thread; the kernels
+// have no barriers or inter-thread communication, so this computes what the GPU computes.
+// Compile with -ffp-contract=off: the device code relies on no FMA contraction too.
+#pragma once
+#include <vector_types.h>  // uint3, dim3 (and the CUDA host defines)
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#define __global__
+#define __device__
+#define __forceinline__ inline
+
+static thread_local uint3 threadIdx, blockIdx;
+static thread_local dim3 blockDim, gridDim;
+
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+
+inline void __nanosleep(unsigned int ns) {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
+}
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned long long gpuring_host_globaltimer() {
+    return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+// Launchers: the kernel is passed by address, with the parameters of its family.
+typedef unsigned long long emu_u64;
+typedef void (*emu_reduce_fn)(void*, const void*, const void*, emu_u64, long long);
+typedef void (*emu_copy_fn)(void*, const void*, emu_u64);
+typedef void (*emu_wait_fn)(volatile emu_u64*, emu_u64, emu_u64, volatile int*);
+typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, volatile int*);
+
+#define EMU_GRID(grid, block, CALL)                    \
+    do {                                               \
+        gridDim = dim3(grid);                          \
+        blockDim = dim3(block);                        \
+        for (unsigned b_ = 0; b_ < (grid); ++b_) {     \
+            for (unsigned t_ = 0; t_ < (block); ++t_) { \
+                blockIdx.x = b_;                       \
+                blockIdx.y = blockIdx.z = 0;           \
+                threadIdx.x = t_;                      \
+                threadIdx.y = threadIdx.z = 0;         \
+                CALL;                                  \
+            }                                          \
+        }                                              \
+    } while (0)
+
+extern "C" void emu_launch_reduce(void* kernel, unsigned grid, unsigned block, void* dst,
+                                  const void* a, const void* b, emu_u64 n, long long divisor) {
+    EMU_GRID(grid, block, ((emu_reduce_fn)kernel)(dst, a, b, n, divisor));
+}
+
+extern "C" void emu_launch_copy(void* kernel, unsigned grid, unsigned block, void* dst,
+                                const void* src, emu_u64 nbytes) {
+    EMU_GRID(grid, block, ((emu_copy_fn)kernel)(dst, src, nbytes));
+}
+
+extern "C" void emu_launch_wait(void* kernel, unsigned grid, unsigned block, void* flag,
+                                emu_u64 value, emu_u64 timeout_ns, void* status) {
+    EMU_GRID(grid, block,
+             ((emu_wait_fn)kernel)((volatile emu_u64*)flag, value, timeout_ns,
+                                   (volatile int*)status));
+}
+
+extern "C" void emu_launch_write(void* kernel, unsigned grid, unsigned block, void* flag,
+                                 emu_u64 value, void* status) {
+    EMU_GRID(grid, block,
+             ((emu_write_fn)kernel)((volatile emu_u64*)flag, value, (volatile int*)status));
+}

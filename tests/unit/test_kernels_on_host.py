@@ -1,0 +1,294 @@
+"""The kernels of kernels/reduce.cu, compiled by the host C++ compiler and run on the CPU.
+
+`cuda_host_emulation.h` stands in for the CUDA built-ins (thread and block indices, rounded
+float operations, the global timer), so the kernel source itself, unchanged, runs here: every
+(dtype, op), alignments that take the vectorised and the scalar paths, grid-stride loops of
+several shapes, in-place operands. Each result must equal, bit for bit, what the host device
+computes, and no byte outside the destination may change. The flag kernels are checked for
+their wait, timeout, abort and publish rules. No GPU needed: this is how CI runs the code that
+the GPU runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
+from gpuring.devices import _kernels
+from gpuring.devices.host import _UFUNCS, _average_into
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE / "cuda_host_emulation.h"
+# (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
+GRIDS = [(1, 1), (3, 7), (4, 64)]
+
+
+def _header_dirs() -> list[str]:
+    """Include directories holding cuda_fp16.h, crt/host_defines.h and nv/target."""
+    candidates: list[Path] = []
+    try:
+        candidates += [Path(d) for d in _kernels.cuda_include_dirs()]
+    except _kernels.KernelCompileError:
+        pass
+    candidates += [Path(d) for d in _kernels._bundled_include_dirs()]
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            candidates.append(Path(root) / "include")
+    candidates += [d / "cccl" for d in list(candidates)]
+    dirs: list[str] = []
+    for wanted in ("cuda_fp16.h", "crt/host_defines.h", "nv/target"):
+        found = next((d for d in candidates if (d / wanted).is_file()), None)
+        if found is None:
+            pytest.skip(f"no CUDA header {wanted} for a host build (pip install nvidia-cuda-crt "
+                        "nvidia-cuda-runtime nvidia-cuda-nvrtc, or a CUDA toolkit)")
+        if str(found) not in dirs:
+            dirs.append(str(found))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    out = tmp_path_factory.mktemp("kernels") / "libreduce_host.so"
+    cmd = [compiler, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off",
+           *(f"-I{d}" for d in _header_dirs()), "-include", str(SHIM),
+           "-x", "c++", str(_kernels.kernel_source_path()), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"host build of reduce.cu failed:\n{done.stderr}"
+    lib = ctypes.CDLL(str(out))
+    u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
+    lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64]
+    lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64]
+    lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp]
+    lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
+    return lib
+
+
+def _kernel(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _random(rng: np.random.Generator, dtype: np.dtype, n: int) -> np.ndarray:
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(n) * 50 + 1j * rng.standard_normal(n) * 50).astype(dtype)
+    x = (rng.standard_normal(n) * 50).astype(np.float32).astype(dtype)
+    if n >= 4:  # NaN on either side, for min/max propagation
+        x[rng.integers(0, n, 2)] = np.nan
+    return x
+
+
+class _Arena:
+    """One byte buffer holding operands at chosen alignments (address modulo 16), with
+    random guard bytes everywhere else."""
+
+    def __init__(self, rng: np.random.Generator, nbytes: int):
+        self.raw = rng.integers(0, 256, nbytes + 64, dtype=np.uint8)
+        self.base = (-self.raw.ctypes.data) % 16  # index of a 16-byte aligned address
+        self.next = self.base
+
+    def place(self, values: np.ndarray, misalign: int) -> tuple[int, np.ndarray]:
+        start = -(-self.next // 16) * 16 + misalign
+        view = self.raw[start:start + values.nbytes].view(values.dtype)
+        view[...] = values
+        self.next = start + values.nbytes + 16
+        return start, view
+
+
+def _host_reduce(x: np.ndarray, y: np.ndarray, op: ReduceOp, divisor: int) -> np.ndarray:
+    """What the host device computes; complex products spelled out as the kernel defines
+    them (each operation rounded: NumPy may fuse them where the CPU has FMA)."""
+    out = np.empty_like(x)
+    if op is ReduceOp.PROD and x.dtype.kind == "c":
+        out.real = x.real * y.real - x.imag * y.imag
+        out.imag = x.real * y.imag + x.imag * y.real
+        return out
+    with np.errstate(invalid="ignore"):
+        if divisor == 1:
+            _UFUNCS[op](x, y, out=out)
+        else:
+            _average_into(out, x, y, divisor)
+    return out
+
+
+def _same(got: np.ndarray, expected: np.ndarray) -> bool:
+    """Bitwise equal, except that any NaN equals any NaN: NaN payloads differ between
+    NumPy's conversions and CUDA's (which writes its canonical NaN)."""
+    if got.tobytes() == expected.tobytes():
+        return True
+    if expected.dtype.kind in "iub":
+        return False
+    if expected.dtype.itemsize == 2:  # float16, bfloat16: float32 keeps every non-NaN bit
+        got, expected = got.astype(np.float32), expected.astype(np.float32)
+    if expected.dtype.kind == "c":  # compare the parts
+        got, expected = got.view(got.real.dtype), expected.view(expected.real.dtype)
+    keep = ~(np.isnan(got) & np.isnan(expected))
+    return got[keep].tobytes() == expected[keep].tobytes()
+
+
+def _ops_of(dtype: str) -> list[ReduceOp]:
+    if dtype in COMPLEX_DTYPES:
+        return [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.AVG]
+    return list(ReduceOp)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> None:
+    dt = _np_dtype(dtype)
+    rng = np.random.default_rng(sum(map(ord, dtype)))
+    size = dt.itemsize
+    # alignments (dst, a, b) modulo 16: all aligned, a shared odd offset (vector body after
+    # a scalar head), and mismatched ones (scalar only)
+    aligns = [(0, 0, 0), (size, size, size), (0, size, 0), (3 * size % 16, 0, 5 * size % 16)]
+    for op in _ops_of(dtype):
+        kernel = _kernel(lib, _kernels.reduce_kernel_name(dtype, op))
+        for n in (0, 1, 3, 17, 64, 257):
+            for aligned in aligns:
+                for blocks, threads in GRIDS:
+                    for divisor in ((3, 5) if op is ReduceOp.AVG else (1,)):
+                        x, y = _random(rng, dt, n), _random(rng, dt, n)
+                        arena = _Arena(rng, 3 * n * size + 64)
+                        ia, _ = arena.place(x, aligned[1])
+                        ib, _ = arena.place(y, aligned[2])
+                        idst, _ = arena.place(np.zeros(n, dt), aligned[0])
+                        before = arena.raw.copy()
+                        data = arena.raw.ctypes.data
+                        lib.emu_launch_reduce(kernel, blocks, threads, data + idst, data + ia,
+                                              data + ib, n, divisor)
+                        expected = _host_reduce(x, y, op, divisor)
+                        got = arena.raw[idst:idst + n * size].view(dt)
+                        where = f"{dtype} {op.value} n={n} align={aligned} " \
+                            f"grid={blocks}x{threads} divisor={divisor}"
+                        assert _same(got, expected), where
+                        outside = np.ones(arena.raw.size, bool)
+                        outside[idst:idst + n * size] = False
+                        assert np.array_equal(arena.raw[outside], before[outside]), where
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int32", "complex128"])
+@pytest.mark.parametrize("into", ["a", "b"])
+def test_reduce_in_place(lib: ctypes.CDLL, dtype: str, into: str) -> None:
+    """dst may alias either operand (the reduce-scatter accumulates in place)."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    n = 301
+    kernel = _kernel(lib, _kernels.reduce_kernel_name(dtype, "sum"))
+    for misalign in (0, dt.itemsize):
+        x, y = _random(rng, dt, n), _random(rng, dt, n)
+        arena = _Arena(rng, 2 * x.nbytes + 64)
+        ia, va = arena.place(x, misalign)
+        ib, vb = arena.place(y, misalign)
+        idst = ia if into == "a" else ib
+        data = arena.raw.ctypes.data
+        lib.emu_launch_reduce(kernel, 2, 32, data + idst, data + ia, data + ib, n, 1)
+        result = va if into == "a" else vb
+        assert _same(result, _host_reduce(x, y, ReduceOp.SUM, 1))
+
+
+def test_integer_sum_wraps_and_average_truncates_toward_zero(lib: ctypes.CDLL) -> None:
+    x = np.array([2**31 - 1, -7, 7, -(2**31), -1], np.int32)
+    y = np.array([1, 0, 0, -1, 0], np.int32)
+    out = np.zeros_like(x)
+    kernel = _kernel(lib, _kernels.reduce_kernel_name("int32", "sum"))
+    lib.emu_launch_reduce(kernel, 1, 4, out.ctypes.data, x.ctypes.data, y.ctypes.data, 5, 1)
+    assert out.tolist() == [-(2**31), -7, 7, 2**31 - 1, -1]
+    lib.emu_launch_reduce(kernel, 1, 4, out.ctypes.data, x.ctypes.data, y.ctypes.data, 5, 2)
+    # (2^31-1)+1 wraps to -2^31, /2; -7/2 -> -3; 7/2 -> 3; ...; -1/2 -> 0
+    assert out.tolist() == [-(2**30), -3, 3, (2**31 - 1) // 2, 0]
+
+
+def test_copy_bytes(lib: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(3)
+    kernel = _kernel(lib, _kernels.COPY_KERNEL)
+    for nbytes in (0, 1, 15, 16, 17, 100, 1000):
+        for dst_mis, src_mis in ((0, 0), (5, 5), (3, 9)):
+            for blocks, threads in GRIDS:
+                src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+                arena = _Arena(rng, 2 * nbytes + 64)
+                isrc, _ = arena.place(src, src_mis)
+                idst, _ = arena.place(np.zeros(nbytes, np.uint8), dst_mis)
+                before = arena.raw.copy()
+                data = arena.raw.ctypes.data
+                lib.emu_launch_copy(kernel, blocks, threads, data + idst, data + isrc, nbytes)
+                assert np.array_equal(arena.raw[idst:idst + nbytes], src)
+                before[idst:idst + nbytes] = src
+                assert np.array_equal(arena.raw, before)
+
+
+class _Flags:
+    def __init__(self) -> None:
+        self.flag = np.zeros(1, np.uint64)
+        self.status = np.zeros(1, np.int32)
+
+
+def _wait(lib: ctypes.CDLL, f: _Flags, value: int, timeout_ns: int) -> float:
+    start = time.monotonic()
+    lib.emu_launch_wait(_kernel(lib, _kernels.WAIT_FLAG_KERNEL), 1, 1, f.flag.ctypes.data,
+                        value, timeout_ns, f.status.ctypes.data)
+    return time.monotonic() - start
+
+
+def test_wait_flag_returns_once_the_flag_is_reached(lib: ctypes.CDLL) -> None:
+    f = _Flags()
+    f.flag[0] = (5 << 32) | 3
+    _wait(lib, f, (5 << 32) | 3, 0)  # already there (64-bit comparison)
+    assert f.status[0] == 0
+
+    def publish() -> None:
+        time.sleep(0.05)
+        f.flag[0] = (6 << 32)
+
+    writer = threading.Thread(target=publish)
+    writer.start()
+    _wait(lib, f, (5 << 32) | 4, 0)  # no timeout: returns only when the flag moves
+    writer.join()
+    assert f.flag[0] == 6 << 32 and f.status[0] == 0
+
+
+def test_wait_flag_times_out_into_the_status_word(lib: ctypes.CDLL) -> None:
+    f = _Flags()
+    waited = _wait(lib, f, 1, timeout_ns=20_000_000)
+    assert f.status[0] == 1
+    assert waited >= 0.02
+
+
+def test_wait_flag_returns_at_once_after_an_abort(lib: ctypes.CDLL) -> None:
+    f = _Flags()
+    f.status[0] = 2
+    assert _wait(lib, f, 1, timeout_ns=0) < 5.0  # would spin forever without the abort
+    assert f.status[0] == 2 and f.flag[0] == 0
+
+
+def test_write_flag_publishes_only_while_the_status_is_clear(lib: ctypes.CDLL) -> None:
+    f = _Flags()
+    kernel = _kernel(lib, _kernels.WRITE_FLAG_KERNEL)
+    lib.emu_launch_write(kernel, 1, 1, f.flag.ctypes.data, 9, f.status.ctypes.data)
+    assert f.flag[0] == 9
+    for status in (1, 2):  # a timed-out wait, an abort
+        f.status[0] = status
+        lib.emu_launch_write(kernel, 1, 1, f.flag.ctypes.data, 10, f.status.ctypes.data)
+        assert f.flag[0] == 9
+    # extra threads of a wider launch must not write
+    f.status[0] = 0
+    lib.emu_launch_write(kernel, 2, 3, f.flag.ctypes.data, 11, f.status.ctypes.data)
+    assert f.flag[0] == 11
