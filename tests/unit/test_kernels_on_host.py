@@ -1,9 +1,9 @@
 """The kernels of kernels/reduce.cu, compiled by the host C++ compiler and run on the CPU.
 
-`cuda_host_emulation.h` stands in for the CUDA built-ins (thread and block indices, rounded
-float operations, the global timer), so the kernel source itself, unchanged, runs here: every
-(dtype, op), alignments that take the vectorised and the scalar paths, grid-stride loops of
-several shapes, in-place operands. Each result must equal, bit for bit, what the host device
+`tests/cudasim/cuda_host_emulation.h` stands in for the CUDA built-ins (thread and block
+indices, rounded float operations, the global timer), so the kernel source itself, unchanged,
+runs here: every (dtype, op), alignments that take the vectorised and the scalar paths,
+grid-stride loops of several shapes, in-place operands. Each result must equal, bit for bit, what the host device
 computes, and no byte outside the destination may change. The flag kernels are checked for
 their wait, timeout, abort and publish rules. No GPU needed: this is how CI runs the code that
 the GPU runs.
@@ -12,9 +12,7 @@ the GPU runs.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,47 +24,20 @@ from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _kernels
 from gpuring.devices.host import _UFUNCS, _average_into
 
-HERE = Path(__file__).resolve().parent
-SHIM = HERE / "cuda_host_emulation.h"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cudasim"))
+import kernels_host_build
+
 # (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
 GRIDS = [(1, 1), (3, 7), (4, 64)]
 
 
-def _header_dirs() -> list[str]:
-    """Include directories holding cuda_fp16.h, crt/host_defines.h and nv/target."""
-    candidates: list[Path] = []
-    try:
-        candidates += [Path(d) for d in _kernels.cuda_include_dirs()]
-    except _kernels.KernelCompileError:
-        pass
-    candidates += [Path(d) for d in _kernels._bundled_include_dirs()]
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root:
-            candidates.append(Path(root) / "include")
-    candidates += [d / "cccl" for d in list(candidates)]
-    dirs: list[str] = []
-    for wanted in ("cuda_fp16.h", "crt/host_defines.h", "nv/target"):
-        found = next((d for d in candidates if (d / wanted).is_file()), None)
-        if found is None:
-            pytest.skip(f"no CUDA header {wanted} for a host build (pip install nvidia-cuda-crt "
-                        "nvidia-cuda-runtime nvidia-cuda-nvrtc, or a CUDA toolkit)")
-        if str(found) not in dirs:
-            dirs.append(str(found))
-    return dirs
-
-
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler")
-    out = tmp_path_factory.mktemp("kernels") / "libreduce_host.so"
-    cmd = [compiler, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off",
-           *(f"-I{d}" for d in _header_dirs()), "-include", str(SHIM),
-           "-x", "c++", str(_kernels.kernel_source_path()), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"host build of reduce.cu failed:\n{done.stderr}"
-    lib = ctypes.CDLL(str(out))
+    try:
+        path = kernels_host_build.build(tmp_path_factory.mktemp("kernels"))
+    except kernels_host_build.Unavailable as exc:
+        pytest.skip(str(exc))
+    lib = ctypes.CDLL(str(path))
     u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
     lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64]
     lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64]

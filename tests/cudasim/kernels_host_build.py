@@ -1,0 +1,68 @@
+"""Build kernels/reduce.cu with the host C++ compiler, for the CPU (see cuda_host_emulation.h).
+
+`build(directory)` returns the path of the shared library, or raises `Unavailable` (with what
+is missing) when there is no compiler or no CUDA headers. The library is named after a hash
+of its inputs, so a directory serves as a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from gpuring.devices import _kernels
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE / "cuda_host_emulation.h"
+
+
+class Unavailable(RuntimeError):
+    """No host compiler or no CUDA headers here."""
+
+
+def header_dirs() -> list[str]:
+    """Include directories holding cuda_fp16.h, crt/host_defines.h and nv/target."""
+    candidates: list[Path] = []
+    try:
+        candidates += [Path(d) for d in _kernels.cuda_include_dirs()]
+    except _kernels.KernelCompileError:
+        pass
+    candidates += [Path(d) for d in _kernels._bundled_include_dirs()]
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            candidates.append(Path(root) / "include")
+    candidates += [d / "cccl" for d in list(candidates)]
+    dirs: list[str] = []
+    for wanted in ("cuda_fp16.h", "crt/host_defines.h", "nv/target"):
+        found = next((d for d in candidates if (d / wanted).is_file()), None)
+        if found is None:
+            raise Unavailable(f"no CUDA header {wanted} for a host build (pip install "
+                              "nvidia-cuda-crt nvidia-cuda-runtime nvidia-cuda-nvrtc, or a "
+                              "CUDA toolkit)")
+        if str(found) not in dirs:
+            dirs.append(str(found))
+    return dirs
+
+
+def build(directory: Path) -> Path:
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if compiler is None:
+        raise Unavailable("no host C++ compiler")
+    source = _kernels.kernel_source_path()
+    cmd = [compiler, "-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off",
+           *(f"-I{d}" for d in header_dirs()), "-include", str(SHIM), "-x", "c++", str(source)]
+    key = hashlib.sha256("\0".join(cmd).encode() + source.read_bytes() + SHIM.read_bytes())
+    out = directory / f"libreduce-host-{key.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(f".{os.getpid()}.tmp")
+    done = subprocess.run([*cmd, "-o", str(partial)], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"host build of {source.name} failed:\n{done.stderr}")
+    partial.replace(out)  # atomic: concurrent builders each write their own file
+    return out
