@@ -2,10 +2,11 @@
 
 Every kernel is `extern "C"`, so its symbol is its name. Two ways to compile:
 
-- `get_kernel` / `get_module`: CuPy `RawModule`, compiled once per process (and per device by
-  CuPy), used by `CudaDevice`.
-- `compile_all_with_nvrtc`: NVRTC from cuda-bindings, no GPU needed; CI uses it to check that
-  every kernel builds for the architectures we ship to.
+- `nvrtc_compile`: NVRTC from cuda-bindings, no GPU needed. `CudaDevice` loads its CUBIN for
+  the GPU's architecture (`get_module`, cached on disk by `cubin_for`); CI compiles every
+  kernel for the architectures we ship to (`compile_all_with_nvrtc`).
+- CuPy's `RawModule`, only where cuda-bindings is missing: it adds -ftz=true, so subnormal
+  floats flush to zero there.
 
 `reduce.cu` includes `<cuda_fp16.h>`, which NVRTC does not find on its own. `cuda_include_dirs`
 looks, in order, in `$GPURING_CUDA_INCLUDE`, the pip wheel `nvidia-cuda-runtime` or a CUDA
@@ -16,6 +17,7 @@ the headers that NVRTC >= 13 bundles, extracted once into a cache directory.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,9 @@ __all__ = [
     "compile_options",
     "nvrtc_compile",
     "compile_all_with_nvrtc",
+    "cubin_for",
     "get_module",
+    "get_function",
     "get_kernel",
 ]
 
@@ -220,24 +224,66 @@ def compile_all_with_nvrtc(arch: str) -> None:
 
 # ------------------------------------------------------------------------------- CuPy
 
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "gpuring" / "cubin"
+
+
+def cubin_for(arch: str) -> bytes:
+    """The CUBIN of reduce.cu for `arch`, compiled by `nvrtc_compile` once and then kept in
+    ~/.cache/gpuring/cubin (keyed by the source, the options and the NVRTC version)."""
+    from cuda.bindings import nvrtc
+
+    _err, major, minor = nvrtc.nvrtcVersion()
+    key = hashlib.sha256("\0".join(
+        (kernel_source(), arch, *compile_options(), f"{major}.{minor}")).encode()).hexdigest()
+    path = _cache_dir() / f"reduce-{arch}-{key[:20]}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin = nvrtc_compile(arch)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(cubin)
+        partial.replace(path)  # atomic: ranks compiling at once each write their own file
+    except OSError:  # a read-only home: compile again next time
+        pass
+    return cubin
+
+
 @functools.cache
-def get_module() -> Any:
-    """The CuPy RawModule of reduce.cu (CuPy compiles it per device on first use and keeps
-    its own on-disk cache)."""
+def get_module(device_id: int) -> Any:
+    """reduce.cu loaded on GPU `device_id`.
+
+    Compiled with our own NVRTC options (`cubin_for`): CuPy's RawModule would add -ftz=true,
+    which flushes subnormal floats and breaks the host device's arithmetic rules. Without
+    cuda-bindings, RawModule is the fallback (subnormal float32 results then flush to zero).
+    """
     import cupy
 
-    return cupy.RawModule(code=kernel_source(), options=compile_options(), backend="nvrtc")
+    with cupy.cuda.Device(device_id) as device:
+        try:
+            cubin = cubin_for(f"sm_{device.compute_capability}")
+        except ImportError:
+            return cupy.RawModule(code=kernel_source(), options=compile_options(),
+                                  backend="nvrtc")
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
+        return module
 
 
 @functools.cache
-def get_function(name: str) -> Any:
-    """A kernel of reduce.cu by symbol name, as a cupy RawKernel."""
+def get_function(name: str, device_id: int) -> Any:
+    """A kernel of reduce.cu by symbol name, on GPU `device_id`; called as
+    `kernel(grid, block, args, stream=stream)`."""
     if name not in ALL_KERNEL_NAMES:
         raise KeyError(f"no kernel named {name!r} in {SOURCE_NAME}")
-    return get_module().get_function(name)
+    return get_module(device_id).get_function(name)
 
 
-def get_kernel(dtype: str, op: ReduceOp | str) -> Any:
-    """The reduce kernel for (dtype, op), as a cupy RawKernel with the signature
+def get_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
+    """The reduce kernel for (dtype, op) on GPU `device_id`, with the signature
     `(dst, a, b, n: uint64, divisor: int64)`."""
-    return get_function(reduce_kernel_name(dtype, op))
+    return get_function(reduce_kernel_name(dtype, op), device_id)

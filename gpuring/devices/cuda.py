@@ -60,6 +60,8 @@ COPY_ENV = "GPURING_CUDA_COPY"
 _HOST_ALLOC_PORTABLE = 1
 _HOST_ALLOC_MAPPED = 2
 _MEMCPY_DEFAULT = 4
+_SUCCESS = 0
+_NOT_READY = 600  # cudaErrorNotReady
 
 _THREADS = 256
 _BLOCKS_PER_SM = 8
@@ -111,7 +113,16 @@ class _CudaEvent(Event):
         self.raw = raw
 
     def query(self) -> bool:
-        return bool(self.raw.done)
+        """True once the stream passed the event; raises the CUDA error of a failed kernel
+        (`Event.done` would read False forever instead)."""
+        runtime = _cupy().cuda.runtime
+        status = runtime.eventQuery(self.raw.ptr)
+        if status == _SUCCESS:
+            return True
+        if status == _NOT_READY:
+            return False
+        runtime.check_status(status)  # raises CUDARuntimeError naming the error
+        raise RuntimeError(f"cudaEventQuery returned {status}")
 
 
 def _addr(span_or_flag: Span | Flag) -> int:
@@ -146,7 +157,7 @@ class _CudaStream(Stream):
         with dev.gpu:
             if dev.copy_mode == "kernel":
                 n = dst.nbytes
-                _kernels.get_function(_kernels.COPY_KERNEL)(
+                _kernels.get_function(_kernels.COPY_KERNEL, dev.device_id)(
                     (dev.grid_for(n, 16),), (_THREADS,),
                     (np.uint64(_addr(dst)), np.uint64(_addr(src)), np.uint64(n)),
                     stream=self.raw)
@@ -159,14 +170,14 @@ class _CudaStream(Stream):
                divisor: int = 1) -> None:
         if not (dst.nbytes == a.nbytes == b.nbytes):
             raise ValueError(f"reduce of {a.nbytes} and {b.nbytes} bytes into {dst.nbytes}")
-        kernel = _kernels.get_kernel(dtype, op)
+        dev = self._device
+        kernel = _kernels.get_kernel(dtype, op, dev.device_id)
         itemsize = np.dtype(dtype).itemsize
         if dst.nbytes % itemsize:
             raise ValueError(f"{dst.nbytes} bytes is not a whole number of {dtype}")
         n = dst.nbytes // itemsize
         if n == 0:
             return
-        dev = self._device
         with dev.gpu:
             kernel((dev.grid_for(n, max(1, 16 // itemsize)),), (_THREADS,),
                    (np.uint64(_addr(dst)), np.uint64(_addr(a)), np.uint64(_addr(b)),
@@ -188,7 +199,7 @@ class _CudaStream(Stream):
                     driver.CUstream(self.raw.ptr), driver.CUdeviceptr(addr),
                     driver.cuuint64_t(value), geq), "cuStreamWaitValue64")
             else:
-                _kernels.get_function(_kernels.WAIT_FLAG_KERNEL)(
+                _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, dev.device_id)(
                     (1,), (1,),
                     (np.uint64(addr), np.uint64(value), np.uint64(dev.timeout_ns),
                      np.uint64(dev.status_ptr)),
@@ -196,6 +207,7 @@ class _CudaStream(Stream):
 
     def write_flag(self, flag: Flag, value: int) -> None:
         dev = self._device
+        dev.check()  # after an abort nothing more is published (a memops write cannot know)
         addr = _flag_addr(flag)
         with dev.gpu:
             if dev.flags_mode == "memops":
@@ -208,7 +220,7 @@ class _CudaStream(Stream):
                     driver.CUstream(self.raw.ptr), driver.CUdeviceptr(addr),
                     driver.cuuint64_t(value), fence), "cuStreamWriteValue64")
             else:
-                _kernels.get_function(_kernels.WRITE_FLAG_KERNEL)(
+                _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, dev.device_id)(
                     (1,), (1,), (np.uint64(addr), np.uint64(value),
                                  np.uint64(dev.status_ptr)), stream=self.raw)
 

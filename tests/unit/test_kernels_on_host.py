@@ -3,10 +3,10 @@
 `tests/cudasim/cuda_host_emulation.h` stands in for the CUDA built-ins (thread and block
 indices, rounded float operations, the global timer), so the kernel source itself, unchanged,
 runs here: every (dtype, op), alignments that take the vectorised and the scalar paths,
-grid-stride loops of several shapes, in-place operands. Each result must equal, bit for bit, what the host device
-computes, and no byte outside the destination may change. The flag kernels are checked for
-their wait, timeout, abort and publish rules. No GPU needed: this is how CI runs the code that
-the GPU runs.
+grid-stride loops of several shapes, in-place operands. Each result must equal, bit for bit,
+what the host device computes, and no byte outside the destination may change. The flag
+kernels are checked for their wait, timeout, abort and publish rules. No GPU needed: this is
+how CI runs the code that the GPU runs.
 """
 
 from __future__ import annotations

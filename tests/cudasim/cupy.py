@@ -1,0 +1,797 @@
+"""A CUDA simulator that stands in for CuPy, so that `CudaDevice` and the GPU tests run on a
+machine without a GPU. Put this directory first on PYTHONPATH; `import cupy` then finds this.
+
+What it models, and how:
+- device memory is host memory: `cuda.Memory` maps a /dev/shm file, so that CUDA IPC
+  (`ipcGetMemHandle` / `ipcOpenMemHandle`) maps the same pages in a peer process; a device
+  pointer is a plain address, and a wrong one faults as it would on the GPU;
+- every stream is a thread that runs its operations in order; events mark a point in a stream;
+  `Stream.wait_event` holds a stream, with no timeout, like the GPU does;
+- `RawModule` kernels are those of kernels/reduce.cu built for the CPU
+  (kernels_host_build.py), launched with the grid they are given;
+- `cuda.bindings.driver`'s stream memory operations (`cuStreamWaitValue64`,
+  `cuStreamWriteValue64`) are simulated too when GPURING_CUDASIM_MEMOPS=1;
+- arrays (`ndarray`) hold their data in host memory; every operation on them first waits for
+  the current stream, as reading a result on the GPU would.
+- GPURING_CUDASIM_JITTER=1 delays stream operations at random, to expose missing ordering.
+
+It is not CuPy: only what gpuring and its tests use is here, and a call it does not know fails
+with AttributeError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import random as _stdrandom
+import secrets
+import struct
+import sys
+import threading
+import time
+import types
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__version__ = "0.0.0+cudasim"
+_HERE = Path(__file__).resolve().parent
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_JITTER = os.environ.get("GPURING_CUDASIM_JITTER") == "1"
+_SM_COUNT = 4
+_TOTAL_MEMORY = 16 << 30
+
+
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, name: str, message: str = ""):
+        super().__init__(f"{name}: {message}" if message else name)
+        self.status = name
+
+
+# ------------------------------------------------------------------------------ streams
+
+class _Marker:
+    """A point in a stream: set once the stream has run everything before it."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+
+
+class _Worker(threading.Thread):
+    def __init__(self, name: str):
+        super().__init__(name=name, daemon=True)
+        self.queue: list[Callable[[], None]] = []
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.rng = _stdrandom.Random(secrets.randbits(32))
+        self.start()
+
+    def put(self, op: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise CUDARuntimeError("cudaErrorLaunchFailure", f"earlier failure: {self.error}")
+        with self.cond:
+            self.queue.append(op)
+            self.cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+                op = self.queue.pop(0)
+            if _JITTER and self.rng.random() < 0.3:
+                time.sleep(self.rng.random() * 200e-6)
+            try:
+                op()
+            except BaseException as exc:  # a sticky error, as on the GPU
+                self.error = exc
+
+
+_streams: dict[int, Stream] = {}
+_stream_ids = itertools.count(0x1000, 0x10)
+
+
+class Stream:
+    """A CUDA stream: a thread running operations in order."""
+
+    null: Stream
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        self.ptr = 0 if null else next(_stream_ids)
+        self.non_blocking = non_blocking
+        self._worker = _Worker(f"cudasim-stream-{self.ptr:#x}")
+        _streams[self.ptr] = self
+
+    def _put(self, op: Callable[[], None]) -> None:
+        self._worker.put(op)
+
+    def record(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        marker = event._marker
+        if marker is not None:
+            self._put(marker.reached.wait)
+
+    def synchronize(self) -> None:
+        event = Event()
+        event.record(self)
+        event.synchronize()
+        if self._worker.error is not None:
+            raise CUDARuntimeError("cudaErrorLaunchFailure", str(self._worker.error))
+
+    @property
+    def done(self) -> bool:
+        event = Event()
+        event.record(self)
+        return event.done
+
+    def use(self) -> Stream:
+        _current.stream = self
+        return self
+
+    def __enter__(self) -> Stream:
+        self._previous = get_current_stream()
+        return self.use()
+
+    def __exit__(self, *exc: object) -> None:
+        _current.stream = self._previous
+
+
+Stream.null = Stream(null=True)
+_current = threading.local()
+
+
+def get_current_stream(device_id: int | None = None) -> Stream:
+    return getattr(_current, "stream", None) or Stream.null
+
+
+def _stream(ptr: int | Stream | None) -> Stream:
+    if ptr is None:
+        return get_current_stream()
+    if isinstance(ptr, Stream):
+        return ptr
+    try:
+        return _streams[int(ptr)]
+    except KeyError:
+        raise CUDARuntimeError("cudaErrorInvalidResourceHandle", f"stream {ptr:#x}") from None
+
+
+_events: weakref.WeakValueDictionary[int, Event] = weakref.WeakValueDictionary()
+_event_ids = itertools.count(0x10_0000, 0x10)
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False):
+        self._marker: _Marker | None = None
+        self._stream: Stream | None = None
+        self.ptr = next(_event_ids)
+        _events[self.ptr] = self
+
+    def record(self, stream: Stream | None = None) -> None:
+        marker = _Marker()
+        self._marker = marker
+        self._stream = _stream(stream)
+        self._stream._put(marker.reached.set)
+
+    @property
+    def done(self) -> bool:
+        return self._marker is None or self._marker.reached.is_set()
+
+    def synchronize(self) -> None:
+        if self._marker is not None:
+            self._marker.reached.wait()
+
+
+def _sync_current() -> None:
+    get_current_stream().synchronize()
+
+
+# ------------------------------------------------------------------------------ memory
+
+class _Allocation:
+    """`size` bytes of a /dev/shm file mapped at `ptr` (shared, so peers can map it)."""
+
+    MAGIC = b"cudasim1"
+
+    def __init__(self, size: int, name: str | None = None):
+        self.size = size
+        self.owner = name is None
+        self.name = name or f"gpuring-cudasim-{os.getpid()}-{secrets.token_hex(8)}"
+        path = f"/dev/shm/{self.name}"
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0), 0o600)
+        try:
+            if self.owner:
+                os.ftruncate(fd, size)
+            ptr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                             fd, 0)
+            if ptr in (None, ctypes.c_void_p(-1).value):
+                raise CUDARuntimeError("cudaErrorMemoryAllocation",
+                                       os.strerror(ctypes.get_errno()))
+            self.ptr: int = ptr
+        finally:
+            os.close(fd)
+
+    def handle(self) -> bytes:
+        name = self.name.encode()
+        return (self.MAGIC + struct.pack("<qI", self.size, len(name)) + name).ljust(64, b"\0")
+
+    @classmethod
+    def name_in(cls, handle: bytes) -> str:
+        if len(handle) != 64 or not handle.startswith(cls.MAGIC):
+            raise CUDARuntimeError("cudaErrorInvalidValue", "not an IPC handle")
+        _size, length = struct.unpack_from("<qI", handle, len(cls.MAGIC))
+        start = len(cls.MAGIC) + 12
+        return handle[start:start + length].decode()
+
+    @classmethod
+    def from_handle(cls, handle: bytes) -> _Allocation:
+        size, _length = struct.unpack_from("<qI", handle, len(cls.MAGIC))
+        return cls(size, cls.name_in(handle))
+
+    def free(self) -> None:
+        if self.ptr:
+            _libc.munmap(self.ptr, self.size)
+            self.ptr = 0
+            if self.owner:
+                try:
+                    os.unlink(f"/dev/shm/{self.name}")
+                except FileNotFoundError:
+                    pass
+
+
+_allocated: dict[int, _Allocation] = {}  # base pointer -> allocation made here
+_opened: dict[int, _Allocation] = {}  # base pointer -> peer allocation mapped here
+_used = [0]
+
+
+class Memory:
+    """Device memory outside any pool (cudaMalloc); freed when the object goes."""
+
+    def __init__(self, size: int):
+        self._alloc = _Allocation(max(int(size), 1))
+        _allocated[self._alloc.ptr] = self._alloc
+        _used[0] += self._alloc.size
+        self.ptr = self._alloc.ptr
+        self.size = int(size)
+        self.device_id = 0
+
+    def __del__(self) -> None:
+        alloc = getattr(self, "_alloc", None)
+        if alloc is not None and alloc.ptr:
+            _allocated.pop(alloc.ptr, None)
+            _used[0] -= alloc.size
+            alloc.free()
+
+
+class _MemoryPool:
+    def free_all_blocks(self) -> None:
+        pass
+
+    def used_bytes(self) -> int:
+        return 0
+
+
+def get_default_memory_pool() -> _MemoryPool:
+    return _MemoryPool()
+
+
+_host_buffers: dict[int, Any] = {}
+
+
+# ------------------------------------------------------------------------------ runtime
+
+def _run_on(stream: Any, op: Callable[[], None]) -> None:
+    _stream(stream)._put(op)
+
+
+class _Runtime(types.ModuleType):
+    CUDARuntimeError = CUDARuntimeError
+    memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost = 0, 1, 2
+    memcpyDeviceToDevice, memcpyDefault = 3, 4
+    hostAllocPortable, hostAllocMapped = 1, 2
+
+    @staticmethod
+    def getDeviceCount() -> int:
+        return int(os.environ.get("GPURING_CUDASIM_DEVICES", "1"))
+
+    @staticmethod
+    def getDevice() -> int:
+        return getattr(_current, "device", 0)
+
+    @staticmethod
+    def setDevice(device: int) -> None:
+        if not 0 <= device < _Runtime.getDeviceCount():
+            raise CUDARuntimeError("cudaErrorInvalidDevice")
+        _current.device = device
+
+    @staticmethod
+    def memGetInfo() -> tuple[int, int]:
+        return _TOTAL_MEMORY - _used[0], _TOTAL_MEMORY
+
+    @staticmethod
+    def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        _run_on(stream, lambda: ctypes.memmove(dst, src, size))
+
+    @staticmethod
+    def memcpy(dst: int, src: int, size: int, kind: int) -> None:
+        Stream.null.synchronize()
+        ctypes.memmove(dst, src, size)
+
+    @staticmethod
+    def memsetAsync(ptr: int, value: int, size: int, stream: int) -> None:
+        _run_on(stream, lambda: ctypes.memset(ptr, value, size))
+
+    @staticmethod
+    def hostAlloc(size: int, flags: int) -> int:
+        buffer = (ctypes.c_char * max(size, 1))()
+        ptr = ctypes.addressof(buffer)
+        _host_buffers[ptr] = buffer
+        return ptr
+
+    @staticmethod
+    def freeHost(ptr: int) -> None:
+        if _host_buffers.pop(ptr, None) is None:
+            raise CUDARuntimeError("cudaErrorInvalidValue", f"{ptr:#x} is not pinned memory")
+
+    @staticmethod
+    def ipcGetMemHandle(ptr: int) -> bytes:
+        alloc = _allocated.get(ptr)
+        if alloc is None:
+            raise CUDARuntimeError("cudaErrorInvalidValue",
+                                   f"{ptr:#x} is not the base of a cudaMalloc allocation")
+        return alloc.handle()
+
+    @staticmethod
+    def ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
+        handle = bytes(handle)
+        if _Allocation.name_in(handle).startswith(f"gpuring-cudasim-{os.getpid()}-"):
+            raise CUDARuntimeError("cudaErrorDeviceUninitialized",
+                                   "a process cannot open its own IPC handle")
+        alloc = _Allocation.from_handle(handle)
+        _opened[alloc.ptr] = alloc
+        return alloc.ptr
+
+    @staticmethod
+    def ipcCloseMemHandle(ptr: int) -> None:
+        alloc = _opened.pop(ptr, None)
+        if alloc is None:
+            raise CUDARuntimeError("cudaErrorInvalidValue", f"{ptr:#x} was not opened by IPC")
+        alloc.free()
+
+    @staticmethod
+    def eventQuery(ptr: int) -> int:
+        event = _events[ptr]
+        if event._stream is not None and event._stream._worker.error is not None:
+            return 719  # cudaErrorLaunchFailure: the stream's earlier operation failed
+        return 0 if event.done else 600
+
+    @staticmethod
+    def check_status(status: int) -> None:
+        if status != 0:
+            raise CUDARuntimeError(f"cuda error {status}")
+
+    @staticmethod
+    def deviceSynchronize() -> None:
+        for stream in list(_streams.values()):
+            stream.synchronize()
+
+
+runtime = _Runtime("cupy.cuda.runtime")
+
+
+class _Attributes(dict):  # type: ignore[type-arg]
+    def __missing__(self, key: str) -> int:
+        raise KeyError(f"cudasim does not simulate the device attribute {key!r}")
+
+
+class Device:
+    def __init__(self, device: int | None = None):
+        self.id = runtime.getDevice() if device is None else int(device)
+        if not 0 <= self.id < runtime.getDeviceCount():
+            raise CUDARuntimeError("cudaErrorInvalidDevice", str(self.id))
+        self.attributes = _Attributes(MultiProcessorCount=_SM_COUNT)
+        self.compute_capability = "90"
+
+    def __enter__(self) -> Device:
+        self._previous = runtime.getDevice()
+        runtime.setDevice(self.id)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        runtime.setDevice(self._previous)
+
+    def use(self) -> None:
+        runtime.setDevice(self.id)
+
+    def synchronize(self) -> None:
+        runtime.deviceSynchronize()
+
+
+# ------------------------------------------------------------------------------ kernels
+
+_FAMILIES = {"gpuring_reduce_": ("reduce", 5), "gpuring_copy_bytes": ("copy", 3),
+             "gpuring_wait_flag": ("wait", 4), "gpuring_write_flag": ("write", 3)}
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+
+
+def _kernel_library() -> ctypes.CDLL:
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            path = os.environ.get("GPURING_CUDASIM_LIB")
+            if not path:
+                sys.path.insert(0, str(_HERE))
+                import kernels_host_build
+
+                cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                path = str(kernels_host_build.build(cache / "gpuring" / "cudasim"))
+            lib = ctypes.CDLL(path)
+            u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
+            lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64]
+            lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64]
+            lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp]
+            lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
+            _lib = lib
+        return _lib
+
+
+class RawKernel:
+    def __init__(self, name: str):
+        family = next((f for prefix, f in _FAMILIES.items() if name.startswith(prefix)), None)
+        if family is None:
+            raise CUDARuntimeError("CUDA_ERROR_NOT_FOUND", f"no kernel {name!r}")
+        self.name = name
+        self._family, self._arity = family
+        lib = _kernel_library()
+        self._address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        self._launch = getattr(lib, f"emu_launch_{self._family}")
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+                 stream: Stream | None = None, shared_mem: int = 0) -> None:
+        if len(args) != self._arity:
+            raise TypeError(f"{self.name} takes {self._arity} arguments, got {len(args)}")
+        for arg in args:
+            if not isinstance(arg, (np.integer, np.floating, int, float)):
+                raise TypeError(f"{self.name}: unsupported argument {arg!r}")
+        blocks, threads = int(np.prod(grid)), int(np.prod(block))
+        if not (1 <= blocks < 2**31 and 1 <= threads <= 1024):
+            raise CUDARuntimeError("cudaErrorInvalidConfiguration", f"{grid} x {block}")
+        values = [int(a) for a in args]
+        launch, address = self._launch, self._address
+        _stream(stream)._put(lambda: launch(address, blocks, threads, *values))
+
+
+class Module:
+    """cupy.cuda.function.Module: a loaded CUBIN (here: the host build of the same source)."""
+
+    def load(self, cubin: bytes) -> None:
+        if not isinstance(cubin, bytes) or not cubin.startswith(b"\x7fELF"):
+            raise CUDARuntimeError("CUDA_ERROR_INVALID_IMAGE", "not a CUBIN")
+
+    def get_function(self, name: str) -> RawKernel:
+        return RawKernel(name)
+
+
+class RawModule:
+    def __init__(self, code: str | None = None, *, path: str | None = None,
+                 options: tuple[str, ...] = (), backend: str = "nvrtc", **_: Any):
+        self.code = code
+
+    def get_function(self, name: str) -> RawKernel:
+        return RawKernel(name)
+
+
+# ------------------------------------------------------------------------------ arrays
+
+class _Data:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class ndarray:
+    """A device array; its bytes live in host memory (a NumPy array)."""
+
+    def __init__(self, host: np.ndarray):
+        self._a = host
+
+    def __del__(self) -> None:
+        # CuPy's pool hands freed memory out again in the order of the current stream, so work
+        # queued before the free (on any stream the current one waits for) still reads valid
+        # data. Here: keep the bytes alive until the current stream reaches this point.
+        host = getattr(self, "_a", None)
+        if host is not None:
+            try:
+                get_current_stream()._put(lambda: host)
+            except Exception:  # interpreter shutdown, a failed stream: free at once
+                pass
+
+    # -- what gpuring reads
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+    data = property(lambda self: _Data(self._a.ctypes.data))
+    device = property(lambda self: Device(0))
+    T = property(lambda self: ndarray(self._a.T))
+
+    def get(self) -> np.ndarray:
+        _sync_current()
+        return self._a.copy()
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __repr__(self) -> str:
+        return f"cudasim.ndarray({self._a!r})"
+
+    def __getitem__(self, key: Any) -> Any:
+        _sync_current()
+        return _wrap(self._a[_unwrap(key)])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _sync_current()
+        self._a[_unwrap(key)] = _unwrap(value)
+
+    def __bool__(self) -> bool:
+        _sync_current()
+        return bool(self._a)
+
+    def __int__(self) -> int:
+        _sync_current()
+        return int(self._a)
+
+    def __float__(self) -> float:
+        _sync_current()
+        return float(self._a)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._a, name)  # reshape, view, astype, copy, sum, max, ...
+        if callable(value):
+            def call(*args: Any, **kwargs: Any) -> Any:
+                _sync_current()
+                return _wrap(value(*_unwrap(args), **_unwrap(kwargs)))
+            return call
+        return _wrap(value)
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, ndarray):
+        _sync_current()
+        return x._a
+    if isinstance(x, tuple):
+        return tuple(_unwrap(v) for v in x)
+    if isinstance(x, list):
+        return [_unwrap(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _unwrap(v) for k, v in x.items()}
+    return x
+
+
+def _wrap(x: Any) -> Any:
+    return ndarray(x) if isinstance(x, np.ndarray) else x
+
+
+def _binary(name: str) -> Callable[..., Any]:
+    def op(self: ndarray, *args: Any) -> Any:
+        _sync_current()
+        result = getattr(self._a, name)(*_unwrap(args))
+        return self if result is self._a else _wrap(result)
+    op.__name__ = name
+    return op
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+              "matmul"):
+    for _form in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
+        setattr(ndarray, _form, _binary(_form))
+for _form in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__neg__",
+              "__abs__", "__invert__", "__pos__"):
+    setattr(ndarray, _form, _binary(_form))
+ndarray.__hash__ = None  # type: ignore[assignment]
+
+
+def asnumpy(x: Any, stream: Stream | None = None) -> np.ndarray:
+    return x.get() if isinstance(x, ndarray) else np.asarray(x)
+
+
+def asarray(x: Any, dtype: Any = None, order: Any = None) -> ndarray:
+    if isinstance(x, ndarray) and (dtype is None or np.dtype(dtype) == x.dtype):
+        return x
+    _sync_current()
+    return ndarray(np.array(_unwrap(x), dtype=dtype, order=order or "K", copy=True))
+
+
+array = asarray
+
+
+def ascontiguousarray(x: Any, dtype: Any = None) -> ndarray:
+    _sync_current()
+    return ndarray(np.ascontiguousarray(_unwrap(x), dtype=dtype))
+
+
+def get_array_module(*args: Any) -> Any:
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
+
+
+def may_share_memory(a: Any, b: Any, max_work: Any = None) -> bool:
+    return bool(np.may_share_memory(_unwrap(a), _unwrap(b)))
+
+
+def _numpy_function(name: str) -> Callable[..., Any]:
+    fn = getattr(np, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _sync_current()
+        return _wrap(fn(*_unwrap(args), **_unwrap(kwargs)))
+    call.__name__ = name
+    return call
+
+
+for _name in ("empty", "zeros", "ones", "full", "arange", "linspace", "empty_like",
+              "zeros_like", "ones_like", "full_like", "abs", "all", "any", "array_equal",
+              "concatenate", "stack", "sqrt", "maximum", "minimum", "isnan", "sum", "allclose",
+              "where", "isfinite"):
+    globals()[_name] = _numpy_function(_name)
+for _name in ("dtype", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+              "uint8", "uint16", "uint32", "uint64", "complex64", "complex128", "bool_",
+              "nan", "inf"):
+    globals()[_name] = getattr(np, _name)
+
+
+class _Random:
+    def __init__(self) -> None:
+        self._rng = np.random.default_rng()
+
+    def seed(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def standard_normal(self, size: Any = None, dtype: Any = np.float64) -> ndarray:
+        return ndarray(self._rng.standard_normal(size).astype(dtype))
+
+    def random(self, size: Any = None, dtype: Any = np.float64) -> ndarray:
+        return ndarray(self._rng.random(size).astype(dtype))
+
+    def randint(self, low: int, high: int | None = None, size: Any = None,
+                dtype: Any = np.int64) -> ndarray:
+        return ndarray(self._rng.integers(low, high, size).astype(dtype))
+
+
+random = _Random()  # cupy.random
+
+
+# ------------------------------------------------------------------------------ cupy.cuda
+
+cuda = types.ModuleType("cupy.cuda")
+function = types.ModuleType("cupy.cuda.function")
+function.Module = Module  # type: ignore[attr-defined]
+for _name, _value in {"runtime": runtime, "function": function, "Stream": Stream,
+                      "Event": Event, "Memory": Memory, "Device": Device,
+                      "get_current_stream": get_current_stream}.items():
+    setattr(cuda, _name, _value)
+sys.modules["cupy.cuda"] = cuda
+sys.modules["cupy.cuda.runtime"] = runtime
+sys.modules["cupy.cuda.function"] = function
+
+
+def __getattr__(name: str) -> Any:
+    """Any other NumPy function, on arrays (cupy.tanh, cupy.exp, ...)."""
+    if name.startswith("__") or not callable(getattr(np, name, None)):
+        raise AttributeError(f"cudasim's cupy has no {name!r}")
+    return _numpy_function(name)
+
+
+# ------------------------------------------------------------------------------ driver memops
+
+def _install_driver() -> None:
+    """A `cuda.bindings.driver` with the calls CudaDevice makes, when GPURING_CUDASIM_MEMOPS=1.
+    Signatures and enum names follow cuda-bindings: each call returns (CUresult, ...)."""
+    import enum
+
+    driver = types.ModuleType("cuda.bindings.driver")
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    class CUdevice_attribute(enum.IntEnum):
+        CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 119
+
+    class CUstreamWaitValue_flags(enum.IntEnum):
+        CU_STREAM_WAIT_VALUE_GEQ = 1
+
+    class CUstreamWriteValue_flags(enum.IntEnum):
+        CU_STREAM_WRITE_VALUE_DEFAULT = 0
+
+    class _Handle:
+        def __init__(self, value: int = 0):
+            self.value = int(value)
+
+        def __int__(self) -> int:
+            return self.value
+
+    class CUstream(_Handle):
+        pass
+
+    class CUdeviceptr(_Handle):
+        pass
+
+    class cuuint64_t(_Handle):
+        pass
+
+    def cuInit(flags: int) -> tuple[CUresult]:
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuDeviceGet(ordinal: int) -> tuple[CUresult, int]:
+        return (CUresult.CUDA_SUCCESS, ordinal)
+
+    def cuDeviceGetAttribute(attrib: CUdevice_attribute,
+                             dev: int) -> tuple[CUresult, int]:
+        return (CUresult.CUDA_SUCCESS, 1)
+
+    def cuGetErrorName(error: CUresult) -> tuple[CUresult, bytes]:
+        return (CUresult.CUDA_SUCCESS, CUresult(error).name.encode())
+
+    def cuStreamWaitValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
+                            flags: int) -> tuple[CUresult]:
+        if not isinstance(stream, CUstream) or not isinstance(addr, CUdeviceptr) or \
+                not isinstance(value, cuuint64_t):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        word = ctypes.c_uint64.from_address(int(addr))
+        target = int(value)
+
+        def wait() -> None:
+            delay = 1e-6
+            while word.value < target:
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+        _stream(int(stream))._put(wait)
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuStreamWriteValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
+                             flags: int) -> tuple[CUresult]:
+        if not isinstance(stream, CUstream) or not isinstance(addr, CUdeviceptr) or \
+                not isinstance(value, cuuint64_t):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        word = ctypes.c_uint64.from_address(int(addr))
+        target = int(value)
+
+        def write() -> None:
+            word.value = target
+        _stream(int(stream))._put(write)
+        return (CUresult.CUDA_SUCCESS,)
+
+    for name, value in list(locals().items()):
+        if not name.startswith("_") and name not in ("driver", "enum"):
+            setattr(driver, name, value)
+    for package in ("cuda", "cuda.bindings"):
+        if package not in sys.modules:
+            sys.modules[package] = types.ModuleType(package)
+            sys.modules[package].__path__ = []  # type: ignore[attr-defined]
+    sys.modules["cuda.bindings.driver"] = driver
+    sys.modules["cuda.bindings"].driver = driver  # type: ignore[attr-defined]
+
+
+if os.environ.get("GPURING_CUDASIM_MEMOPS") == "1":
+    _install_driver()
