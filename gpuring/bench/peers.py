@@ -4,6 +4,7 @@ skipped with a message, never an error."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -13,7 +14,8 @@ import numpy as np
 from .metrics import IN_PLACE, OUT_OF_PLACE
 from .systems import Buffers, System, Unsupported
 
-__all__ = ["PEERS", "parse_peers", "select_peers", "MpiPeer", "NcclPeer", "GlooPeer"]
+__all__ = ["PEERS", "parse_peers", "select_peers", "PeerUnavailable", "MpiPeer", "NcclPeer",
+           "GlooPeer"]
 
 PEERS = ("mpi", "nccl", "gloo")
 
@@ -63,28 +65,68 @@ class MpiPeer(System):
         self.comm.Barrier()
 
 
+class PeerUnavailable(Exception):
+    """A peer cannot run in this job; the message says why (printed as "skipped (...)")."""
+
+
+def _all_ranks_ok(comm: Any, ok: bool) -> bool:
+    """True when `ok` holds on every rank (a collective: every rank must call it)."""
+    flag = np.array([1 if ok else 0], dtype=np.int32)
+    return bool(comm.all_reduce(flag, op="min")[0])
+
+
+def _nccl_id_argument(nccl_id: bytes, cupy_version: str) -> Any:
+    """CuPy >= 14 takes the 128-byte ncclUniqueId as bytes, older CuPy as a tuple of C chars."""
+    if int(cupy_version.split(".")[0]) >= 14:
+        return nccl_id
+    return tuple(int(v) for v in np.frombuffer(nccl_id, dtype=np.int8))
+
+
+def _nccl_id_bytes(value: Any) -> bytes:
+    """ncclGetUniqueId's result as 128 bytes (bytes in CuPy >= 14, a tuple of chars before)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    return np.asarray(value, dtype=np.int64).astype(np.int8).tobytes()
+
+
 class NcclPeer(System):  # pragma: no cover - needs GPUs
-    """NCCL through cupy.cuda.nccl, on the current CuPy stream."""
+    """NCCL through cupy.cuda.nccl, on the current CuPy stream. Constructing it is collective."""
 
     name = "nccl"
     _TYPES: ClassVar[dict[str, str]] = {
         "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
         "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
-        "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
+        "float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
+        "float64": "NCCL_FLOAT64"}
     _OPS: ClassVar[dict[str, str]] = {
         "sum": "NCCL_SUM", "prod": "NCCL_PROD", "min": "NCCL_MIN", "max": "NCCL_MAX",
         "avg": "NCCL_AVG"}
 
     def __init__(self, comm: Any):
-        import cupy
-        from cupy.cuda import nccl
-
+        why = None
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as exc:
+            why = f"{exc.name or 'cupy.cuda.nccl'} is not importable"
+        else:
+            if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
+                why = "CuPy could not load libnccl (pip install nvidia-nccl-cu13)"
+        if not _all_ranks_ok(comm, why is None):
+            raise PeerUnavailable(why or "NCCL is unavailable on another rank")
         self.cupy, self.nccl, self.gcomm = cupy, nccl, comm
-        uid = np.zeros(128, dtype=np.int64)  # ncclUniqueId: 128 bytes
+        message = np.zeros(129, dtype=np.uint8)  # [ok, the 128-byte ncclUniqueId]
         if comm.rank == 0:
-            uid[:] = np.asarray(nccl.get_unique_id(), dtype=np.int64)
-        comm.broadcast(uid, root=0)
-        self.comm = nccl.NcclCommunicator(comm.size, tuple(int(v) for v in uid), comm.rank)
+            try:
+                message[1:] = np.frombuffer(_nccl_id_bytes(nccl.get_unique_id()), np.uint8)
+                message[0] = 1
+            except Exception as exc:  # NcclError: reported below on every rank
+                why = f"ncclGetUniqueId failed: {exc}"
+        comm.broadcast(message, root=0)
+        if not message[0]:
+            raise PeerUnavailable(why or "ncclGetUniqueId failed on rank 0")
+        nccl_id = _nccl_id_argument(message[1:].tobytes(), cupy.__version__)
+        self.comm = nccl.NcclCommunicator(comm.size, nccl_id, comm.rank)
 
     def placement(self, kind: str) -> str:
         return IN_PLACE if kind == "broadcast" else OUT_OF_PLACE
@@ -92,9 +134,9 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
         nccl, c = self.nccl, self.comm
         dtype = str(b.x.dtype)
-        if dtype not in self._TYPES:
+        t = getattr(nccl, self._TYPES.get(dtype, ""), None)
+        if t is None:
             raise Unsupported(f"NCCL has no {dtype}")
-        t = getattr(nccl, self._TYPES[dtype])
         nop = getattr(nccl, self._OPS.get(op, ""), None)
         if nop is None and kind not in ("all_gather", "broadcast"):
             raise Unsupported(f"this cupy.cuda.nccl has no {op}")
@@ -124,16 +166,28 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
 
 
 class GlooPeer(System):
-    """torch.distributed with the gloo backend on CPU tensors that share the NumPy arrays.
-    Gloo's all_reduce, broadcast and reduce work in place."""
+    """torch.distributed with the gloo backend, on tensors that share the benchmark's arrays
+    (CPU tensors for NumPy, CUDA tensors through DLPack for CuPy). Gloo's all_reduce, broadcast
+    and reduce work in place; on CUDA tensors gloo has only all_reduce and broadcast.
+    Constructing it is collective."""
 
     name = "gloo"
 
-    def __init__(self, comm: Any):
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist = torch, dist
+    def __init__(self, comm: Any, device: str = "cpu"):
+        why = None
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as exc:
+            why = f"{(exc.name or 'torch').split('.')[0]} is not importable"
+        else:
+            if not dist.is_available() or not dist.is_gloo_available():
+                why = "this torch has no gloo backend"
+            elif device == "cuda" and not torch.cuda.is_available():
+                why = "this torch has no CUDA"
+        if not _all_ranks_ok(comm, why is None):
+            raise PeerUnavailable(why or "gloo is unavailable on another rank")
+        self.torch, self.dist, self.device = torch, dist, device
         port = np.zeros(1, dtype=np.int64)
         if comm.rank == 0:
             with socket.socket() as s:
@@ -141,35 +195,85 @@ class GlooPeer(System):
                 port[0] = s.getsockname()[1]
         comm.broadcast(port, root=0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
-                                rank=comm.rank, world_size=comm.size)
+                                rank=comm.rank, world_size=comm.size,
+                                timeout=datetime.timedelta(seconds=120))
         r = dist.ReduceOp
         self.ops = {"sum": r.SUM, "prod": r.PRODUCT, "min": r.MIN, "max": r.MAX}
 
     def placement(self, kind: str) -> str:
         return OUT_OF_PLACE if kind in ("reduce_scatter", "all_gather") else IN_PLACE
 
+    def _tensor(self, array: Any) -> Any:
+        if self.device == "cuda":
+            return self.torch.from_dlpack(array)
+        return self.torch.from_numpy(array)
+
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
-        dist, torch = self.dist, self.torch
+        dist = self.dist
         if kind == "reduce_scatter":
             raise Unsupported("gloo has no reduce_scatter")
+        if self.device == "cuda" and kind not in ("all_reduce", "broadcast"):
+            raise Unsupported(f"gloo has no {kind} on CUDA tensors")
         if kind not in ("all_gather", "broadcast") and op not in self.ops:
             raise Unsupported(f"gloo has no {op} reduction")
-        x = torch.from_numpy(b.x)
+        x = self._tensor(b.x)
         top = self.ops.get(op)
         if kind == "all_reduce":
             return lambda: dist.all_reduce(x, op=top)
         if kind == "all_gather":
-            outs = list(torch.from_numpy(b.out).unbind(0))
+            outs = list(self._tensor(b.out).unbind(0))
             return lambda: dist.all_gather(outs, x)
         if kind == "broadcast":
             return lambda: dist.broadcast(x, src=root)
         return lambda: dist.reduce(x, dst=root, op=top)
 
     def sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
         self.dist.barrier()
 
     def close(self) -> None:
         self.dist.destroy_process_group()
+
+
+def select_peers(names: list[str], comm: Any, device: str) -> tuple[list[System], list[str]]:
+    """The peers that can run here, and a line for each one named (what runs, what not).
+    Collective: every rank calls it with the same names, and a peer runs only where it could
+    start on every rank."""
+    peers: list[System] = []
+    notes: list[str] = []
+    makers: dict[str, Callable[[], System]] = {
+        "mpi": lambda: MpiPeer(), "nccl": lambda: NcclPeer(comm),
+        "gloo": lambda: GlooPeer(comm, device)}
+    for name in names:
+        why: str | None = None
+        if name == "mpi":
+            why = _mpi_world_matches(comm)
+            if why is None and device != "cpu":
+                why = "skipped on cuda (a PyPI MPI is not CUDA-aware; it would stage via host)"
+        elif name == "nccl" and device != "cuda":
+            why = "skipped (NCCL needs --device cuda and GPUs)"
+        if why is not None:  # the same on every rank
+            notes.append(f"{name}: {why}")
+            continue
+        peer: System | None = None
+        try:
+            peer = makers[name]()
+        except PeerUnavailable as exc:
+            why = f"skipped ({exc})"
+        except Exception as exc:  # a failed init (NcclError, RuntimeError from gloo, ...)
+            why = f"skipped (it failed to start: {type(exc).__name__}: {exc})"
+        if not _all_ranks_ok(comm, peer is not None):
+            if peer is not None:
+                peer.close()
+                peer = None
+            why = why or "skipped (it failed to start on another rank)"
+        if peer is None:
+            notes.append(f"{name}: {why}")
+        else:
+            peers.append(peer)
+            notes.append(f"{name}: measured")
+    return peers, notes
 
 
 def _mpi_world_matches(comm: Any) -> str | None:
@@ -185,32 +289,3 @@ def _mpi_world_matches(comm: Any) -> str | None:
         return (f"skipped (MPI's world has {MPI.COMM_WORLD.Get_size()} ranks, this job "
                 f"{comm.size})")
     return None
-
-
-def select_peers(names: list[str], comm: Any, device: str) -> tuple[list[System], list[str]]:
-    """The peers that can run here, and a line for each one named (what runs, what not)."""
-    peers: list[System] = []
-    notes: list[str] = []
-    for name in names:
-        why: str | None = None
-        if name == "mpi":
-            why = _mpi_world_matches(comm)
-            if why is None and device != "cpu":
-                why = "skipped on cuda (a PyPI MPI is not CUDA-aware; it would stage via host)"
-        elif name == "nccl" and device != "cuda":
-            why = "skipped (NCCL needs --device cuda and GPUs)"
-        elif name == "gloo" and device != "cpu":
-            why = "skipped on cuda (gloo stages GPU tensors through the host)"
-        if why is None:
-            try:
-                peer: System = {"mpi": lambda: MpiPeer(), "nccl": lambda: NcclPeer(comm),
-                                "gloo": lambda: GlooPeer(comm)}[name]()
-            except ImportError as exc:
-                module = (exc.name or str(exc)).split(".")[0]
-                why = f"skipped ({module} is not importable)"
-            else:
-                peers.append(peer)
-                notes.append(f"{name}: measured")
-                continue
-        notes.append(f"{name}: {why}")
-    return peers, notes

@@ -149,6 +149,7 @@ def run(s: Settings) -> int:
 
     backend = cuda_backend() if s.device == "cuda" else host_backend()
     comm = gpuring.init()
+    backend.use_device(comm.local_rank)
     out = Output(comm.rank == 0, stream_path_from_env())
     peers: list[System] = []
     try:

@@ -51,6 +51,9 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
+    def use_device(self, local_rank: int) -> None:
+        """Pick this rank's device (nothing to pick on the CPU)."""
+
     def copy_bandwidth(self, nbytes: int, repeats: int, sync: Callable[[], None]) -> float:
         """GB/s of a copy of `nbytes` (read + write counted), best of `repeats`; `sync` runs
         first so every rank copies at the same time."""
@@ -71,6 +74,11 @@ class _CudaBackend(Backend):  # pragma: no cover - needs a GPU
 
         self.xp = cupy
         self._cupy = cupy
+
+    def use_device(self, local_rank: int) -> None:
+        """Make GPU `local_rank % count` current, the one gpuring's CudaDevice picks."""
+        cuda = self._cupy.cuda
+        cuda.Device(local_rank % cuda.runtime.getDeviceCount()).use()
 
     def to_device(self, host: np.ndarray) -> Any:
         return self._cupy.asarray(host)

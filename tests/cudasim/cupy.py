@@ -64,6 +64,11 @@ class _Marker:
 
     def __init__(self) -> None:
         self.reached = threading.Event()
+        self.when = 0.0
+
+    def reach(self) -> None:
+        self.when = time.perf_counter()
+        self.reached.set()
 
 
 class _Worker(threading.Thread):
@@ -184,7 +189,7 @@ class Event:
         marker = _Marker()
         self._marker = marker
         self._stream = _stream(stream)
-        self._stream._put(marker.reached.set)
+        self._stream._put(marker.reach)
 
     @property
     def done(self) -> bool:
@@ -193,6 +198,13 @@ class Event:
     def synchronize(self) -> None:
         if self._marker is not None:
             self._marker.reached.wait()
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events."""
+    if start._marker is None or end._marker is None or not end.done or not start.done:
+        raise CUDARuntimeError("cudaErrorNotReady")
+    return (end._marker.when - start._marker.when) * 1e3
 
 
 def _sync_current() -> None:
@@ -532,6 +544,11 @@ class ndarray:
     device = property(lambda self: Device(0))
     T = property(lambda self: ndarray(self._a.T))
 
+    def set(self, host: np.ndarray, stream: Stream | None = None) -> None:
+        source = np.array(host, dtype=self.dtype, copy=True).reshape(self.shape)
+        target = self._a
+        _stream(stream)._put(lambda: np.copyto(target, source))
+
     def get(self) -> np.ndarray:
         _sync_current()
         return self._a.copy()
@@ -593,6 +610,15 @@ def _wrap(x: Any) -> Any:
     return ndarray(x) if isinstance(x, np.ndarray) else x
 
 
+def _arriving(host: np.ndarray) -> ndarray:
+    """A new device array that receives `host` on the current stream, as a host-to-device
+    copy does: work on other streams must be ordered after it to see the data."""
+    out = np.empty_like(host)
+    source = host.copy()
+    get_current_stream()._put(lambda: np.copyto(out, source))
+    return ndarray(out)
+
+
 def _binary(name: str) -> Callable[..., Any]:
     def op(self: ndarray, *args: Any) -> Any:
         _sync_current()
@@ -620,7 +646,7 @@ def asarray(x: Any, dtype: Any = None, order: Any = None) -> ndarray:
     if isinstance(x, ndarray) and (dtype is None or np.dtype(dtype) == x.dtype):
         return x
     _sync_current()
-    return ndarray(np.array(_unwrap(x), dtype=dtype, order=order or "K", copy=True))
+    return _arriving(np.array(_unwrap(x), dtype=dtype, order=order or "K", copy=True))
 
 
 array = asarray
@@ -644,7 +670,8 @@ def _numpy_function(name: str) -> Callable[..., Any]:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         _sync_current()
-        return _wrap(fn(*_unwrap(args), **_unwrap(kwargs)))
+        result = fn(*_unwrap(args), **_unwrap(kwargs))
+        return _arriving(result) if isinstance(result, np.ndarray) else result
     call.__name__ = name
     return call
 
@@ -688,7 +715,8 @@ function = types.ModuleType("cupy.cuda.function")
 function.Module = Module  # type: ignore[attr-defined]
 for _name, _value in {"runtime": runtime, "function": function, "Stream": Stream,
                       "Event": Event, "Memory": Memory, "Device": Device,
-                      "get_current_stream": get_current_stream}.items():
+                      "get_current_stream": get_current_stream,
+                      "get_elapsed_time": get_elapsed_time}.items():
     setattr(cuda, _name, _value)
 sys.modules["cupy.cuda"] = cuda
 sys.modules["cupy.cuda.runtime"] = runtime

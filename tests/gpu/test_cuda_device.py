@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,6 +99,13 @@ def _ops_for(dtype: str) -> list[ReduceOp]:
     return list(ReduceOp)
 
 
+def _ready_stream(dev: CudaDevice) -> Any:
+    """A device stream, after the caller's stream finished making the inputs (device streams
+    are non-blocking: they do not wait for the legacy stream by themselves)."""
+    cp.cuda.get_current_stream().synchronize()
+    return dev.create_stream()
+
+
 def _span(mem, offset: int, nbytes: int) -> Span:
     return Span(mem, offset, nbytes)
 
@@ -120,10 +128,10 @@ def test_reduce_matches_numpy(device: CudaDevice, dtype: str) -> None:
     n = 5003
     a, b = _random(dtype, n, rng), _random(dtype, n, rng)
     ga, gb = cp.asarray(a), cp.asarray(b)
-    stream = device.create_stream()
     for op in _ops_for(dtype):
         divisor = 3 if op is ReduceOp.AVG else 1
         out = cp.zeros_like(ga)
+        stream = _ready_stream(device)
         ma, mb, mo = device.wrap(ga), device.wrap(gb), device.wrap(out)
         nbytes = ga.nbytes
         stream.reduce(_span(mo, 0, nbytes), _span(ma, 0, nbytes), _span(mb, 0, nbytes),
@@ -144,7 +152,7 @@ def test_reduce_unaligned_offsets_and_tails(device: CudaDevice, dtype: str,
     out = cp.zeros(n + pad, dtype)
     ma, mb, mo = device.wrap(cp.asarray(a)), device.wrap(cp.asarray(b)), device.wrap(out)
     od, oa, ob = offsets
-    stream = device.create_stream()
+    stream = _ready_stream(device)
     stream.reduce(_span(mo, od * item, n * item), _span(ma, oa * item, n * item),
                   _span(mb, ob * item, n * item), dtype, ReduceOp.SUM)
     stream.synchronize()
@@ -157,9 +165,9 @@ def test_reduce_unaligned_offsets_and_tails(device: CudaDevice, dtype: str,
 def test_min_max_propagate_nan(device: CudaDevice) -> None:
     a = cp.asarray(np.array([np.nan, 1.0, 2.0, np.nan], np.float32))
     b = cp.asarray(np.array([0.0, np.nan, 3.0, np.nan], np.float32))
-    stream = device.create_stream()
     for op, mid in ((ReduceOp.MIN, 2.0), (ReduceOp.MAX, 3.0)):
         out = cp.zeros(4, np.float32)
+        stream = _ready_stream(device)
         ma, mb, mo = device.wrap(a), device.wrap(b), device.wrap(out)
         stream.reduce(_span(mo, 0, 16), _span(ma, 0, 16), _span(mb, 0, 16), "float32", op)
         stream.synchronize()
@@ -171,7 +179,7 @@ def test_reduce_in_place(device: CudaDevice) -> None:
     a = cp.arange(10000, dtype=cp.int32)
     b = cp.full(10000, 7, dtype=cp.int32)
     ma, mb = device.wrap(a), device.wrap(b)
-    stream = device.create_stream()
+    stream = _ready_stream(device)
     stream.reduce(_span(ma, 0, a.nbytes), _span(ma, 0, a.nbytes), _span(mb, 0, b.nbytes),
                   "int32", ReduceOp.SUM)
     stream.synchronize()
@@ -191,7 +199,7 @@ def test_copy(copy_mode: str, offsets: tuple[int, int], n: int) -> None:
         dst_arr = cp.zeros(n + 32, cp.uint8)
         dst = dev.wrap(dst_arr)
         od, os_ = offsets
-        stream = dev.create_stream()
+        stream = _ready_stream(dev)
         stream.copy(_span(dst, od, n), _span(src, os_, n))
         stream.synchronize()
         got = cp.asnumpy(dst_arr)
@@ -211,7 +219,7 @@ def test_flag_orders_two_streams(device: CudaDevice) -> None:
     src, dst = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
     mx, my, ms, md = (device.wrap(v) for v in (x, y, src, dst))
     nbytes = n * 4
-    reader, writer = device.create_stream(), device.create_stream()
+    reader, writer = _ready_stream(device), _ready_stream(device)
 
     reader.wait_flag(flag, 5, tag="test-wait")
     reader.copy(_span(md, 0, nbytes), _span(ms, 0, nbytes))
@@ -252,7 +260,7 @@ def test_wait_times_out() -> None:
     for mode in FLAG_MODES:
         dev = CudaDevice(0, timeout=0.5, flags=mode)
         flags = dev.alloc(8)
-        stream = dev.create_stream()
+        stream = _ready_stream(dev)
         stream.wait_flag(Flag(flags, 0), 1, tag=("step", 3))
         with pytest.raises(FlagWaitTimeout) as info:
             stream.synchronize()
@@ -266,7 +274,7 @@ def test_abort_fails_waits() -> None:
     for mode in FLAG_MODES:
         dev = CudaDevice(0, timeout=30.0, flags=mode)
         flags = dev.alloc(8)
-        stream = dev.create_stream()
+        stream = _ready_stream(dev)
         stream.wait_flag(Flag(flags, 0), 1, tag="never")
         dev.abort("peer 3 died")
         with pytest.raises(FlagWaitAborted, match="peer 3 died"):
@@ -304,6 +312,7 @@ dev = CudaDevice(0)
 peer = dev.open(handle)
 assert dev.open(handle) is peer
 src = dev.wrap(cp.arange(256, dtype=cp.uint8))
+cp.cuda.get_current_stream().synchronize()  # inputs made on the caller's stream
 s = dev.create_stream()
 s.copy(Span(peer, 0, 256), Span(src, 0, 256))
 s.synchronize()

@@ -298,6 +298,8 @@ def main() -> None:
 
         xp = cupy
     with gpuring.init(timeout=float(os.environ.get("GPURING_TIMEOUT", "60"))) as comm:
+        if device == "cuda":  # the GPU gpuring picks for this rank
+            xp.cuda.Device(comm.local_rank % xp.cuda.runtime.getDeviceCount()).use()
         checker = Checker(comm, case, outdir, xp)
         CASES[case](checker)
         checker.finish()
