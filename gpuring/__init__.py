@@ -19,6 +19,7 @@ from ._world import (
     init,
     reduce,
     reduce_scatter,
+    synchronize,
 )
 from .communicator import Communicator
 
@@ -34,6 +35,7 @@ __all__ = [
     "broadcast",
     "reduce",
     "barrier",
+    "synchronize",
     "all_reduce_async",
     "all_reduce_many",
     "Work",

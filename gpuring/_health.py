@@ -111,13 +111,18 @@ class Health:
                 error = PeerFailureError(f"rank {peer} failed: {reason}", peer=culprit)
             self._fail(error)
             return
-        current = self._current
-        if current is not None:
-            gone = self.board.left_before(current[0])
+        # the collective this rank waits for: the one its host is in, else the oldest one
+        # still running on the GPU
+        waiting = self._current[:2] if self._current is not None else None
+        if waiting is None and self._pending:
+            _event, _deadline, name, seq = self._pending[0]
+            waiting = (seq, name)
+        if waiting is not None:
+            gone = self.board.left_before(waiting[0])
             if gone:
                 self._fail(PeerFailureError(
-                    f"rank {gone[0]} closed its communicator without entering {current[1]} "
-                    f"#{current[0]}", peer=gone[0]))
+                    f"rank {gone[0]} closed its communicator without entering {waiting[1]} "
+                    f"#{waiting[0]}", peer=gone[0]))
                 return
         self._check_pending()
         self._check_stall()

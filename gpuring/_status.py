@@ -49,11 +49,11 @@ class StatusBoard:
         self.size = control.size
         self._host = host
         local = host.alloc(_PAGE)
-        handles = control.allgather(host.export(local), timeout)
+        handles = control.exchange("setup (status pages)", host.export(local), timeout)
         self._pages: list[HostMemory] = [
             local if r == self.rank else open_peer(host, h, r)  # type: ignore[misc]
             for r, h in enumerate(handles)]
-        control.barrier(timeout)
+        control.barrier(timeout, "setup (status pages mapped)")
         host.seal(local)
         self._mine = local
         self._fence = threading.Lock()

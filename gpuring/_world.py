@@ -102,6 +102,11 @@ def barrier() -> None:
     current().barrier()
 
 
+def synchronize() -> None:
+    """`Communicator.synchronize` on the communicator init() made."""
+    current().synchronize()
+
+
 def all_reduce_async(x: Any, *, op: ReduceOp | str = "sum", out: Any = None) -> Work:
     """`Communicator.all_reduce_async` on the communicator init() made."""
     return current().all_reduce_async(x, op=op, out=out)

@@ -99,6 +99,7 @@ class Communicator:
         self._lock = threading.RLock()
         self._broken: BaseException | None = None
         self._failure: GpuringError | None = None
+        self._user_aborted = False  # abort() was called: close() need not report the failure
         self._closed = False
         self._watch: list[Any] = []
         self._mpi: Any = None  # MpiCollectives, made on first use
@@ -137,24 +138,65 @@ class Communicator:
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # an exception on its way out says more than a failure it caused: don't mask it
+        self._close(report=exc_type is None)
 
     def close(self) -> None:
-        """Free buffers, unmap peers, leave the job. Idempotent."""
+        """Wait for this rank's collectives, free buffers, unmap peers, leave the job.
+        Idempotent. Raises the failure of a collective that no call has raised yet (GPU
+        collectives return before they complete: see `synchronize`)."""
+        self._close(report=True)
+
+    def _close(self, report: bool) -> None:
         if self._closed:
             return
         self._close_training()
+        unraised: BaseException | None = None
+        if self._failure is None and self._broken is None:
+            try:
+                self._wait_engines("close")
+            except BaseException as exc:
+                unraised = exc
+        elif self._broken is None and not self._user_aborted:
+            unraised = self._failure
         self._closed = True
         self._state["orderly"] = self._failure is None and self._broken is None
         self._finalizer()
         from . import _world
 
         _world.forget(self)
+        if report and unraised is not None:
+            if isinstance(unraised, GpuringError):
+                raise _in_context(unraised, "close", self._seq, self.rank)
+            raise unraised
+
+    def synchronize(self) -> None:
+        """Wait until every collective this rank started has completed; raise the first
+        failure. CUDA collectives return once queued: their errors reach the host here, in the
+        next call, or in `close()`; results read before then are not checked."""
+        self._drain_async()
+        self._ensure_open("synchronize")
+        self._wait_engines("synchronize")
+
+    def _wait_engines(self, name: str) -> None:
+        for engine in list(self._engines.values()):
+            try:
+                engine.synchronize()
+            except BaseException as exc:
+                if self._failure is not None:  # the cause (a peer died, say) reads better
+                    error: BaseException = _in_context(self._failure, name, self._seq,
+                                                       self.rank)
+                else:
+                    error = exc
+                    self._give_up(exc, name)
+                self._broken = error
+                raise error from None
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
         are told, and later calls raise CommunicatorClosedError. Close it afterwards."""
+        self._user_aborted = True
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
         if self._health is not None:
             self._health.give_up(reason)
@@ -332,7 +374,7 @@ class Communicator:
         """Check that every rank runs the same collective; cached per signature."""
         if signature in self._agreed:
             return
-        signatures = self._control.allgather(signature, self.config.timeout)
+        signatures = self._control.exchange("a collective", signature, self.config.timeout)
         differences: dict[str, dict[int, object]] = {}
         for i, field in enumerate(_SIGNATURE_FIELDS[:len(signature)]):
             values = {r: s[i] for r, s in enumerate(signatures)}
@@ -484,7 +526,7 @@ class Communicator:
     def _verify(self, name: str, out: Any) -> None:
         """GPURING_VERIFY: compare a checksum of the result across ranks."""
         checksum = zlib.crc32(_arrays.to_host(out).tobytes())
-        sums = self._control.allgather(checksum, self.config.timeout)
+        sums = self._control.exchange(f"{name} (result check)", checksum, self.config.timeout)
         if len(set(sums)) > 1:
             error = GpuringError(
                 f"{name} #{self._seq}: results differ across ranks (checksums "
@@ -602,7 +644,8 @@ class Communicator:
         self._drain_async()
         if self._timeline is not None:
             raise GpuringError("a timeline is already recording; call stop_timeline() first")
-        self._control.barrier(self.config.timeout)  # a common time origin on every rank
+        # a common time origin on every rank
+        self._control.barrier(self.config.timeout, "start_timeline()")
         self._timeline = Timeline(os.fspath(path), self.rank)
 
     def stop_timeline(self) -> str | None:
@@ -612,7 +655,8 @@ class Communicator:
         timeline, self._timeline = self._timeline, None
         if timeline is None:
             return None
-        per_rank = self._control.allgather(timeline.events, self.config.timeout)
+        per_rank = self._control.exchange("stop_timeline()", timeline.events,
+                                          self.config.timeout)
         if self.rank != 0:
             return None
         write_trace(timeline.path, per_rank)

@@ -69,10 +69,10 @@ class Engine:
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
         local = device.alloc(_FLAG_BYTES + 4 * capacity_bytes)
-        handles = control.allgather(device.export(local), timeout)
+        handles = control.exchange("setup (buffer handles)", device.export(local), timeout)
         self._mems: list[Memory] = [
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
-        control.barrier(timeout)  # every peer has mapped every buffer
+        control.barrier(timeout, "setup (buffers mapped)")
         device.seal(local)
         self._done_flag = Flag(local, _DONE_OFFSET)
         self._peer_done = [Flag(mem, _DONE_OFFSET) for mem in self._mems]
@@ -224,7 +224,7 @@ class Engine:
                     raise GpuringError("the communicator failed")
                 self.synchronize()
                 device.detach_peers()
-                control.barrier(min(self.timeout, 60.0))
+                control.barrier(min(self.timeout, 60.0), "close()")
             except BaseException as exc:
                 warnings.warn(f"gpuring: GPU buffers left allocated at close ({exc}); peers "
                               "may still read them", RuntimeWarning, stacklevel=2)

@@ -6,6 +6,8 @@ import abc
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import CollectiveMismatchError
+
 __all__ = ["ControlPlane"]
 
 
@@ -28,8 +30,21 @@ class ControlPlane(abc.ABC):
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
         """Every rank's `obj`, in rank order."""
 
-    def barrier(self, timeout: float | None = None) -> None:
-        self.allgather(None, timeout)
+    def exchange(self, what: str, obj: Any, timeout: float | None = None) -> list[Any]:
+        """`allgather` for a named purpose: raises CollectiveMismatchError on every rank when
+        ranks exchange for different purposes (one closes while another starts a collective,
+        say), instead of handing one step's data to another."""
+        gathered = self.allgather((what, obj), timeout)
+        purposes = [g[0] if isinstance(g, tuple) and len(g) == 2 else "?" for g in gathered]
+        if any(p != what for p in purposes):
+            raise CollectiveMismatchError(
+                "ranks are out of step: " + "; ".join(
+                    f"rank {r} is at {p}" for r, p in enumerate(purposes)),
+                differences={"step": dict(enumerate(purposes))})
+        return [g[1] for g in gathered]
+
+    def barrier(self, timeout: float | None = None, what: str = "a barrier") -> None:
+        self.exchange(what, None, timeout)
 
     def on_peer_failure(self, callback: Callable[[int, str], None]) -> None:
         """Call `callback(rank, reason)` (from any thread) when a peer is known to have died."""

@@ -46,6 +46,7 @@ class StoreServer:
         self._conns: dict[int, Connection] = {}
         self._posted: dict[tuple[int, int], dict[int, Any]] = {}
         self._left: set[int] = set()  # id() of connections that said goodbye
+        self._gone: dict[int, set[int]] = {}  # generation -> ranks that closed their client
         self.failures: list[tuple[int, str]] = []
         #: failures of ranks that are gone for good (exited or disconnected without goodbye)
         self.deaths: list[tuple[int, str]] = []
@@ -81,7 +82,7 @@ class StoreServer:
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError):  # TypeError: closed under our feet by close()
                 self._disconnected(rank, conn)
                 return
             if message[0] == "allgather":
@@ -89,6 +90,9 @@ class StoreServer:
             elif message[0] == "bye":
                 with self._lock:
                     self._left.add(id(conn))
+                    self._gone.setdefault(generation, set()).add(rank)
+                    for step in [k for k in self._posted if k[0] == generation]:
+                        self._release_if_stuck(step)
             elif message[0] == "abort":
                 self._report_abort(rank, message[1])
 
@@ -110,6 +114,19 @@ class StoreServer:
                 values = [posted[r] for r in range(self.size)]
                 for r in range(self.size):
                     self._send(r, ("allgather", step[1], values))
+            else:
+                self._release_if_stuck(step)
+
+    def _release_if_stuck(self, step: tuple[int, int]) -> None:
+        """An exchange that a closed rank never joined cannot complete: tell the ranks that
+        wait in it (at once, rather than at their timeout). Holds the lock."""
+        posted = self._posted[step]
+        missing = sorted(self._gone.get(step[0], set()) - set(posted))
+        if missing:
+            del self._posted[step]
+            reason = f"rank {missing[0]} closed its communicator without joining this exchange"
+            for r in posted:
+                self._send(r, ("left", step[1], missing[0], reason))
 
     def _disconnected(self, rank: int, conn: Connection) -> None:
         with self._lock:
@@ -236,6 +253,8 @@ class StoreClient(ControlPlane):
                 raise PeerFailureError(message[2], peer=message[1])
             if message[0] == "lost":
                 raise PeerFailureError(message[1])
+            if message[0] == "left" and message[1] == self._step:
+                raise PeerFailureError(message[3], peer=message[2])
 
     def interrupt(self, reason: str) -> None:
         self._replies.put(("lost", reason))

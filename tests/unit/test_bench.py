@@ -179,7 +179,16 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
 
 
 class _Comm:
+    """Rank 0 of two; `other_ok` is what the other rank reports to the agreement."""
+
     rank, size = 0, 2
+
+    def __init__(self, other_ok: bool = True):
+        self.other_ok = other_ok
+
+    def all_reduce(self, x, op="sum"):
+        assert op == "min"
+        return np.minimum(x, 1 if self.other_ok else 0)
 
 
 def test_missing_peers_are_named_and_skipped(monkeypatch):
@@ -194,6 +203,30 @@ def test_missing_peers_are_named_and_skipped(monkeypatch):
                      "gloo: skipped (torch is not importable)"]
     with pytest.raises(ValueError):
         parse_peers("mpi,carrier-pigeon")
+
+
+def test_a_peer_runs_only_where_every_rank_started_it(monkeypatch):
+    """A peer that started here but not on another rank is closed and skipped here too (its
+    calls are collective: running it on some ranks only would hang them)."""
+    from gpuring.bench import peers as peers_module
+
+    closed = []
+
+    class Started:
+        name = "gloo"
+
+        def __init__(self, comm, device="cpu"):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(peers_module, "GlooPeer", Started)
+    found, notes = select_peers(["gloo"], _Comm(other_ok=False), "cpu")
+    assert found == [] and closed == [True]
+    assert notes == ["gloo: skipped (it failed to start on another rank)"]
+    found, notes = select_peers(["gloo"], _Comm(), "cpu")
+    assert len(found) == 1 and notes == ["gloo: measured"]
 
 
 def test_cpu_model_from_cpuinfo(tmp_path):
