@@ -65,6 +65,19 @@ def test_mismatched_order_is_an_error_not_a_hang(n):
                                     for r in range(n)] * 2), out
 
 
+@pytest.mark.parametrize("nonblocking", ["0", "1"])
+def test_a_rank_that_closes_early_fails_the_others_fast(nonblocking):
+    proc = launch("gpuring", 3, [WORKER, "leave_early"],
+                  env={"GPURING_TIMEOUT": "600", "GPURING_TEST_NONBLOCKING": nonblocking},
+                  timeout=300)
+    out = proc.stdout + proc.stderr
+    got = results(proc.stdout)
+    assert set(got) == {1, 2}, out
+    for name, peer, after in got.values():
+        assert name == "PeerFailureError" and peer == "0", out
+        assert after < 60, out
+
+
 def test_abort_unblocks_and_reinit_works():
     proc = launch("gpuring", 2, [WORKER, "abort"], env={"GPURING_TIMEOUT": "60"}, timeout=120)
     out = proc.stdout + proc.stderr

@@ -214,7 +214,30 @@ def case_soak(comm: gpuring.Communicator) -> None:
     print(f"RESULT {r} ok soak {count}", flush=True)
 
 
+def case_leave_early(comm: gpuring.Communicator) -> None:
+    """Rank 0 closes after the first collective while the others start a second one. They
+    raise PeerFailureError at once, not at the timeout: from the call, or (a device whose
+    collectives return before completing) from close()."""
+    x = np.ones(1000, np.float64)
+    comm.all_reduce(x)
+    since = time.monotonic()
+    if comm.rank == 0:
+        comm.close()
+        return
+    try:
+        comm.all_reduce(x)
+        comm.close()
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        return
+    raise AssertionError("no error although rank 0 left")
+
+
 def main() -> None:
+    if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
+        from worker import use_nonblocking_host_device
+
+        use_nonblocking_host_device()
     case = sys.argv[1]
     timeout = float(os.environ.get("GPURING_TIMEOUT", "600"))
     comm = gpuring.init(timeout=timeout)
