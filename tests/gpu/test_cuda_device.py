@@ -162,6 +162,22 @@ def test_reduce_unaligned_offsets_and_tails(device: CudaDevice, dtype: str,
     assert not got[:od].any() and not got[od + n:].any()  # nothing written outside
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64"])
+def test_subnormals_are_not_flushed(device: CudaDevice, dtype: str) -> None:
+    """The kernels are built without -ftz (CuPy's RawModule would flush subnormals to 0)."""
+    tiny = np.finfo(np.dtype(dtype).type(0).real.dtype).smallest_subnormal
+    a = np.full(64, tiny * 3, dtype=dtype)
+    b = np.full(64, tiny * 2, dtype=dtype)
+    ga, gb, out = cp.asarray(a), cp.asarray(b), cp.zeros(64, dtype=dtype)
+    stream = _ready_stream(device)
+    ma, mb, mo = device.wrap(ga), device.wrap(gb), device.wrap(out)
+    stream.reduce(_span(mo, 0, a.nbytes), _span(ma, 0, a.nbytes), _span(mb, 0, a.nbytes),
+                  dtype, ReduceOp.SUM)
+    stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(out), a + b)
+    assert (cp.asnumpy(out) != 0).all()
+
+
 def test_min_max_propagate_nan(device: CudaDevice) -> None:
     a = cp.asarray(np.array([np.nan, 1.0, 2.0, np.nan], np.float32))
     b = cp.asarray(np.array([0.0, np.nan, 3.0, np.nan], np.float32))
