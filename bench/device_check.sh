@@ -6,28 +6,35 @@
 # Writes to OUTDIR: env.txt (nvidia-smi, versions), gpu-tests.log, and for 2 and 4 ranks
 # sharing the GPU: allreduce-<n>ranks.{txt,json} from `gpuring bench` (1 KiB .. 1 GiB, with
 # NCCL and torch gloo beside gpuring where present, the floor and efficiency against it).
-# Runs the project from this tree (no install needed).
+# Runs the project from this tree (no install needed). $PYTHON picks the interpreter (default
+# python3); GPURING_DEVICE_CHECK_MAXBYTES the largest size (default 1G).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${GPURING_DEVICE_CHECK_OUT:-device-check-out}}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_MULTI_RANK_GPU_ENABLE=1  # NCCL >= 2.30: several ranks on one GPU
+py="${PYTHON:-$(command -v python3 || command -v python)}"
 status=0
 
 {
   date -u
   git rev-parse HEAD 2>/dev/null || echo "commit: unknown"
   nvidia-smi
-  python - <<'PY'
-import importlib, platform
-print("python", platform.python_version())
+  "$py" - <<'PY'
+import importlib, importlib.metadata, platform, sys
+print("python", platform.python_version(), sys.executable)
 for name in ("numpy", "cupy", "cuda.bindings", "torch", "mpi4py"):
     try:
         mod = importlib.import_module(name)
         print(name, getattr(mod, "__version__", "?"))
     except Exception as exc:
         print(name, "missing:", exc)
+for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-cuda-nvrtc", "cuda-bindings"):
+    try:
+        print(dist, importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
+        pass
 try:
     import cupy
     from cupy.cuda import nccl
@@ -39,11 +46,12 @@ except Exception as exc:
 PY
 } > "$out/env.txt" 2>&1
 
-timeout 240 python -m pytest tests/gpu tests/unit/test_kernels_compile.py -q -p no:cacheprovider \
+timeout 200 "$py" -m pytest tests/gpu tests/unit/test_kernels_compile.py -q -p no:cacheprovider \
   > "$out/gpu-tests.log" 2>&1 || status=1
 
 for n in 2 4; do
-  timeout 150 python -m gpuring bench all_reduce --ranks "$n" --device cuda -b 1K -e 1G \
+  timeout 120 "$py" -m gpuring bench all_reduce --ranks "$n" --device cuda -b 1K \
+    -e "${GPURING_DEVICE_CHECK_MAXBYTES:-1G}" \
     --peers nccl,gloo --json "$out/allreduce-${n}ranks.json" \
     > "$out/allreduce-${n}ranks.txt" 2>&1 || status=1
 done
