@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -147,6 +148,17 @@ class _CudaStream(Stream):
         self.raw = raw
         self.waits: collections.deque[tuple[Flag, int, Any]] = collections.deque(
             maxlen=_RECENT_WAITS)
+        self._cu: Any = None  # the driver's CUstream for stream memory operations
+
+    def _driver_stream(self) -> Any:
+        """(driver module, CUstream), made once per stream; binds the device's context to
+        this thread the first time a thread asks."""
+        from cuda.bindings import driver
+
+        self._device.bind_driver()
+        if self._cu is None:
+            self._cu = driver.CUstream(self.raw.ptr)
+        return driver, self._cu
 
     def copy(self, dst: Span, src: Span) -> None:
         if dst.nbytes != src.nbytes:
@@ -191,13 +203,11 @@ class _CudaStream(Stream):
         self.waits.append((flag, value, tag))
         with dev.gpu:
             if dev.flags_mode == "memops":
-                from cuda.bindings import driver
-
-                dev.bind_driver()
+                driver, cu = self._driver_stream()
                 geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
                 _check_cu(driver.cuStreamWaitValue64(
-                    driver.CUstream(self.raw.ptr), driver.CUdeviceptr(addr),
-                    driver.cuuint64_t(value), geq), "cuStreamWaitValue64")
+                    cu, driver.CUdeviceptr(addr), driver.cuuint64_t(value), geq),
+                    "cuStreamWaitValue64")
             else:
                 _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, dev.device_id)(
                     (1,), (1,),
@@ -211,14 +221,12 @@ class _CudaStream(Stream):
         addr = _flag_addr(flag)
         with dev.gpu:
             if dev.flags_mode == "memops":
-                from cuda.bindings import driver
-
-                dev.bind_driver()
+                driver, cu = self._driver_stream()
                 # the default flags put a system-scope memory barrier before the write
                 fence = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
                 _check_cu(driver.cuStreamWriteValue64(
-                    driver.CUstream(self.raw.ptr), driver.CUdeviceptr(addr),
-                    driver.cuuint64_t(value), fence), "cuStreamWriteValue64")
+                    cu, driver.CUdeviceptr(addr), driver.cuuint64_t(value), fence),
+                    "cuStreamWriteValue64")
             else:
                 _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, dev.device_id)(
                     (1,), (1,), (np.uint64(addr), np.uint64(value),
@@ -288,8 +296,11 @@ class CudaDevice(Device):
     """
 
     kind = "cuda"
-    default_chunk_bytes = 1 << 21
-    default_channels = 2
+    # Every piece costs a few stream operations queued from Python (several microseconds each)
+    # while an H200 moves a MiB in well under a microsecond: pieces must be large for the
+    # host to keep ahead of the GPU. One channel: one kernel already fills the GPU.
+    default_chunk_bytes = 8 << 20
+    default_channels = 1
     default_buffer_bytes = 64 << 20
     blocking = False
 
@@ -335,6 +346,7 @@ class CudaDevice(Device):
         self._streams: list[_CudaStream] = []
         self._abort_reason: str | None = None
         self._closed = False
+        self._bound = threading.local()  # threads whose driver context is bound
 
     # -- helpers ------------------------------------------------------------------------------
     def grid_for(self, n: int, per_thread: int) -> int:
@@ -344,8 +356,12 @@ class CudaDevice(Device):
 
     def bind_driver(self) -> None:
         """Make this device's primary context current for driver API calls in this thread
-        (cudaSetDevice binds it; a thread that made no runtime call yet has none)."""
+        (cudaSetDevice binds it; a thread that made no runtime call yet has none). Stream
+        operations run inside `with self.gpu`, which keeps it current afterwards."""
+        if getattr(self._bound, "done", False):
+            return
         _cupy().cuda.runtime.setDevice(self.device_id)
+        self._bound.done = True
 
     def read_u64(self, addr: int) -> int:
         """The 8-byte word at a device address, read on a side stream (not the legacy one,
