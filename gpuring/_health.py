@@ -40,6 +40,7 @@ class Health:
         self._on_failure = on_failure
         self._failed = False
         self._current: tuple[int, str, float] | None = None
+        self._expecting: tuple[int, str] | None = None  # in the control-plane check of a call
         self._warned_seq = 0
         self._pending: collections.deque[tuple[Event, float, str, int]] = collections.deque()
         self._stop = threading.Event()
@@ -63,6 +64,23 @@ class Health:
     def leave(self) -> None:
         self._current = None
 
+    def expect(self, seq: int | None, name: str = "") -> None:
+        """This rank is agreeing on collective `seq` with its peers over the control plane
+        (None: done), so a peer that closed before `seq` fails it too."""
+        self._expecting = None if seq is None else (seq, name)
+
+    def busy(self) -> bool:
+        """Whether this rank has a collective in flight: on the host, or queued on the GPU."""
+        if self._current is not None:
+            return True
+        for event, _deadline, _name, _seq in list(self._pending):
+            try:
+                if not event.query():
+                    return True
+            except Exception:  # a failed kernel: its results are lost
+                return True
+        return False
+
     def track(self, event: Event, name: str, seq: int) -> None:
         """Fail the communicator if `event` has not completed within the timeout."""
         self._pending.append((event, time.monotonic() + self._timeout, name, seq))
@@ -75,12 +93,19 @@ class Health:
         else:
             self.board.give_up(TIMED_OUT, reason, timed_out_on)
 
+    def leaving(self) -> None:
+        """Tell peers this rank closed its communicator (or, if it failed and has not said
+        so yet, that it gave up); keep watching them until `close`."""
+        if not self._failed:
+            self.board.give_up(LEFT, "closed")
+        elif self.board.state() == 0:
+            self.board.give_up(GAVE_UP, "closed its communicator after a failure")
+
     def close(self) -> None:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2)
-        if not self._failed:
-            self.board.give_up(LEFT, "closed")
+        self.leaving()
         self.board.close()
 
     # -- the watchdog thread ------------------------------------------------------------------
@@ -111,9 +136,10 @@ class Health:
                 error = PeerFailureError(f"rank {peer} failed: {reason}", peer=culprit)
             self._fail(error)
             return
-        # the collective this rank waits for: the one its host is in, else the oldest one
-        # still running on the GPU
-        waiting = self._current[:2] if self._current is not None else None
+        # the collective this rank waits for: the one its host is in or agrees on, else the
+        # oldest one still running on the GPU
+        current = self._current
+        waiting = current[:2] if current is not None else self._expecting
         if waiting is None and self._pending:
             _event, _deadline, name, seq = self._pending[0]
             waiting = (seq, name)
@@ -130,7 +156,15 @@ class Health:
     def _check_pending(self) -> None:
         while self._pending:
             event, deadline, name, seq = self._pending[0]
-            if event.query():
+            try:
+                done = event.query()
+            except Exception as exc:  # the GPU reported an error: the collective is lost
+                message = f"{name} #{seq} failed on rank {self.rank}: {exc}"
+                self.board.give_up(GAVE_UP, message)
+                self._fail(GpuringError(message))
+                self._pending.popleft()
+                return
+            if done:
                 self._pending.popleft()
             elif time.monotonic() > deadline:
                 message = (f"{name} #{seq} did not complete on rank {self.rank} within "

@@ -98,6 +98,10 @@ class StatusBoard:
         words[_CULPRIT] = culprit
         words[_STATE] = state
 
+    def state(self) -> int:
+        """This rank's published state (0 while it runs normally)."""
+        return int(self._mine.i64[_STATE])  # type: ignore[index]
+
     # -- peers ------------------------------------------------------------------------------
     @staticmethod
     def _text(page: HostMemory, at: int, length_word: int) -> str:

@@ -15,7 +15,7 @@ from .communicator import Communicator
 from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "reduce", "barrier", "all_reduce_async", "all_reduce_many"]
+           "reduce", "barrier", "synchronize", "all_reduce_async", "all_reduce_many"]
 
 _lock = threading.Lock()
 _current: Communicator | None = None

@@ -61,13 +61,17 @@ def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
 
 def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane,
              state: dict[str, bool]) -> None:
-    """Close in order: the watchdog, the engines, the status board's memory, the control
-    plane. Runs once, from close() or when the communicator is garbage collected."""
-    for item in watch:  # Health first, then the HostDevice that holds the board
-        item.close()
+    """Close in order: tell the peers this rank is leaving, the engines (the watchdog still
+    watching, so a peer that fails meanwhile ends the close's wait at once), the watchdog, the
+    status board's memory, the control plane. Runs once, from close() or when the
+    communicator is garbage collected."""
+    for item in watch:
+        if isinstance(item, Health):
+            item.leaving()
     for engine in engines.values():
         engine.close(control, orderly=state["orderly"])
-    engines.clear()
+    for item in watch:  # Health first, then the HostDevice that holds the board
+        item.close()
     watch.clear()
     control.close()
 
@@ -100,6 +104,7 @@ class Communicator:
         self._broken: BaseException | None = None
         self._failure: GpuringError | None = None
         self._user_aborted = False  # abort() was called: close() need not report the failure
+        self._failure_hit_work = False  # the failure came while a collective was in flight
         self._closed = False
         self._watch: list[Any] = []
         self._mpi: Any = None  # MpiCollectives, made on first use
@@ -145,7 +150,8 @@ class Communicator:
     def close(self) -> None:
         """Wait for this rank's collectives, free buffers, unmap peers, leave the job.
         Idempotent. Raises the failure of a collective that no call has raised yet (GPU
-        collectives return before they complete: see `synchronize`)."""
+        collectives return before they complete: see `synchronize`); a failure that came
+        after all of this rank's collectives had completed is not raised."""
         self._close(report=True)
 
     def _close(self, report: bool) -> None:
@@ -158,7 +164,7 @@ class Communicator:
                 self._wait_engines("close")
             except BaseException as exc:
                 unraised = exc
-        elif self._broken is None and not self._user_aborted:
+        elif self._broken is None and not self._user_aborted and self._failure_hit_work:
             unraised = self._failure
         self._closed = True
         self._state["orderly"] = self._failure is None and self._broken is None
@@ -210,6 +216,8 @@ class Communicator:
         """Record the first failure and unblock every wait of this rank (any thread)."""
         if self._failure is not None:
             return
+        # a failure that reached no collective of this rank (all had completed) lost nothing
+        self._failure_hit_work = self._health is not None and self._health.busy()
         self._failure = error
         self._state["orderly"] = False
         for engine in list(self._engines.values()):
@@ -374,7 +382,19 @@ class Communicator:
         """Check that every rank runs the same collective; cached per signature."""
         if signature in self._agreed:
             return
-        signatures = self._control.exchange("a collective", signature, self.config.timeout)
+        health = self._health
+        if health is not None:  # a peer that closes meanwhile fails this exchange at once
+            health.expect(self._seq + 1, signature[0])
+        try:
+            signatures = self._control.exchange("a collective", signature, self.config.timeout)
+        except (PeerFailureError, CollectiveTimeoutError) as exc:
+            cause = self._failure if self._failure is not None else exc
+            error = _in_context(cause, signature[0], self._seq + 1, self.rank)
+            self._broken = error
+            raise error from None
+        finally:
+            if health is not None:
+                health.expect(None)
         differences: dict[str, dict[int, object]] = {}
         for i, field in enumerate(_SIGNATURE_FIELDS[:len(signature)]):
             values = {r: s[i] for r, s in enumerate(signatures)}

@@ -75,11 +75,13 @@ def _all_ranks_ok(comm: Any, ok: bool) -> bool:
     return bool(comm.all_reduce(flag, op="min")[0])
 
 
-def _nccl_id_argument(nccl_id: bytes, cupy_version: str) -> Any:
-    """CuPy >= 14 takes the 128-byte ncclUniqueId as bytes, older CuPy as a tuple of C chars."""
+def _nccl_id_argument(nccl_id: bytes, cupy_version: str, char_signed: bool = True) -> Any:
+    """CuPy >= 14 takes the 128-byte ncclUniqueId as bytes, older CuPy as a tuple of C chars
+    (signed on x86-64, unsigned on ARM)."""
     if int(cupy_version.split(".")[0]) >= 14:
         return nccl_id
-    return tuple(int(v) for v in np.frombuffer(nccl_id, dtype=np.int8))
+    return tuple(int(v) for v in np.frombuffer(nccl_id, dtype=np.int8 if char_signed
+                                                else np.uint8))
 
 
 def _nccl_id_bytes(value: Any) -> bytes:
@@ -107,8 +109,8 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         try:
             import cupy
             from cupy.cuda import nccl
-        except ImportError as exc:
-            why = f"{exc.name or 'cupy.cuda.nccl'} is not importable"
+        except Exception as exc:  # ImportError, or a library that fails to load
+            why = f"cupy.cuda.nccl is not importable ({type(exc).__name__}: {exc})"
         else:
             if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
                 why = "CuPy could not load libnccl (pip install nvidia-nccl-cu13)"
@@ -125,8 +127,13 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         comm.broadcast(message, root=0)
         if not message[0]:
             raise PeerUnavailable(why or "ncclGetUniqueId failed on rank 0")
-        nccl_id = _nccl_id_argument(message[1:].tobytes(), cupy.__version__)
-        self.comm = nccl.NcclCommunicator(comm.size, nccl_id, comm.rank)
+        nccl_id = message[1:].tobytes()
+        try:
+            self.comm = nccl.NcclCommunicator(
+                comm.size, _nccl_id_argument(nccl_id, cupy.__version__), comm.rank)
+        except OverflowError:  # an old CuPy where C char is unsigned
+            self.comm = nccl.NcclCommunicator(
+                comm.size, _nccl_id_argument(nccl_id, cupy.__version__, False), comm.rank)
 
     def placement(self, kind: str) -> str:
         return IN_PLACE if kind == "broadcast" else OUT_OF_PLACE
@@ -168,8 +175,8 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
 class GlooPeer(System):
     """torch.distributed with the gloo backend, on tensors that share the benchmark's arrays
     (CPU tensors for NumPy, CUDA tensors through DLPack for CuPy). Gloo's all_reduce, broadcast
-    and reduce work in place; on CUDA tensors gloo has only all_reduce and broadcast.
-    Constructing it is collective."""
+    and reduce work in place. On CUDA tensors only all_reduce and broadcast are measured (what
+    gloo supports on CUDA in every torch version). Constructing it is collective."""
 
     name = "gloo"
 
@@ -180,6 +187,8 @@ class GlooPeer(System):
             import torch.distributed as dist
         except ImportError as exc:
             why = f"{(exc.name or 'torch').split('.')[0]} is not importable"
+        except Exception as exc:  # a torch that fails to load its libraries
+            why = f"torch is not importable ({type(exc).__name__}: {exc})"
         else:
             if not dist.is_available() or not dist.is_gloo_available():
                 why = "this torch has no gloo backend"
@@ -188,6 +197,8 @@ class GlooPeer(System):
         if not _all_ranks_ok(comm, why is None):
             raise PeerUnavailable(why or "gloo is unavailable on another rank")
         self.torch, self.dist, self.device = torch, dist, device
+        if device == "cuda":  # the GPU gpuring uses on this rank
+            torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
         port = np.zeros(1, dtype=np.int64)
         if comm.rank == 0:
             with socket.socket() as s:

@@ -148,17 +148,16 @@ def run(s: Settings) -> int:
     import gpuring
 
     backend = cuda_backend() if s.device == "cuda" else host_backend()
-    comm = gpuring.init()
-    backend.use_device(comm.local_rank)
-    out = Output(comm.rank == 0, stream_path_from_env())
-    peers: list[System] = []
-    try:
-        return _run(s, comm, backend, out, peers)
-    finally:
-        for peer in peers:
-            peer.close()
-        out.close()
-        comm.close()
+    with gpuring.init() as comm:  # an error on its way out is not masked by close()
+        backend.use_device(comm.local_rank)
+        out = Output(comm.rank == 0, stream_path_from_env())
+        peers: list[System] = []
+        try:
+            return _run(s, comm, backend, out, peers)
+        finally:
+            for peer in peers:
+                peer.close()
+            out.close()
 
 
 def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[System]) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +247,7 @@ def cubin_for(arch: str) -> bytes:
     cubin = nvrtc_compile(arch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial = path.with_suffix(f".{socket.gethostname()}-{os.getpid()}.tmp")
         partial.write_bytes(cubin)
         partial.replace(path)  # atomic: ranks compiling at once each write their own file
     except OSError:  # a read-only home: compile again next time
@@ -266,7 +268,10 @@ def get_module(device_id: int) -> Any:
     with cupy.cuda.Device(device_id) as device:
         try:
             cubin = cubin_for(f"sm_{device.compute_capability}")
-        except ImportError:
+        except Exception as exc:  # no cuda-bindings, no libnvrtc, an NVRTC too old for the GPU
+            warnings.warn(f"gpuring: compiling the kernels with CuPy's RawModule instead of "
+                          f"NVRTC ({type(exc).__name__}: {exc}); subnormal floats will flush "
+                          "to zero", RuntimeWarning, stacklevel=2)
             return cupy.RawModule(code=kernel_source(), options=compile_options(),
                                   backend="nvrtc")
         module = cupy.cuda.function.Module()

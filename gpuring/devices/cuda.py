@@ -217,7 +217,8 @@ class _CudaStream(Stream):
 
     def write_flag(self, flag: Flag, value: int) -> None:
         dev = self._device
-        dev.check()  # after an abort nothing more is published (a memops write cannot know)
+        dev.check()  # no new flag writes after an abort (memops writes queued before it
+        # still run if their stream gets that far; kernel-mode writes check the status word)
         addr = _flag_addr(flag)
         with dev.gpu:
             if dev.flags_mode == "memops":
@@ -488,16 +489,22 @@ class CudaDevice(Device):
         self._status.value = _STATUS_ABORTED
 
     def _drain(self, seconds: float) -> bool:
-        """Wait up to `seconds` for every stream to be idle; True if they are."""
-        with self.gpu:
-            events = [s.record() for s in self._streams]
-        deadline = time.monotonic() + seconds
-        delay = 1e-5
-        while not all(e.query() for e in events):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-2)
+        """Wait up to `seconds` for every stream to be idle; True if they are. False also when
+        the GPU reports an error (a failed kernel): then nothing is known to be idle."""
+        try:
+            with self.gpu:
+                events = [s.record() for s in self._streams]
+            deadline = time.monotonic() + seconds
+            delay = 1e-5
+            while not all(e.query() for e in events):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-2)
+        except Exception as exc:
+            warnings.warn(f"gpuring: CUDA error while closing: {exc}", RuntimeWarning,
+                          stacklevel=3)
+            return False
         return True
 
     def detach_peers(self) -> None:

@@ -568,8 +568,10 @@ class ndarray:
         return _wrap(self._a[_unwrap(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        _sync_current()
-        self._a[_unwrap(key)] = _unwrap(value)
+        # queued on the current stream, as a CuPy assignment is
+        target, index = self._a, _unwrap_queued(key)
+        source = _unwrap_queued(value)
+        get_current_stream()._put(lambda: target.__setitem__(index, source))
 
     def __bool__(self) -> bool:
         _sync_current()
@@ -588,7 +590,10 @@ class ndarray:
         if callable(value):
             def call(*args: Any, **kwargs: Any) -> Any:
                 _sync_current()
-                return _wrap(value(*_unwrap(args), **_unwrap(kwargs)))
+                result = value(*_unwrap(args), **_unwrap(kwargs))
+                if isinstance(result, np.ndarray) and not np.shares_memory(result, self._a):
+                    return _arriving(result)  # a new array: written on the stream
+                return _wrap(result)
             return call
         return _wrap(value)
 
@@ -606,6 +611,20 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
+def _unwrap_queued(x: Any) -> Any:
+    """Like _unwrap, for an operation queued on the current stream: device arrays as they are
+    (the stream reaches their pending writes first), host data copied now."""
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, tuple):
+        return tuple(_unwrap_queued(v) for v in x)
+    if isinstance(x, list):
+        return [_unwrap_queued(v) for v in x]
+    return x
+
+
 def _wrap(x: Any) -> Any:
     return ndarray(x) if isinstance(x, np.ndarray) else x
 
@@ -620,10 +639,18 @@ def _arriving(host: np.ndarray) -> ndarray:
 
 
 def _binary(name: str) -> Callable[..., Any]:
+    if name.startswith("__i"):  # x += y: queued on the current stream, as on the GPU
+        def inplace(self: ndarray, *args: Any) -> Any:
+            target, values = self._a, _unwrap_queued(args)
+            get_current_stream()._put(lambda: getattr(target, name)(*values))
+            return self
+        inplace.__name__ = name
+        return inplace
+
     def op(self: ndarray, *args: Any) -> Any:
         _sync_current()
         result = getattr(self._a, name)(*_unwrap(args))
-        return self if result is self._a else _wrap(result)
+        return _arriving(result) if isinstance(result, np.ndarray) else result
     op.__name__ = name
     return op
 

@@ -65,9 +65,10 @@ def test_mismatched_order_is_an_error_not_a_hang(n):
                                     for r in range(n)] * 2), out
 
 
-@pytest.mark.parametrize("nonblocking", ["0", "1"])
-def test_a_rank_that_closes_early_fails_the_others_fast(nonblocking):
-    proc = launch("gpuring", 3, [WORKER, "leave_early"],
+@pytest.mark.parametrize(("launcher", "nonblocking"),
+                         [("gpuring", "0"), ("gpuring", "1"), ("mpiexec", "1")])
+def test_a_rank_that_closes_early_fails_the_others_fast(launcher, nonblocking):
+    proc = launch(launcher, 3, [WORKER, "leave_early"],
                   env={"GPURING_TIMEOUT": "600", "GPURING_TEST_NONBLOCKING": nonblocking},
                   timeout=300)
     out = proc.stdout + proc.stderr
@@ -76,6 +77,15 @@ def test_a_rank_that_closes_early_fails_the_others_fast(nonblocking):
     for name, peer, after in got.values():
         assert name == "PeerFailureError" and peer == "0", out
         assert after < 60, out
+
+
+@pytest.mark.parametrize("launcher", ["gpuring", "mpiexec"])
+def test_a_failure_while_idle_lets_every_rank_close_and_reinit(launcher):
+    proc = launch(launcher, 3, [WORKER, "fail_while_idle"],
+                  env={"GPURING_TIMEOUT": "60", "GPURING_TEST_NONBLOCKING": "1"}, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert all(f"CLEAN {r}" in proc.stdout for r in range(3)), out
 
 
 def test_abort_unblocks_and_reinit_works():

@@ -233,6 +233,23 @@ def case_leave_early(comm: gpuring.Communicator) -> None:
     raise AssertionError("no error although rank 0 left")
 
 
+def case_fail_while_idle(comm: gpuring.Communicator) -> None:
+    """Rank 0 aborts after every rank's collectives completed: nobody lost a result, so
+    close() raises on no rank, and everyone re-inits."""
+    x = np.ones(1000, np.float64)
+    comm.all_reduce(x)
+    comm.synchronize()
+    comm.barrier()
+    if comm.rank == 0:
+        comm.abort("recovering")
+    time.sleep(1.0)  # the others learn of it while idle
+    comm.close()
+    with gpuring.init(timeout=comm.config.timeout) as again:
+        again.all_reduce(x)
+        again.synchronize()
+    print(f"CLEAN {comm.rank}", flush=True)
+
+
 def main() -> None:
     if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
         from worker import use_nonblocking_host_device
