@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from ..cudasim import kernels_host_build
+
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "tests" / "cudasim"
-sys.path.insert(0, str(SIM))
-import kernels_host_build  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

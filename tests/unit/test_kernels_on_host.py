@@ -12,10 +12,8 @@ how CI runs the code that the GPU runs.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +22,7 @@ from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _kernels
 from gpuring.devices.host import _UFUNCS, _average_into
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cudasim"))
-import kernels_host_build
+from ..cudasim import kernels_host_build
 
 # (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
 GRIDS = [(1, 1), (3, 7), (4, 64)]
