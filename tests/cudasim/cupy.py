@@ -519,6 +519,7 @@ class ndarray:
 
     def __init__(self, host: np.ndarray):
         self._a = host
+        self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
 
     def __del__(self) -> None:
         # CuPy's pool hands freed memory out again in the order of the current stream, so work
@@ -541,7 +542,7 @@ class ndarray:
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
     data = property(lambda self: _Data(self._a.ctypes.data))
-    device = property(lambda self: Device(0))
+    device = property(lambda self: Device(self._device_id))
     T = property(lambda self: ndarray(self._a.T))
 
     def set(self, host: np.ndarray, stream: Stream | None = None) -> None:

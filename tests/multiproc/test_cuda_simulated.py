@@ -51,6 +51,19 @@ def test_gpu_tests_pass_on_the_simulator(sim_env: dict[str, str], flags: str) ->
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout
 
 
+def test_one_gpu_per_rank_on_the_simulator(sim_env: dict[str, str]) -> None:
+    """Two simulated GPUs: each rank uses GPU local_rank % 2, its arrays live there, and IPC
+    maps buffers across devices."""
+    env = dict(sim_env, GPURING_CUDASIM_DEVICES="2")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         str(ROOT / "tests" / "gpu" / "test_multiproc_cuda.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert "8 passed" in output.strip().splitlines()[-1], output[-2000:]
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])
 def test_bench_cuda_path_on_the_simulator(sim_env: dict[str, str], collective: str) -> None:
     done = subprocess.run(
