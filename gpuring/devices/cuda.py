@@ -183,8 +183,7 @@ class _CudaStream(Stream):
         if not (dst.nbytes == a.nbytes == b.nbytes):
             raise ValueError(f"reduce of {a.nbytes} and {b.nbytes} bytes into {dst.nbytes}")
         dev = self._device
-        kernel = _kernels.get_kernel(dtype, op, dev.device_id)
-        itemsize = np.dtype(dtype).itemsize
+        kernel, itemsize = dev.reduce_kernel(dtype, op)
         if dst.nbytes % itemsize:
             raise ValueError(f"{dst.nbytes} bytes is not a whole number of {dtype}")
         n = dst.nbytes // itemsize
@@ -348,8 +347,17 @@ class CudaDevice(Device):
         self._abort_reason: str | None = None
         self._closed = False
         self._bound = threading.local()  # threads whose driver context is bound
+        self._reduce_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
 
     # -- helpers ------------------------------------------------------------------------------
+    def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
+        """(kernel, itemsize) of the reduce for (dtype, op) on this GPU; looked up once."""
+        found = self._reduce_kernels.get((dtype, op))
+        if found is None:
+            found = (_kernels.get_kernel(dtype, op, self.device_id), np.dtype(dtype).itemsize)
+            self._reduce_kernels[(dtype, op)] = found
+        return found
+
     def grid_for(self, n: int, per_thread: int) -> int:
         """Blocks for a grid-stride loop over n elements, per_thread elements a thread."""
         blocks = -(-n // (_THREADS * per_thread))
