@@ -809,40 +809,39 @@ def _install_driver() -> None:
     def cuGetErrorName(error: CUresult) -> tuple[CUresult, bytes]:
         return (CUresult.CUDA_SUCCESS, CUresult(error).name.encode())
 
-    def cuStreamWaitValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
-                            flags: int) -> tuple[CUresult]:
+    def _memop(stream: Any, addr: Any, value: Any,
+               op: Callable[[ctypes.c_uint64, int], None]) -> tuple[CUresult]:
         if not isinstance(stream, CUstream) or not isinstance(addr, CUdeviceptr) or \
                 not isinstance(value, cuuint64_t):
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-        word = ctypes.c_uint64.from_address(int(addr))
-        target = int(value)
-
-        def wait() -> None:
-            delay = 1e-6
-            while word.value < target:
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
-        _stream(int(stream))._put(wait)
+        word, target = ctypes.c_uint64.from_address(int(addr)), int(value)
+        _stream(int(stream))._put(lambda: op(word, target))
         return (CUresult.CUDA_SUCCESS,)
+
+    def _wait_geq(word: ctypes.c_uint64, target: int) -> None:
+        delay = 1e-6
+        while word.value < target:
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def _write(word: ctypes.c_uint64, target: int) -> None:
+        word.value = target
+
+    def cuStreamWaitValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
+                            flags: int) -> tuple[CUresult]:
+        return _memop(stream, addr, value, _wait_geq)
 
     def cuStreamWriteValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
                              flags: int) -> tuple[CUresult]:
-        if not isinstance(stream, CUstream) or not isinstance(addr, CUdeviceptr) or \
-                not isinstance(value, cuuint64_t):
-            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-        word = ctypes.c_uint64.from_address(int(addr))
-        target = int(value)
-
-        def write() -> None:
-            word.value = target
-        _stream(int(stream))._put(write)
-        return (CUresult.CUDA_SUCCESS,)
+        return _memop(stream, addr, value, _write)
 
     for name, value in list(locals().items()):
         if not name.startswith("_") and name not in ("driver", "enum"):
             setattr(driver, name, value)
-    for package in ("cuda", "cuda.bindings"):
-        if package not in sys.modules:
+    try:  # the real package, its nvrtc loaded first (it needs the real driver module)
+        import cuda.bindings.nvrtc  # noqa: F401
+    except ImportError:
+        for package in ("cuda", "cuda.bindings"):
             sys.modules[package] = types.ModuleType(package)
             sys.modules[package].__path__ = []  # type: ignore[attr-defined]
     sys.modules["cuda.bindings.driver"] = driver

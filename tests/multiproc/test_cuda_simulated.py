@@ -44,6 +44,7 @@ def test_gpu_tests_pass_on_the_simulator(sim_env: dict[str, str], flags: str) ->
     assert done.returncode == 0, output[-6000:]
     summary = output.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary
+    assert "instead of NVRTC" not in output, output[-3000:]  # our own kernel build was used
     if flags == "memops":  # the device really used stream memory operations
         assert "[memops-" in subprocess.run(
             [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
