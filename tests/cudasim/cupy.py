@@ -522,15 +522,12 @@ class ndarray:
         self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
 
     def __del__(self) -> None:
-        # CuPy's pool hands freed memory out again in the order of the current stream, so work
-        # queued before the free (on any stream the current one waits for) still reads valid
-        # data. Here: keep the bytes alive until the current stream reaches this point.
+        # On a GPU, freed device memory is never handed to the host's allocator, and CuPy's
+        # pool reuses it only in stream order. Here array bytes are host memory, so they are
+        # kept until every stream has passed this point (see _graveyard).
         host = getattr(self, "_a", None)
         if host is not None:
-            try:
-                get_current_stream()._put(lambda: host)
-            except Exception:  # interpreter shutdown, a failed stream: free at once
-                pass
+            _bury(host)
 
     # -- what gpuring reads
     shape = property(lambda self: self._a.shape)
@@ -612,6 +609,29 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
+_graveyard: list[tuple[list[_Marker], np.ndarray]] = []
+_graveyard_lock = threading.Lock()
+
+
+def _bury(host: np.ndarray) -> None:
+    """Keep `host` alive until every stream has run what was queued before now."""
+    markers = []
+    for stream in list(_streams.values()):
+        marker = _Marker()
+        try:
+            stream._put(marker.reach)
+        except Exception:  # a failed stream never gets there
+            continue
+        markers.append(marker)
+    with _graveyard_lock:
+        _graveyard.append((markers, host))
+
+
+def _collect() -> None:
+    with _graveyard_lock:
+        _graveyard[:] = [(m, h) for m, h in _graveyard if not all(x.reached.is_set() for x in m)]
+
+
 def _unwrap_queued(x: Any) -> Any:
     """Like _unwrap, for an operation queued on the current stream: device arrays as they are
     (the stream reaches their pending writes first), host data copied now."""
@@ -633,6 +653,7 @@ def _wrap(x: Any) -> Any:
 def _arriving(host: np.ndarray) -> ndarray:
     """A new device array that receives `host` on the current stream, as a host-to-device
     copy does: work on other streams must be ordered after it to see the data."""
+    _collect()
     out = np.empty_like(host)
     source = host.copy()
     get_current_stream()._put(lambda: np.copyto(out, source))

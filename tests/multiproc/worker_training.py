@@ -12,7 +12,7 @@ import os
 import sys
 
 import numpy as np
-from worker import Checker
+from worker import Checker, dev
 
 import gpuring
 from gpuring.compression import unit_roundoff
@@ -28,17 +28,18 @@ def case_async(c: Checker) -> None:
         b = c.inputs("int64", (n * 40,), seed + 1)
         g = c.inputs("int16", (3, 5), seed + 2)
         root = rep % n
-        x_bcast = g[r].copy()
+        x_bcast = dev(c, g[r].copy())
+        ar, br, gr = dev(c, a[r]), dev(c, b[r]), dev(c, g[r])
         works = [
-            comm.all_reduce_async(a[r]),
-            comm.reduce_scatter_async(b[r], op="max"),
-            comm.all_gather_async(g[r]),
+            comm.all_reduce_async(ar),
+            comm.reduce_scatter_async(br, op="max"),
+            comm.all_gather_async(gr),
             comm.broadcast_async(x_bcast, root=root),
-            comm.reduce_async(b[r], op="sum", root=root),
-            comm.all_reduce_async(b[r], op="avg"),
+            comm.reduce_async(br, op="sum", root=root),
+            comm.all_reduce_async(br, op="avg"),
         ]
         # a sync call while work is outstanding runs after it, on every rank
-        c.expect(comm.all_reduce(b[r], op="min"), c.reduce_reference(b, "min"),
+        c.expect(comm.all_reduce(br, op="min"), c.reduce_reference(b, "min"),
                  f"sync between async {rep}")
         order = list(range(len(works)))
         if rep % 2:
@@ -59,19 +60,19 @@ def case_async(c: Checker) -> None:
         assert works[0].result() is got[0]
     # many outstanding at once, then the module-level twin
     ins = [c.inputs("int32", (257,), 900 + i) for i in range(50)]
-    works = [comm.all_reduce_async(x[r]) for x in ins]
+    works = [comm.all_reduce_async(dev(c, x[r])) for x in ins]
     for i in reversed(range(50)):
         c.expect(works[i].wait(timeout=120), c.reduce_reference(ins[i], "sum"), f"burst {i}")
-    c.expect(gpuring.all_reduce_async(ins[0][r]).wait(), c.reduce_reference(ins[0], "sum"),
-             "module all_reduce_async")
+    c.expect(gpuring.all_reduce_async(dev(c, ins[0][r])).wait(),
+             c.reduce_reference(ins[0], "sum"), "module all_reduce_async")
 
 
 def case_async_mismatch(c: Checker) -> None:
     """Async work submitted in a different order on one rank: every rank's wait() raises
     CollectiveMismatchError, and the communicator still works afterwards."""
     comm, r = c.comm, c.comm.rank
-    a = np.ones(7, np.float32)
-    b = np.ones(5, np.int32)
+    a = dev(c, np.ones(7, np.float32))
+    b = dev(c, np.ones(5, np.int32))
     if r == 1:
         works = [comm.all_gather_async(b), comm.all_reduce_async(a)]
     else:
@@ -84,7 +85,7 @@ def case_async_mismatch(c: Checker) -> None:
             c.digests.append("mismatch raised")
         else:
             raise AssertionError("no CollectiveMismatchError from wait()")
-    c.expect(comm.all_reduce_async(np.full(3, r, np.int64)).wait(),
+    c.expect(comm.all_reduce_async(dev(c, np.full(3, r, np.int64))).wait(),
              np.full(3, sum(range(comm.size)), np.int64), "after async mismatch")
 
 
@@ -99,15 +100,17 @@ def case_fusion(c: Checker) -> None:
         for op in ("sum", "avg", "max"):
             seed = 300 + (limit or 7) + len(op)
             ins = [c.inputs(dt, shape, seed + i, op) for i, (dt, shape) in enumerate(specs)]
-            got = comm.all_reduce_many([x[r] for x in ins], op=op, fusion_bytes=limit)
+            got = comm.all_reduce_many([dev(c, x[r]) for x in ins], op=op,
+                                       fusion_bytes=limit)
             assert len(got) == len(ins)
             for i, (x, res) in enumerate(zip(ins, got, strict=True)):
                 assert res.dtype == x[r].dtype and res.shape == x[r].shape
                 if res.dtype.kind in "iu":
-                    separate = comm.all_reduce(x[r], op=op)
-                    assert np.array_equal(res, separate), f"fused {i} differs from separate"
+                    separate = comm.all_reduce(dev(c, x[r]), op=op)
+                    assert np.array_equal(host(res), host(separate)), \
+                        f"fused {i} differs from separate"
                 c.expect(res, c.reduce_reference(x, op), f"fused {limit} {op} {i}")
-    c.expect(gpuring.all_reduce_many([np.full(2, r, np.int16)])[0],
+    c.expect(gpuring.all_reduce_many([dev(c, np.full(2, r, np.int16))])[0],
              np.full(2, sum(range(comm.size)), np.int16), "module all_reduce_many")
 
 
@@ -132,9 +135,9 @@ def case_compression(c: Checker) -> None:
                     if op == "avg":
                         scale = scale / n
                     bound = (n + 1) * u * scale + 1e-30
-                    x = ins[r].copy()
-                    got = comm.all_reduce(x, op=op, compression=compression,
-                                          out=x if size == 1000 else None)
+                    x = dev(c, ins[r].copy())
+                    got = host(comm.all_reduce(x, op=op, compression=compression,
+                                               out=x if size == 1000 else None))
                     assert got.dtype == np.dtype(dtype) and got.shape == want.shape
                     err = np.abs(got.astype(np.float64) - want)
                     assert np.all(err <= bound), (compression, dtype, op, size,
@@ -142,8 +145,8 @@ def case_compression(c: Checker) -> None:
                     digest = hashlib.sha256(got.tobytes()).hexdigest()
                     c.digests.append(f"{compression} {dtype} {op} {size} {digest}")
     # fp16 overflows above 65504, as documented
-    big = np.full(4, 40000.0, np.float32)
-    assert np.isinf(comm.all_reduce(big, compression="fp16")).all()
+    big = dev(c, np.full(4, 40000.0, np.float32))
+    assert np.isinf(host(comm.all_reduce(big, compression="fp16"))).all()
 
 
 def case_timeline(c: Checker) -> None:
@@ -213,10 +216,22 @@ def case_torch(c: Checker) -> None:
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
+def host(x: object) -> np.ndarray:
+    """A NumPy copy of a result (CuPy arrays come back from the GPU)."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)  # type: ignore[attr-defined]
+
+
 def main() -> None:
     case, outdir = sys.argv[1], sys.argv[2]
+    xp = np
+    if len(sys.argv) > 3 and sys.argv[3] == "cuda":  # the same cases on CuPy arrays
+        import cupy
+
+        xp = cupy
     with gpuring.init(timeout=float(os.environ.get("GPURING_TIMEOUT", "60"))) as comm:
-        checker = Checker(comm, case, outdir)
+        if xp is not np:  # the GPU gpuring picks for this rank
+            xp.cuda.Device(comm.local_rank % xp.cuda.runtime.getDeviceCount()).use()
+        checker = Checker(comm, case, outdir, xp)
         CASES[case](checker)
         checker.finish()
         print(f"rank {comm.rank}: {case} ok, {checker.checked} results checked")
