@@ -39,6 +39,7 @@ class Health:
         self._stall_warning_s = stall_warning_s
         self._on_failure = on_failure
         self._failed = False
+        self._failure: GpuringError | None = None  # why this rank failed, when known
         self._current: tuple[int, str, float] | None = None
         self._expecting: tuple[int, str] | None = None  # in the control-plane check of a call
         self._warned_seq = 0
@@ -93,13 +94,24 @@ class Health:
         else:
             self.board.give_up(TIMED_OUT, reason, timed_out_on)
 
+    def note_failure(self, error: GpuringError) -> None:
+        """The communicator failed (seen here or elsewhere): at close, tell the peers so and
+        name the rank `error` blames."""
+        if self._failure is None:
+            self._failure = error
+        self._failed = True
+
     def leaving(self) -> None:
         """Tell peers this rank closed its communicator (or, if it failed and has not said
-        so yet, that it gave up); keep watching them until `close`."""
+        so yet, that it gave up, blaming the rank its failure names); keep watching them
+        until `close`."""
         if not self._failed:
             self.board.give_up(LEFT, "closed")
         elif self.board.state() == 0:
-            self.board.give_up(GAVE_UP, "closed its communicator after a failure")
+            failure = self._failure
+            culprit = getattr(failure, "peer", None)
+            self.board.give_up(GAVE_UP, f"closed its communicator after a failure ({failure})",
+                               -1 if culprit is None else culprit)
 
     def close(self) -> None:
         self._stop.set()

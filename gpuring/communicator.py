@@ -219,6 +219,8 @@ class Communicator:
         # a failure that reached no collective of this rank (all had completed) lost nothing
         self._failure_hit_work = self._health is not None and self._health.busy()
         self._failure = error
+        if self._health is not None:
+            self._health.note_failure(error)
         self._state["orderly"] = False
         for engine in list(self._engines.values()):
             engine.device.abort(str(error))
