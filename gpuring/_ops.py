@@ -21,6 +21,9 @@ class ReduceOp(str, enum.Enum):
     MAX = "max"
     AVG = "avg"
 
+    # equal to its value ("sum"), so it hashes like it too (Enum would hash the name, in Python)
+    __hash__ = str.__hash__
+
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
         """Accept a member or its name ("sum", "SUM", ...)."""
