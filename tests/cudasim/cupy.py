@@ -444,20 +444,14 @@ def _kernel_library() -> ctypes.CDLL:
     global _lib
     with _lib_lock:
         if _lib is None:
+            sys.path.insert(0, str(_HERE))
+            import kernels_host_build
+
             path = os.environ.get("GPURING_CUDASIM_LIB")
             if not path:
-                sys.path.insert(0, str(_HERE))
-                import kernels_host_build
-
                 cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 path = str(kernels_host_build.build(cache / "gpuring" / "cudasim"))
-            lib = ctypes.CDLL(path)
-            u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
-            lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64]
-            lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64]
-            lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp]
-            lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
-            _lib = lib
+            _lib = kernels_host_build.load(path)
         return _lib
 
 

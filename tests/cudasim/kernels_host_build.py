@@ -1,12 +1,13 @@
 """Build kernels/reduce.cu with the host C++ compiler, for the CPU (see cuda_host_emulation.h).
 
 `build(directory)` returns the path of the shared library, or raises `Unavailable` (with what
-is missing) when there is no compiler or no CUDA headers. The library is named after a hash
-of its inputs, so a directory serves as a cache.
+is missing) when there is no compiler or no CUDA headers; `load(path)` opens it. The library
+is named after a hash of its inputs, so a directory serves as a cache.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -66,3 +67,14 @@ def build(directory: Path) -> Path:
         raise RuntimeError(f"host build of {source.name} failed:\n{done.stderr}")
     partial.replace(out)  # atomic: concurrent builders each write their own file
     return out
+
+
+def load(path: Path | str) -> ctypes.CDLL:
+    """The built library, with the signatures of its launchers (cuda_host_emulation.h)."""
+    lib = ctypes.CDLL(str(path))
+    u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
+    lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64]
+    lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64]
+    lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp]
+    lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
+    return lib

@@ -83,7 +83,7 @@ class Checker:
         """Compare with the reference: exact for integers and for copies of the inputs
         (`copy`), within rounding for reduced floats (the reference is float64). Results
         every rank holds (`shared`) go into the digest file."""
-        got = got.get() if hasattr(got, "get") else np.asarray(got)
+        got = host(got)
         assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
         if got.dtype.kind in "iu" or copy:
             assert np.array_equal(got, want), f"{what}: wrong values"
@@ -100,6 +100,11 @@ class Checker:
     def finish(self) -> None:
         with open(self.path, "w") as f:
             f.write("\n".join(self.digests) + "\n")
+
+
+def host(x) -> np.ndarray:
+    """A NumPy copy of a result (CuPy arrays come back from the GPU)."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def dev(c: Checker, a: np.ndarray):
@@ -287,10 +292,10 @@ def use_nonblocking_host_device() -> None:
     communicator._make_device = make_device
 
 
-def main() -> None:
+def run_case(cases: dict) -> None:
+    """A rank's program: `script CASE OUTDIR [cpu|cuda]` runs cases[CASE] on NumPy or CuPy
+    arrays, checked, and writes the digests."""
     case, outdir = sys.argv[1], sys.argv[2]
-    if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
-        use_nonblocking_host_device()
     device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     xp = np
     if device == "cuda":
@@ -301,9 +306,15 @@ def main() -> None:
         if device == "cuda":  # the GPU gpuring picks for this rank
             xp.cuda.Device(comm.local_rank % xp.cuda.runtime.getDeviceCount()).use()
         checker = Checker(comm, case, outdir, xp)
-        CASES[case](checker)
+        cases[case](checker)
         checker.finish()
         print(f"rank {comm.rank}: {case} ok, {checker.checked} results checked")
+
+
+def main() -> None:
+    if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
+        use_nonblocking_host_device()
+    run_case(CASES)
 
 
 if __name__ == "__main__":

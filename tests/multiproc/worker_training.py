@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 
 import numpy as np
-from worker import Checker, dev
+from worker import Checker, dev, host, run_case
 
 import gpuring
 from gpuring.compression import unit_roundoff
@@ -216,25 +215,8 @@ def case_torch(c: Checker) -> None:
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-def host(x: object) -> np.ndarray:
-    """A NumPy copy of a result (CuPy arrays come back from the GPU)."""
-    return x.get() if hasattr(x, "get") else np.asarray(x)  # type: ignore[attr-defined]
-
-
 def main() -> None:
-    case, outdir = sys.argv[1], sys.argv[2]
-    xp = np
-    if len(sys.argv) > 3 and sys.argv[3] == "cuda":  # the same cases on CuPy arrays
-        import cupy
-
-        xp = cupy
-    with gpuring.init(timeout=float(os.environ.get("GPURING_TIMEOUT", "60"))) as comm:
-        if xp is not np:  # the GPU gpuring picks for this rank
-            xp.cuda.Device(comm.local_rank % xp.cuda.runtime.getDeviceCount()).use()
-        checker = Checker(comm, case, outdir, xp)
-        CASES[case](checker)
-        checker.finish()
-        print(f"rank {comm.rank}: {case} ok, {checker.checked} results checked")
+    run_case(CASES)
 
 
 if __name__ == "__main__":

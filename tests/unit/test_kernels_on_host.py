@@ -34,13 +34,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         path = kernels_host_build.build(tmp_path_factory.mktemp("kernels"))
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))
-    lib = ctypes.CDLL(str(path))
-    u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
-    lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64]
-    lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64]
-    lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp]
-    lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
-    return lib
+    return kernels_host_build.load(path)
 
 
 def _kernel(lib: ctypes.CDLL, name: str) -> int:
