@@ -122,14 +122,16 @@ class Executor:
             before.record(cupy.cuda.get_current_stream())
 
         def run() -> Any:
-            with cupy.cuda.Device(device_id):
-                side = self._side_streams.get(device_id)
-                if side is None:
-                    side = self._side_streams[device_id] = cupy.cuda.Stream(non_blocking=True)
-                side.wait_event(before)
-                with side:
-                    result = fn()
-                work._cuda_event = side.record()
+            # this thread is the executor's own: make the array's GPU current for good (a
+            # `with Device(...)` would restore device 0 on exit and create a context there)
+            cupy.cuda.runtime.setDevice(device_id)
+            side = self._side_streams.get(device_id)
+            if side is None:
+                side = self._side_streams[device_id] = cupy.cuda.Stream(non_blocking=True)
+            side.wait_event(before)
+            with side:
+                result = fn()
+            work._cuda_event = side.record()
             return result
 
         return run

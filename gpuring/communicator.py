@@ -54,6 +54,10 @@ def _make_device(kind: str, control: ControlPlane, config: Config) -> Device:
                 "job must run on one node (the host device maps peers' shared memory)")
         return HostDevice(name_prefix=f"{SHM_PREFIX}{control.job_id}-r{control.rank}-",
                           timeout=config.timeout)
+    if not control.single_node:
+        raise GpuringError(
+            "CuPy collectives across nodes are not supported yet: every rank of the job must "
+            "run on one node (the CUDA device maps peers' memory through CUDA IPC)")
     from .devices.cuda import CudaDevice
 
     return CudaDevice(local_rank=control.local_rank, timeout=config.timeout)

@@ -3,20 +3,27 @@
 It knows the device interface and the plan vocabulary, nothing of NumPy or CUDA. One `Engine`
 per device owns that device's communication buffer, the peers' mapped buffers and the streams.
 
-Buffer layout of every rank (the same on all ranks):
+Buffer layout of every rank (the same on all ranks, n ranks):
 
-    [flags: READY per channel, DONE | half 0: RS, AG | half 1: RS, AG]
+    [inbox: DONE[q] for every rank q, READY[c][q] per channel c and rank q | half 0: RS, AG |
+     half 1: RS, AG]
+
+Flags live with the rank that waits on them: the inbox holds exactly the words this rank's
+streams wait on, and a producer writes into its readers' inboxes through their mapped
+buffers. READY[c][q] counts the pieces rank q published on channel c for this rank to read;
+DONE[q] is the last round rank q finished. So every pending wait of a rank is on its own
+memory, and an abort can release them all with local writes: a dead peer never leaves a
+stream blocked on a word only that peer could write.
 
 Round `seq` (1, 2, ... across all collectives) uses half `seq % 2`. Flag values are absolute:
 READY = seq << 32 | piece index, DONE = seq; both only grow, so nothing is ever reset. Before a
-round writes its half it waits until every peer's DONE >= seq - 2, i.e. every peer has finished
+round writes its half it waits until every rank's DONE >= seq - 2, i.e. every rank has finished
 reading that half from two rounds ago (the write-after-read hazard across rounds).
 """
 
 from __future__ import annotations
 
 import collections
-import warnings
 from typing import Any
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
@@ -45,8 +52,7 @@ from .rendezvous.base import ControlPlane
 __all__ = ["Engine", "MAX_CHANNELS"]
 
 MAX_CHANNELS = 32
-_FLAG_BYTES = 4096
-_DONE_OFFSET = MAX_CHANNELS * 8
+_PAGE = 4096
 _SEQ_SHIFT = 32
 _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
@@ -68,14 +74,23 @@ class Engine:
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
-        local = device.alloc(_FLAG_BYTES + 4 * capacity_bytes)
+        # the inbox: DONE per rank, READY per channel and rank; data starts on a new page
+        self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
+        local = device.alloc(self._flag_bytes + 4 * capacity_bytes)
         handles = control.exchange("setup (buffer handles)", device.export(local), timeout)
         self._mems: list[Memory] = [
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
         control.barrier(timeout, "setup (buffers mapped)")
         device.seal(local)
-        self._done_flag = Flag(local, _DONE_OFFSET)
-        self._peer_done = [Flag(mem, _DONE_OFFSET) for mem in self._mems]
+        # where this rank waits for each rank's DONE, and where it tells each rank its own
+        self._done_from = [Flag(local, self._done_offset(q)) for q in range(self.size)]
+        self._done_to = [Flag(mem, self._done_offset(self.rank)) for mem in self._mems]
+
+    def _done_offset(self, producer: int) -> int:
+        return 8 * producer
+
+    def _ready_offset(self, channel: int, producer: int) -> int:
+        return 8 * ((1 + channel) * self.size + producer)
 
     def _stream(self, c: int) -> Stream:
         while len(self._streams) <= c:
@@ -125,7 +140,8 @@ class Engine:
                     first = streams[0]
                     for other in streams[1:]:
                         first.wait_event(other.record())
-                    first.write_flag(self._done_flag, seq)
+                    for flag in self._done_to:
+                        first.write_flag(flag, seq)
             return self._finish(used)
         except FlagWaitTimeout as exc:
             peer, what = exc.tag
@@ -181,8 +197,9 @@ class Engine:
                  with_done: bool) -> tuple[Instruction, ...]:
         """Device instructions for one channel of a round: plan locations become spans of
         the buffers (input/output stay arguments), relative flag values stay relative."""
-        base = _FLAG_BYTES + parity * 2 * self.capacity
+        base = self._flag_bytes + parity * 2 * self.capacity
         mems = self._mems
+        local = mems[self.rank]
 
         def operand(loc: Loc, length: int) -> Span | Arg:
             nbytes = length * itemsize
@@ -193,10 +210,8 @@ class Engine:
 
         # Credit: every rank, this one included (its other channels), has finished round
         # seq - 2, which used the buffer half this round is about to write.
-        program: list[Instruction] = [
-            WaitI(self._peer_done[peer], -2, 0, (peer, "buffer credit"))
-            for peer in range(self.size)]
-        ready = Flag(mems[self.rank], c * 8)
+        program: list[Instruction] = [WaitI(flag, -2, 0, (peer, "buffer credit"))
+                                      for peer, flag in enumerate(self._done_from)]
         for o in ops:
             if isinstance(o, Copy):
                 program.append(CopyI(operand(o.dst, o.length), operand(o.src, o.length)))
@@ -204,20 +219,23 @@ class Engine:
                 program.append(ReduceI(operand(o.dst, o.length), operand(o.a, o.length),
                                        operand(o.b, o.length), divisor if o.last else 1))
             elif isinstance(o, Wait):
-                program.append(WaitI(Flag(mems[o.peer], c * 8), o.value, _SEQ_SHIFT,
-                                     (o.peer, f"piece {o.value} on channel {c}")))
+                program.append(WaitI(Flag(local, self._ready_offset(c, o.peer)), o.value,
+                                     _SEQ_SHIFT, (o.peer, f"piece {o.value} on channel {c}")))
             else:
-                program.append(WriteI(ready, o.value, _SEQ_SHIFT))
+                program += [WriteI(Flag(mems[reader], self._ready_offset(c, self.rank)), o.value,
+                                   _SEQ_SHIFT) for reader in o.readers]
         if with_done:
-            program.append(WriteI(self._done_flag, 0, 0))
+            program += [WriteI(flag, 0, 0) for flag in self._done_to]
         return tuple(program)
 
     def close(self, control: ControlPlane, *, orderly: bool) -> None:
         """Free this engine. On a device whose peers map our memory through the driver (GPU),
         every rank first finishes its work and unmaps its peers, then all meet, and only then
-        free: no peer ever reads freed memory. If that cannot happen (a failed job), the
-        memory is leaked instead."""
+        free: no peer ever reads freed memory. After a failure (or when that meeting fails)
+        the device is aborted instead, which ends its streams' work at once; the memory that
+        peers may still read is then kept, everything else freed."""
         device = self.device
+        peers_may_read = False
         if not device.blocking and self.size > 1:
             try:
                 if not orderly:
@@ -226,8 +244,6 @@ class Engine:
                 device.detach_peers()
                 control.barrier(min(self.timeout, 60.0), "close()")
             except BaseException as exc:
-                warnings.warn(f"gpuring: GPU buffers left allocated at close ({exc}); peers "
-                              "may still read them", RuntimeWarning, stacklevel=2)
-                return
-        device.close()
-
+                device.abort(f"closed after a failure ({exc})")
+                peers_may_read = True
+        device.close(peers_may_read=peers_may_read)

@@ -1,12 +1,17 @@
 // gpuring device kernels, compiled at run time (CuPy RawModule / NVRTC) or by nvcc.
 //
-//   gpuring_reduce_<dtype>_<op>(dst, a, b, n, divisor)
+//   gpuring_reduce_<dtype>_<op>(dst, a, b, n, divisor, abort)
 //       dst[i] = op(a[i], b[i]), then / divisor when divisor != 1 (avg = sum + divisor).
 //       ops: sum, prod, min, max (complex: sum, prod). dst may alias a or b.
-//   gpuring_copy_bytes(dst, src, nbytes)
-//   gpuring_wait_flag(flag, value, timeout_ns, status)       one thread, spin fallback
-//   gpuring_write_flag(flag, value, status)                   one thread, skipped once
-//                                                             status is not 0
+//   gpuring_copy_bytes(dst, src, nbytes, abort)
+//   gpuring_wait_flag(flag, value, timeout_ns, status, abort) one thread, spin fallback
+//   gpuring_write_flag(flag, value, abort)                     one thread
+//
+// `abort` is a word in device memory that the host sets when the communicator fails (and a
+// spinning wait sets when it times out). From then on every kernel returns at once: data
+// kernels read nothing (a dead peer's memory may be gone) and flag writes publish nothing
+// (data computed after a failure must never reach a peer). The host also releases the
+// streams' pending flag waits then, so queued work drains through these no-op kernels.
 //
 // Every kernel is `extern "C"`, so its name is the symbol (no name mangling, no
 // name_expressions needed). Kernel names are listed in gpuring/devices/_kernels.py.
@@ -225,7 +230,8 @@ __device__ void elementwise(T* dst, const T* a, const T* b, u64 n, F f) {
 // Reduce kernels: one extern "C" kernel per (dtype, op).
 #define GPURING_REDUCE(NAME, T, OPNAME, OP) \
     extern "C" __global__ void gpuring_reduce_##NAME##_##OPNAME( \
-        T* dst, const T* a, const T* b, u64 n, long long divisor) { \
+        T* dst, const T* a, const T* b, u64 n, long long divisor, const volatile int* abort) { \
+        if (*abort) return; \
         Combine<OP> f = {divisor}; \
         elementwise<T>(dst, a, b, n, f); \
     }
@@ -262,7 +268,8 @@ GPURING_REDUCE_COMPLEX(complex128, cdouble)
 // ---------------------------------------------------------------------------------------
 // Byte copy (16-byte packs when src and dst share their alignment).
 extern "C" __global__ void gpuring_copy_bytes(unsigned char* dst, const unsigned char* src,
-                                              u64 nbytes) {
+                                              u64 nbytes, const volatile int* abort) {
+    if (*abort) return;
     elementwise<unsigned char>(dst, src, src, nbytes, TakeFirst());
 }
 
@@ -281,16 +288,19 @@ __device__ __forceinline__ u64 global_ns() {
 }
 
 // Hold the stream until *flag >= value. Gives up after `timeout_ns` nanoseconds (0: never)
-// and then sets *status = 1; returns at once while *status is non-zero (the host sets it to
-// abort). `status` lives in mapped pinned host memory, so the host sees it without a copy.
+// and then sets *status = 1 and *abort = 1, so that nothing queued after it runs; returns
+// at once while *status is non-zero (the host sets it to abort). `status` lives in mapped
+// pinned host memory, so the host sees it without a copy.
 extern "C" __global__ void gpuring_wait_flag(volatile u64* flag, u64 value, u64 timeout_ns,
-                                             volatile int* status) {
+                                             volatile int* status, volatile int* abort) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const u64 start = global_ns();
     unsigned int sleep_ns = 32;
     while (*flag < value) {
         if (*status != 0) break;
         if (timeout_ns != 0 && global_ns() - start > timeout_ns) {
+            *abort = 1;
+            __threadfence_system();
             *status = 1;
             break;
         }
@@ -301,14 +311,17 @@ extern "C" __global__ void gpuring_wait_flag(volatile u64* flag, u64 value, u64 
     __threadfence_system();
 }
 
-// *flag = value once everything before it in the stream is visible to every peer.
+// *flag = value once everything before it in the stream is visible to every peer. The flag
+// may be a peer's (producers write into their readers' memory). Values only grow: a write
+// never lowers a word (the host releases a failed rank's waits by raising its words to the
+// largest value, and a late writer must not undo that).
 extern "C" __global__ void gpuring_write_flag(volatile u64* flag, u64 value,
-                                              volatile int* status) {
+                                              const volatile int* abort) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     // After an abort or a timed-out wait, the data before this point may be garbage: never
     // publish it.
-    if (*status != 0) return;
+    if (*abort) return;
     __threadfence_system();
-    *flag = value;
+    if (*flag < value) *flag = value;
     __threadfence_system();
 }

@@ -27,12 +27,15 @@ def mpiexec() -> str | None:
 
 
 def launch(launcher: str, n: int, args: list[str], *, env: dict[str, str] | None = None,
-           timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run `python args...` as n ranks; returns the finished process (output captured)."""
+           timeout: float = 600, grace: float | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    """Run `python args...` as n ranks; returns the finished process (output captured).
+    `grace`: the `gpuring run --grace` seconds survivors of a failed rank get."""
     full_env = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
     full_env.update(env or {})
     if launcher == "gpuring":
-        cmd = [sys.executable, "-m", "gpuring", "run", "-n", str(n), "--",
+        cmd = [sys.executable, "-m", "gpuring", "run", "-n", str(n),
+               *(["--grace", str(grace)] if grace is not None else []), "--",
                sys.executable, *args]
     else:
         exe = mpiexec()

@@ -13,7 +13,8 @@ __all__ = ["one_shot_all_reduce", "barrier_round"]
 
 def one_shot_all_reduce(n: int, rank: int, count: int) -> RoundPlan:
     """All-reduce of `count` elements in a single piece on one channel (n >= 2)."""
-    ops: list[Op] = [Copy(Loc(BUF, 0, rank, RS), Loc(IN, 0), count), Signal(1)]
+    others = tuple(peer for peer in range(n) if peer != rank)
+    ops: list[Op] = [Copy(Loc(BUF, 0, rank, RS), Loc(IN, 0), count), Signal(1, others)]
     ops += [Wait(peer, 1) for peer in range(n) if peer != rank]
     ops.append(Reduce(Loc(OUT, 0), Loc(BUF, 0, 0, RS), Loc(BUF, 0, 1, RS), count, n == 2))
     for peer in range(2, n):
@@ -23,6 +24,6 @@ def one_shot_all_reduce(n: int, rank: int, count: int) -> RoundPlan:
 
 def barrier_round(n: int, rank: int) -> RoundPlan:
     """Publish arrival, then wait for every peer's."""
-    ops: list[Op] = [Signal(1)]
+    ops: list[Op] = [Signal(1, tuple(peer for peer in range(n) if peer != rank))]
     ops += [Wait(peer, 1) for peer in range(n) if peer != rank]
     return RoundPlan((tuple(ops),))

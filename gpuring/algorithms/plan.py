@@ -51,7 +51,7 @@ class Reduce(NamedTuple):
 
 
 class Wait(NamedTuple):
-    """Wait until `peer`'s READY flag of this channel reaches `value` (the 1-based index, in
+    """Wait until `peer` has published `value` pieces on this channel (the 1-based index, in
     this round, of the piece the peer published)."""
 
     peer: int
@@ -59,9 +59,12 @@ class Wait(NamedTuple):
 
 
 class Signal(NamedTuple):
-    """Publish this rank's READY flag of this channel: `value` pieces are written."""
+    """Publish on this channel that `value` pieces are written, to each rank in `readers`:
+    exactly the ranks whose plans `Wait` on this rank on this channel (the ranks that read
+    its buffer). Flags live with their reader, so a Signal is one write per reader."""
 
     value: int
+    readers: tuple[int, ...]
 
 
 Op = Copy | Reduce | Wait | Signal

@@ -68,6 +68,7 @@ def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, 
     """Ops of rank `x` on channel `c`, and the READY index of every piece it publishes, keyed
     by (region, segment, piece). `left_index` is the left neighbour's map (None: keys only)."""
     left = (x - 1) % n
+    readers = ((x + 1) % n,)  # the right neighbour pulls from this rank's buffer
     ops: list[Op] = []
     published: dict[tuple[int, int, int], int] = {}
 
@@ -76,7 +77,7 @@ def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, 
 
     def publish(region: int, g: int, p: int) -> None:
         published[(region, g, p)] = len(published) + 1
-        ops.append(Signal(len(published)))
+        ops.append(Signal(len(published), readers))
 
     def wait_left(region: int, g: int, p: int) -> None:
         if left_index is not None:
@@ -156,6 +157,7 @@ def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int
     if kind not in (BROADCAST, REDUCE):
         raise ValueError(f"not a chain collective: {kind}")
     left = (rank - 1) % n
+    readers = ((rank + 1) % n,)
     if kind == BROADCAST:
         pos = (rank - root) % n
         region = AG
@@ -172,19 +174,19 @@ def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int
             dst = Loc(OUT, in_off + o)
             if pos == 0:
                 ops.append(Copy(mine, src, k))
-                ops.append(Signal(p + 1))
+                ops.append(Signal(p + 1, readers))
                 continue
             ops.append(Wait(left, p + 1))
             if kind == BROADCAST:
                 if pos < n - 1:
                     ops.append(Copy(mine, theirs, k))
-                    ops.append(Signal(p + 1))
+                    ops.append(Signal(p + 1, readers))
                     ops.append(Copy(dst, mine, k))
                 else:
                     ops.append(Copy(dst, theirs, k))
             elif pos < n - 1:
                 ops.append(Reduce(mine, src, theirs, k, False))
-                ops.append(Signal(p + 1))
+                ops.append(Signal(p + 1, readers))
             else:
                 ops.append(Reduce(dst, src, theirs, k, True))
         plans.append(tuple(ops))

@@ -129,11 +129,16 @@ class Stream(abc.ABC):
 
     @abc.abstractmethod
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
-        """Hold later operations until the flag is >= value. `tag` names the wait in errors."""
+        """Hold later operations until the flag is >= value. `tag` names the wait in errors.
+        The flag must live in memory this device allocated (never a peer's): a stream waits
+        only on words its own device can write, so `Device.abort` can release every wait."""
 
     @abc.abstractmethod
     def write_flag(self, flag: Flag, value: int) -> None:
-        """Set the flag to value once every earlier operation is complete and visible to peers."""
+        """Set the flag to value once every earlier operation is complete and visible to peers.
+        The flag may be a peer's (a producer writes into its reader's memory). Once the device
+        is aborted, writes to peers' memory are dropped: nothing computed after a failure
+        reaches a peer."""
 
     @abc.abstractmethod
     def record(self) -> Event:
@@ -233,11 +238,15 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def abort(self, reason: str) -> None:
-        """Make every pending and future flag wait fail with FlagWaitAborted(reason)."""
+        """Make every pending and future flag wait fail with FlagWaitAborted(reason), or (GPU
+        streams, which cannot fail an operation) end at once, running what is queued without
+        touching peers; either way no stream stays blocked on a flag. Any thread may call it."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Free local memory, close peer mappings, stop streams. Idempotent."""
+    def close(self, *, peers_may_read: bool = False) -> None:
+        """Free local memory, close peer mappings, stop streams. Idempotent. `peers_may_read`:
+        the job failed and a peer may still read this device's exported memory; a device
+        whose peers' reads of freed memory would be undefined keeps that memory then."""
 
 
 def open_peer(device: Device, handle: Any, rank: int) -> Memory:

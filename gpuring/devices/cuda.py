@@ -2,25 +2,32 @@
 
 Memory is plain `cudaMalloc` (`cupy.cuda.Memory`, outside CuPy's pool, so one IPC handle names
 exactly one buffer) shared with peer processes through CUDA IPC. Streams are CuPy non-blocking
-streams; reductions are the RawModule kernels of `kernels/reduce.cu`; flags are 64-bit words
-in device memory.
+streams; reductions are the kernels of `kernels/reduce.cu`; flags are 64-bit words in device
+memory.
 
-Flag waits and writes use stream memory operations (`cuStreamWaitValue64` /
-`cuStreamWriteValue64`): a blocked wait costs nothing on the GPU. Where they are unavailable,
-one-thread kernels spin on the flag instead. `GPURING_CUDA_FLAGS=memops|kernel|auto` (default
-auto) chooses.
+Flag waits use stream memory operations (`cuStreamWaitValue64`): the stream's front end holds
+later work, costing nothing on the GPU while it waits. Where they are unavailable, one-thread
+kernels spin on the flag instead (with a loud warning: on a GPU shared by processes without
+MPS a spinning kernel holds the GPU for its whole time slice). `GPURING_CUDA_FLAGS=
+memops|kernel|auto` (default auto) chooses. Flag writes are always a one-thread kernel, which
+publishes nothing once the device is aborted.
 
-Timeouts and abort. A spinning wait kernel gives up after the device's timeout and marks a
-status word in mapped pinned host memory; the host reads that word without a copy and raises.
-A stream memory wait has no timeout and cannot be cancelled, so the host bounds it instead:
-`Stream.synchronize` polls with backoff and raises FlagWaitTimeout at the deadline. `abort`
-sets the status word: spinning waits return at once and flag-write kernels stop publishing,
-so nothing computed after a failure reaches a peer. Streams blocked in stream memory waits
-stay blocked (releasing them would mean writing into peers' flags); a failed communicator
-leaks their memory at close rather than free memory a peer might still read.
+A stream waits only on words in memory this device allocated (the scheduler puts every flag
+with its reader; producers write through their IPC mappings). That is what makes abort work:
+a stream memory wait cannot be cancelled, only satisfied, so `abort` (1) sets a word in
+device memory that every kernel checks first (data kernels then read nothing, a dead peer's
+memory may be gone, and flag writes publish nothing), then (2) raises every word this
+device's streams wait on to the largest flag value, with local writes on a side stream. The
+streams then drain through no-op kernels, and the process can synchronize, free memory and
+use the GPU again. Peers that have not aborted yet may still write into those words; closing
+releases them again until the streams are idle. A timeout is the host's: `Stream.synchronize`
+and the communicator's watchdog bound every wait, and a spinning wait kernel gives up by
+itself after the device's timeout.
 
 The device never synchronizes the host in a collective: `blocking` is False, and the caller's
-stream is ordered with events (`caller_event`, `order_caller_after`).
+stream is ordered with events (`caller_event`, `order_caller_after`). Every CUDA call runs with
+this device current in the calling thread, and a thread that had no CUDA context is left with
+this device's, never given another GPU's (`CudaDevice.scope`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import secrets
+import socket
 import threading
 import time
 import warnings
@@ -36,7 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._errors import CollectiveTimeoutError
+from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
 from . import _kernels
 from .base import (
@@ -72,6 +81,13 @@ _RECENT_WAITS = 256  # waits remembered per stream, for error messages and abort
 _STATUS_OK = 0
 _STATUS_TIMED_OUT = 1
 _STATUS_ABORTED = 2
+#: what abort writes into the words a stream waits on: at or above every flag value (they stay
+#: below 2^63, where the stream wait's cyclic comparison still holds)
+RELEASED = 2**63 - 1
+#: this process, in the handles it exports: a PID can repeat across nodes and PID namespaces
+_PROCESS_TOKEN = secrets.token_hex(16)
+#: memory of failed communicators that peers may still map: never freed (see CudaDevice.close)
+_LEAKED: list[Any] = []
 
 
 def _cupy() -> Any:
@@ -100,9 +116,11 @@ class CudaMemory(Memory):
 
 
 class CudaHandle(NamedTuple):
-    """What `export` hands to peers (picklable)."""
+    """What `export` hands to peers (picklable). `process` is a random token of the exporting
+    process and `host` its node: only an equal token means "my own memory"."""
 
-    pid: int
+    process: str
+    host: str
     device_id: int
     ptr: int
     nbytes: int
@@ -110,14 +128,17 @@ class CudaHandle(NamedTuple):
 
 
 class _CudaEvent(Event):
-    def __init__(self, raw: Any):
+    def __init__(self, raw: Any, device: CudaDevice):
         self.raw = raw
+        self._device = device
 
     def query(self) -> bool:
         """True once the stream passed the event; raises the CUDA error of a failed kernel
-        (`Event.done` would read False forever instead)."""
+        (`Event.done` would read False forever instead). Any thread may ask (the watchdog
+        does): the query runs with this device current."""
         runtime = _cupy().cuda.runtime
-        status = runtime.eventQuery(self.raw.ptr)
+        with self._device.scope():
+            status = runtime.eventQuery(self.raw.ptr)
         if status == _SUCCESS:
             return True
         if status == _NOT_READY:
@@ -151,27 +172,29 @@ class _CudaStream(Stream):
         self._cu: Any = None  # the driver's CUstream for stream memory operations
 
     def _driver_stream(self) -> Any:
-        """(driver module, CUstream), made once per stream; binds the device's context to
-        this thread the first time a thread asks."""
+        """(driver module, CUstream), made once per stream. Called inside `scope()`, which
+        makes the device's context current for the driver call."""
         from cuda.bindings import driver
 
-        self._device.bind_driver()
         if self._cu is None:
             self._cu = driver.CUstream(self.raw.ptr)
         return driver, self._cu
 
     def copy(self, dst: Span, src: Span) -> None:
+        """A copy engine transfer (`GPURING_CUDA_COPY=memcpy`), except from a peer's memory:
+        that always runs as a kernel, which reads nothing once the device is aborted."""
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
         if dst.nbytes == 0:
             return
         dev = self._device
-        with dev.gpu:
-            if dev.copy_mode == "kernel":
+        with dev.scope():
+            if dev.copy_mode == "kernel" or getattr(src.mem, "kind", "") == "peer":
                 n = dst.nbytes
                 _kernels.get_function(_kernels.COPY_KERNEL, dev.device_id)(
                     (dev.grid_for(n, 16),), (_THREADS,),
-                    (np.uint64(_addr(dst)), np.uint64(_addr(src)), np.uint64(n)),
+                    (np.uint64(_addr(dst)), np.uint64(_addr(src)), np.uint64(n),
+                     np.uint64(dev.abort_ptr)),
                     stream=self.raw)
             else:
                 runtime = _cupy().cuda.runtime
@@ -189,18 +212,22 @@ class _CudaStream(Stream):
         n = dst.nbytes // itemsize
         if n == 0:
             return
-        with dev.gpu:
+        with dev.scope():
             kernel((dev.grid_for(n, max(1, 16 // itemsize)),), (_THREADS,),
                    (np.uint64(_addr(dst)), np.uint64(_addr(a)), np.uint64(_addr(b)),
-                    np.uint64(n), np.int64(divisor)),
+                    np.uint64(n), np.int64(divisor), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
         dev = self._device
         dev.check(tag)
+        if not (isinstance(flag.mem, CudaMemory) and flag.mem.kind == "local"):
+            raise ValueError("a stream may only wait on a flag in memory this device "
+                             f"allocated (abort must be able to release it), not {flag.mem!r}")
         addr = _flag_addr(flag)
+        dev.note_wait_word(addr)
         self.waits.append((flag, value, tag))
-        with dev.gpu:
+        with dev.scope():
             if dev.flags_mode == "memops":
                 driver, cu = self._driver_stream()
                 geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
@@ -211,37 +238,32 @@ class _CudaStream(Stream):
                 _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, dev.device_id)(
                     (1,), (1,),
                     (np.uint64(addr), np.uint64(value), np.uint64(dev.timeout_ns),
-                     np.uint64(dev.status_ptr)),
+                     np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
                     stream=self.raw)
 
     def write_flag(self, flag: Flag, value: int) -> None:
+        """A one-thread kernel in either flag mode: it publishes nothing once the device is
+        aborted, so data computed after a failure never reaches a peer (a stream memory write
+        queued before the abort would still run once the stream is released)."""
         dev = self._device
-        dev.check()  # no new flag writes after an abort (memops writes queued before it
-        # still run if their stream gets that far; kernel-mode writes check the status word)
+        dev.check()
         addr = _flag_addr(flag)
-        with dev.gpu:
-            if dev.flags_mode == "memops":
-                driver, cu = self._driver_stream()
-                # the default flags put a system-scope memory barrier before the write
-                fence = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-                _check_cu(driver.cuStreamWriteValue64(
-                    cu, driver.CUdeviceptr(addr), driver.cuuint64_t(value), fence),
-                    "cuStreamWriteValue64")
-            else:
-                _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, dev.device_id)(
-                    (1,), (1,), (np.uint64(addr), np.uint64(value),
-                                 np.uint64(dev.status_ptr)), stream=self.raw)
+        with dev.scope():
+            _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, dev.device_id)(
+                (1,), (1,), (np.uint64(addr), np.uint64(value), np.uint64(dev.abort_ptr)),
+                stream=self.raw)
 
     def record(self) -> Event:
-        with self._device.gpu:
+        dev = self._device
+        with dev.scope():
             raw = _cupy().cuda.Event(block=False, disable_timing=True)
             raw.record(self.raw)
-        return _CudaEvent(raw)
+        return _CudaEvent(raw, dev)
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, _CudaEvent):
             raise TypeError(f"not a CUDA event: {event!r}")
-        with self._device.gpu:
+        with self._device.scope():
             self.raw.wait_event(event.raw)
 
     def synchronize(self) -> None:
@@ -273,18 +295,75 @@ def _check_cu(result: tuple[Any, ...], what: str) -> None:
         raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
 
 
-def _memops_supported(device_id: int) -> bool:
+def _memops_support(device_id: int) -> str | None:
+    """None when 64-bit stream memory operations work on the device, else why not."""
     try:
         from cuda.bindings import driver
-
+    except ImportError as exc:
+        return f"cuda-bindings is not importable ({exc})"
+    try:
         _check_cu(driver.cuInit(0), "cuInit")
         err, dev = driver.cuDeviceGet(device_id)
         _check_cu((err,), "cuDeviceGet")
         attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
         err, value = driver.cuDeviceGetAttribute(attr, dev)
-        return err == driver.CUresult.CUDA_SUCCESS and bool(value)
-    except Exception:  # no cuda-bindings, no driver entry point: use the spin kernels
-        return False
+        _check_cu((err,), "cuDeviceGetAttribute")
+    except Exception as exc:  # no driver entry point, an old driver
+        return f"the driver refused: {exc}"
+    if not value:
+        return (f"device {device_id} reports no 64-bit stream memory operations "
+                "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0)")
+    return None
+
+
+_warned_spin = False
+
+
+def _warn_spin_waits(reason: str) -> None:
+    """Once per process: flag waits will spin on the GPU, and why, and what to do."""
+    global _warned_spin
+    if _warned_spin:
+        return
+    _warned_spin = True
+    warnings.warn(
+        f"gpuring: GPU flag waits fall back to spinning kernels because {reason.rstrip('.')}. "
+        "A spinning "
+        "kernel holds the GPU: where several processes share one GPU without MPS, each "
+        "hand-off can cost a whole time slice. Install cuda-bindings matching your CUDA "
+        "driver (pip install 'gpuring[cuda13]' or 'gpuring[cuda12]'), and start MPS "
+        f"(nvidia-cuda-mps-control -d) for shared GPUs; {FLAGS_ENV}=kernel silences this.",
+        RuntimeWarning, stacklevel=4)
+
+
+class _Scope:
+    """`with device.scope():` this device is current in the calling thread for the block.
+    The previous device is restored only if the thread had a CUDA context before: making a
+    device current creates its context (CUDA >= 12), so restoring a thread that had none (a
+    fresh watchdog thread reads device 0) would put a context on GPU 0 for every rank."""
+
+    def __init__(self, device_id: int):
+        self._id = device_id
+        self._local = threading.local()
+
+    def __enter__(self) -> None:
+        cuda = _cupy().cuda
+        runtime = cuda.runtime
+        restore = None
+        if runtime.getDevice() != self._id:
+            if cuda.driver.ctxGetCurrent() != 0:
+                restore = runtime.getDevice()
+            runtime.setDevice(self._id)
+        elif cuda.driver.ctxGetCurrent() == 0:
+            runtime.setDevice(self._id)  # a current context, for driver API calls
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(restore)
+
+    def __exit__(self, *exc: object) -> None:
+        restore = self._local.stack.pop()
+        if restore is not None:
+            _cupy().cuda.runtime.setDevice(restore)
 
 
 class CudaDevice(Device):
@@ -317,39 +396,53 @@ class CudaDevice(Device):
             device_id = local_rank % count
         self.device_id = device_id
         self.gpu = cupy.cuda.Device(device_id)
+        self._scope = _Scope(device_id)
         self.timeout = timeout
         self.timeout_ns = int(timeout * 1e9)
 
         mode = (flags or os.environ.get(FLAGS_ENV) or "auto").lower()
         if mode not in ("auto", "memops", "kernel"):
             raise ValueError(f"{FLAGS_ENV}={mode!r}: use memops, kernel or auto")
-        supported = _memops_supported(device_id)
-        if mode == "memops" and not supported:
-            raise RuntimeError("64-bit stream memory operations are not available on device "
-                               f"{device_id}; use {FLAGS_ENV}=kernel")
-        self.flags_mode = "memops" if mode == "memops" or (mode == "auto" and supported) \
-            else "kernel"
+        why_not = _memops_support(device_id)
+        if mode == "memops" and why_not is not None:
+            raise RuntimeError(f"{FLAGS_ENV}=memops, but {why_not}; use {FLAGS_ENV}=kernel")
+        if mode == "auto" and why_not is not None:
+            _warn_spin_waits(why_not)
+        self.flags_mode = "memops" if mode != "kernel" and why_not is None else "kernel"
         self.copy_mode = (copy or os.environ.get(COPY_ENV) or "memcpy").lower()
         if self.copy_mode not in ("memcpy", "kernel"):
             raise ValueError(f"{COPY_ENV}={self.copy_mode!r}: use memcpy or kernel")
 
-        with self.gpu:
+        with self.scope():
             self._sm_count = int(self.gpu.attributes["MultiProcessorCount"])
             self._side = cupy.cuda.Stream(non_blocking=True)  # small host<->device chores
             # status word in mapped pinned memory: read and written by host and kernels
             self.status_ptr = int(runtime.hostAlloc(
                 8, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED))
+            # the source of the released value that abort copies into waited-on words
+            self._released_ptr = int(runtime.hostAlloc(8, _HOST_ALLOC_PORTABLE))
+            # the abort word every kernel checks first, in device memory (cheap to read)
+            self._abort_mem = cupy.cuda.Memory(256)
+            self.abort_ptr = int(self._abort_mem.ptr)
+            runtime.memsetAsync(self.abort_ptr, 0, 256, self._side.ptr)
+            self._side.synchronize()
         self._status = ctypes.c_int32.from_address(self.status_ptr)
         self._status.value = _STATUS_OK
+        ctypes.c_uint64.from_address(self._released_ptr).value = RELEASED
         self._owned: list[CudaMemory] = []
         self._opened: dict[bytes, CudaMemory] = {}
         self._streams: list[_CudaStream] = []
+        self._wait_words: set[int] = set()  # every word a stream of this device waits on
+        self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._closed = False
-        self._bound = threading.local()  # threads whose driver context is bound
         self._reduce_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
 
     # -- helpers ------------------------------------------------------------------------------
+    def scope(self) -> _Scope:
+        """Context manager: this device current in the calling thread (see `_Scope`)."""
+        return self._scope
+
     def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
         """(kernel, itemsize) of the reduce for (dtype, op) on this GPU; looked up once."""
         found = self._reduce_kernels.get((dtype, op))
@@ -363,21 +456,18 @@ class CudaDevice(Device):
         blocks = -(-n // (_THREADS * per_thread))
         return max(1, min(blocks, self._sm_count * _BLOCKS_PER_SM))
 
-    def bind_driver(self) -> None:
-        """Make this device's primary context current for driver API calls in this thread
-        (cudaSetDevice binds it; a thread that made no runtime call yet has none). Stream
-        operations run inside `with self.gpu`, which keeps it current afterwards."""
-        if getattr(self._bound, "done", False):
-            return
-        _cupy().cuda.runtime.setDevice(self.device_id)
-        self._bound.done = True
+    def note_wait_word(self, addr: int) -> None:
+        """A stream of this device waits on the word at `addr` (abort releases it)."""
+        if addr not in self._wait_words:
+            with self._lock:
+                self._wait_words.add(addr)
 
     def read_u64(self, addr: int) -> int:
         """The 8-byte word at a device address, read on a side stream (not the legacy one,
         which may be blocked behind the caller's work)."""
         runtime = _cupy().cuda.runtime
         out = np.zeros(1, np.uint64)
-        with self.gpu:
+        with self.scope():
             runtime.memcpyAsync(out.ctypes.data, addr, 8, _MEMCPY_DEFAULT,
                                 self._side.ptr)
             self._side.synchronize()
@@ -405,7 +495,7 @@ class CudaDevice(Device):
         for flag, value, tag in self._recent_waits(stream):
             try:
                 observed = self.read_u64(_addr(flag))
-            except Exception:  # e.g. a dead peer's mapping
+            except Exception:  # e.g. a CUDA error
                 return FlagWaitTimeout(flag, value, -1, tag)
             if observed < value:
                 return FlagWaitTimeout(flag, value, observed, tag)
@@ -418,21 +508,21 @@ class CudaDevice(Device):
     # -- caller ordering ------------------------------------------------------------------------
     def caller_event(self) -> Event | None:
         cupy = _cupy()
-        with self.gpu:
+        with self.scope():
             raw = cupy.cuda.Event(block=False, disable_timing=True)
             raw.record(cupy.cuda.get_current_stream())
-        return _CudaEvent(raw)
+        return _CudaEvent(raw, self)
 
     def order_caller_after(self, event: Event) -> None:
         if not isinstance(event, _CudaEvent):
             raise TypeError(f"not a CUDA event: {event!r}")
-        with self.gpu:
+        with self.scope():
             _cupy().cuda.get_current_stream().wait_event(event.raw)
 
     # -- memory -----------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> CudaMemory:
         cupy = _cupy()
-        with self.gpu:
+        with self.scope():
             raw = cupy.cuda.Memory(max(nbytes, 1))
             cupy.cuda.runtime.memsetAsync(raw.ptr, 0, max(nbytes, 1), self._side.ptr)
             self._side.synchronize()
@@ -443,17 +533,24 @@ class CudaDevice(Device):
     def export(self, mem: Memory) -> CudaHandle:
         if not isinstance(mem, CudaMemory) or mem.kind != "local":
             raise TypeError(f"only memory from CudaDevice.alloc can be exported, not {mem!r}")
-        with self.gpu:
+        with self.scope():
             ipc = bytes(_cupy().cuda.runtime.ipcGetMemHandle(mem.ptr))
-        return CudaHandle(os.getpid(), self.device_id, mem.ptr, mem.nbytes, ipc)
+        return CudaHandle(_PROCESS_TOKEN, socket.gethostname(), self.device_id, mem.ptr,
+                          mem.nbytes, ipc)
 
     def open(self, handle: Any) -> CudaMemory:
         handle = CudaHandle(*handle)
-        if handle.pid == os.getpid():  # a process cannot open its own handle: same pointer
+        if handle.process == _PROCESS_TOKEN:  # a process cannot open its own handle
             return CudaMemory(handle.ptr, handle.nbytes, "peer")
+        here = socket.gethostname()
+        if handle.host != here:
+            raise GpuringError(
+                f"CUDA IPC maps memory of processes on this node only; a rank on {handle.host!r} "
+                f"shares a communicator with this one on {here!r}. CuPy collectives across "
+                "nodes are not supported yet: run every rank of the job on one node")
         mem = self._opened.get(handle.ipc)
         if mem is None:
-            with self.gpu:
+            with self.scope():
                 ptr = _cupy().cuda.runtime.ipcOpenMemHandle(handle.ipc)
             mem = CudaMemory(int(ptr), handle.nbytes, "peer")
             self._opened[handle.ipc] = mem
@@ -474,7 +571,7 @@ class CudaDevice(Device):
     # -- streams ------------------------------------------------------------------------------
     def create_stream(self, *, inline: bool = False) -> Stream:
         """A non-blocking CuPy stream. `inline` is ignored: GPU work is always asynchronous."""
-        with self.gpu:
+        with self.scope():
             stream = _CudaStream(self, _cupy().cuda.Stream(non_blocking=True))
         self._streams.append(stream)
         return stream
@@ -485,53 +582,84 @@ class CudaDevice(Device):
         return self._abort_reason
 
     def abort(self, reason: str) -> None:
+        """Fail every pending and future wait, from any thread: spinning waits return, every
+        kernel queued from now on does nothing, and every word a stream waits on is raised to
+        RELEASED, so no stream stays blocked (see the module docstring)."""
         if self._abort_reason is not None:
             return
         self._abort_reason = reason
         if self._closed:
             return
-        # Spinning wait kernels return, and write kernels stop publishing, so nothing computed
-        # after this point reaches a peer. Streams blocked in stream memory waits stay blocked:
-        # releasing them would mean writing into peers' flags, which other ranks read too.
-        # Closing a failed communicator leaks such streams' memory instead.
+        # the device's abort word first: a spinning wait released by the status word must
+        # find the kernels behind it already disabled
+        self._release_waits()
         self._status.value = _STATUS_ABORTED
 
-    def _drain(self, seconds: float) -> bool:
-        """Wait up to `seconds` for every stream to be idle; True if they are. False also when
-        the GPU reports an error (a failed kernel): then nothing is known to be idle."""
+    def _release_waits(self) -> bool:
+        """Set the device's abort word, then raise every waited-on word to RELEASED, in that
+        order on the side stream (no kernel may run on released data); True once done."""
+        runtime = _cupy().cuda.runtime
+        with self._lock:
+            words = sorted(self._wait_words)
         try:
-            with self.gpu:
-                events = [s.record() for s in self._streams]
-            deadline = time.monotonic() + seconds
-            delay = 1e-5
-            while not all(e.query() for e in events):
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-2)
+            with self.scope():
+                side = self._side.ptr
+                runtime.memsetAsync(self.abort_ptr, 1, 4, side)
+                for addr in words:
+                    runtime.memcpyAsync(addr, self._released_ptr, 8, _MEMCPY_DEFAULT, side)
+                done = _cupy().cuda.Event(block=False, disable_timing=True)
+                done.record(self._side)
+            return self._poll([_CudaEvent(done, self)], 5.0)
+        except Exception as exc:  # a sticky CUDA error: nothing more can be done here
+            warnings.warn(f"gpuring: could not release the GPU's flag waits: {exc}",
+                          RuntimeWarning, stacklevel=3)
+            return False
+
+    def _poll(self, events: list[Event], seconds: float, *, release: bool = False) -> bool:
+        """Wait up to `seconds` for `events`, with backoff. `release`: while the device is
+        aborted, release the waits again at every poll (a peer that has not aborted yet may
+        have written its ordinary value into a released word since)."""
+        deadline = time.monotonic() + seconds
+        delay = 1e-5
+        while not all(e.query() for e in events):
+            if time.monotonic() > deadline:
+                return False
+            if release and self._abort_reason is not None:
+                self._release_waits()
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-2)
+        return True
+
+    def _drain(self, seconds: float) -> bool:
+        """Wait up to `seconds` for every stream to be idle; True if they are. False also
+        when the GPU reports an error (a failed kernel): then nothing is known to be idle."""
+        try:
+            return self._poll([s.record() for s in self._streams], seconds, release=True)
         except Exception as exc:
             warnings.warn(f"gpuring: CUDA error while closing: {exc}", RuntimeWarning,
                           stacklevel=3)
             return False
-        return True
 
     def detach_peers(self) -> None:
         runtime = _cupy().cuda.runtime
-        with self.gpu:
+        with self.scope():
             for mem in self._opened.values():
                 runtime.ipcCloseMemHandle(mem.ptr)
                 mem.release()
             self._opened.clear()
 
-    def close(self) -> None:
-        """Wait for the streams (bounded), close peer mappings, free memory. Idempotent.
-        If streams stay stuck even after an abort, memory is leaked rather than the process
-        hung (cudaFree would wait for them)."""
+    def close(self, *, peers_may_read: bool = False) -> None:
+        """Wait for the streams (bounded; after an abort they drain at once), close peer
+        mappings, free memory. Idempotent. `peers_may_read`: a failed job, where a peer may
+        still read this device's exported memory; that memory is then kept (never freed, a
+        warning says how much) while everything else is freed, so the process can go on using
+        the GPU. If the streams stay busy even after an abort (a CUDA error), everything is
+        leaked rather than the process hung (cudaFree would wait for them)."""
         if self._closed:
             return
         drained = self._drain(min(self.timeout, 10.0))
         if not drained:
-            self.abort("CudaDevice closed while streams were still waiting")
+            self.abort("CudaDevice closed while streams were still busy")
             drained = self._drain(10.0)
         self._closed = True
         if not drained:
@@ -540,13 +668,20 @@ class CudaDevice(Device):
             return
         self.detach_peers()
         runtime = _cupy().cuda.runtime
-        with self.gpu:
+        with self.scope():
+            if peers_may_read and self._owned:
+                _LEAKED.extend(mem._owner for mem in self._owned)
+                nbytes = sum(mem.nbytes for mem in self._owned)
+                warnings.warn(f"gpuring: keeping {nbytes} bytes of GPU communication buffers "
+                              "allocated: a peer of the failed job may still read them",
+                              RuntimeWarning, stacklevel=2)
             for mem in self._owned:
-                mem.release()  # drops the cupy.cuda.Memory: cudaFree
-            self._opened.clear()
+                mem.release()  # drops the cupy.cuda.Memory: cudaFree (unless leaked above)
             self._owned.clear()
             self._streams.clear()
             self._side = None
+            self._abort_mem = None
             self._status = None  # type: ignore[assignment]
             runtime.freeHost(self.status_ptr)
-            self.status_ptr = 0
+            runtime.freeHost(self._released_ptr)
+            self.status_ptr = self._released_ptr = 0

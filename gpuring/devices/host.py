@@ -120,6 +120,13 @@ class HostArray(Memory):
         return self.u8[offset:offset + nbytes].view(dtype)
 
 
+def _check_local(flag: Flag) -> None:
+    """Streams wait only on flags in memory this process allocated (see Stream.wait_flag)."""
+    if not (isinstance(flag.mem, HostMemory) and flag.mem.owner):
+        raise ValueError(f"a stream may only wait on a flag in memory this device allocated, "
+                         f"not {flag.mem!r}")
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -220,6 +227,7 @@ class _InlineStream(_StreamBase):
         self._do_reduce(dst, a, b, dtype, op, divisor)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        _check_local(flag)
         self._do_wait(flag, value, tag)
 
     def write_flag(self, flag: Flag, value: int) -> None:
@@ -284,6 +292,7 @@ class _ThreadStream(_StreamBase):
         self._put(self._do_reduce, dst, a, b, dtype, op, divisor)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        _check_local(flag)
         self._put(self._do_wait, flag, value, tag)
 
     def write_flag(self, flag: Flag, value: int) -> None:
@@ -452,6 +461,7 @@ class HostDevice(Device):
         index, rel, shift = ins.flag.offset >> 3, ins.rel, ins.shift
         if isinstance(ins, WaitI):
             flag, tag = ins.flag, ins.tag
+            _check_local(flag)
 
             def wait(mems: tuple[Any, Any], seq: int) -> None:
                 jitter()
@@ -510,7 +520,9 @@ class HostDevice(Device):
     def aborted(self) -> str | None:
         return self._abort_reason
 
-    def close(self) -> None:
+    def close(self, *, peers_may_read: bool = False) -> None:
+        """Stop the streams and unmap everything. Peers' mappings keep shared memory alive by
+        themselves, so `peers_may_read` changes nothing here."""
         if self._closed:
             return
         self._closed = True

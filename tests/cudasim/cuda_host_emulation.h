@@ -37,10 +37,11 @@ inline unsigned long long gpuring_host_globaltimer() {
 
 // Launchers: the kernel is passed by address, with the parameters of its family.
 typedef unsigned long long emu_u64;
-typedef void (*emu_reduce_fn)(void*, const void*, const void*, emu_u64, long long);
-typedef void (*emu_copy_fn)(void*, const void*, emu_u64);
-typedef void (*emu_wait_fn)(volatile emu_u64*, emu_u64, emu_u64, volatile int*);
-typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, volatile int*);
+typedef void (*emu_reduce_fn)(void*, const void*, const void*, emu_u64, long long,
+                              const volatile int*);
+typedef void (*emu_copy_fn)(void*, const void*, emu_u64, const volatile int*);
+typedef void (*emu_wait_fn)(volatile emu_u64*, emu_u64, emu_u64, volatile int*, volatile int*);
+typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, const volatile int*);
 
 #define EMU_GRID(grid, block, CALL)                    \
     do {                                               \
@@ -58,24 +59,26 @@ typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, volatile int*);
     } while (0)
 
 extern "C" void emu_launch_reduce(void* kernel, unsigned grid, unsigned block, void* dst,
-                                  const void* a, const void* b, emu_u64 n, long long divisor) {
-    EMU_GRID(grid, block, ((emu_reduce_fn)kernel)(dst, a, b, n, divisor));
+                                  const void* a, const void* b, emu_u64 n, long long divisor,
+                                  const void* abort) {
+    EMU_GRID(grid, block,
+             ((emu_reduce_fn)kernel)(dst, a, b, n, divisor, (const volatile int*)abort));
 }
 
 extern "C" void emu_launch_copy(void* kernel, unsigned grid, unsigned block, void* dst,
-                                const void* src, emu_u64 nbytes) {
-    EMU_GRID(grid, block, ((emu_copy_fn)kernel)(dst, src, nbytes));
+                                const void* src, emu_u64 nbytes, const void* abort) {
+    EMU_GRID(grid, block, ((emu_copy_fn)kernel)(dst, src, nbytes, (const volatile int*)abort));
 }
 
 extern "C" void emu_launch_wait(void* kernel, unsigned grid, unsigned block, void* flag,
-                                emu_u64 value, emu_u64 timeout_ns, void* status) {
+                                emu_u64 value, emu_u64 timeout_ns, void* status, void* abort) {
     EMU_GRID(grid, block,
              ((emu_wait_fn)kernel)((volatile emu_u64*)flag, value, timeout_ns,
-                                   (volatile int*)status));
+                                   (volatile int*)status, (volatile int*)abort));
 }
 
 extern "C" void emu_launch_write(void* kernel, unsigned grid, unsigned block, void* flag,
-                                 emu_u64 value, void* status) {
+                                 emu_u64 value, const void* abort) {
     EMU_GRID(grid, block,
-             ((emu_write_fn)kernel)((volatile emu_u64*)flag, value, (volatile int*)status));
+             ((emu_write_fn)kernel)((volatile emu_u64*)flag, value, (const volatile int*)abort));
 }

@@ -14,6 +14,11 @@ What it models, and how:
 - arrays (`ndarray`) hold their data in host memory; every operation on them first waits for
   the current stream, as reading a result on the GPU would.
 - GPURING_CUDASIM_JITTER=1 delays stream operations at random, to expose missing ordering.
+- contexts: a thread has a current device (`setDevice`, default 0) and, once it made a call
+  that needs one, a current context. As in CUDA >= 12, `setDevice` creates the device's
+  primary context, and a runtime call in a thread with no current context creates the current
+  device's (device 0 unless set). `contexts_created()` lists the devices this process has a
+  context on: a library that touches GPU 0 from a helper thread shows up there.
 
 It is not CuPy: only what gpuring and its tests use is here, and a call it does not know fails
 with AttributeError.
@@ -111,6 +116,8 @@ class Stream:
     null: Stream
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        if not null:
+            _context()
         self.ptr = 0 if null else next(_stream_ids)
         self.non_blocking = non_blocking
         self._worker = _Worker(f"cudasim-stream-{self.ptr:#x}")
@@ -156,6 +163,20 @@ class Stream:
 
 Stream.null = Stream(null=True)
 _current = threading.local()
+_contexts: set[int] = set()  # devices whose primary context this process created
+
+
+def _context() -> None:
+    """A runtime call that needs a context: the current device's, created if need be."""
+    if getattr(_current, "context", None) is None:
+        device = getattr(_current, "device", 0)
+        _contexts.add(device)
+        _current.context = device
+
+
+def contexts_created() -> set[int]:
+    """The devices this process created a CUDA context on (simulator only)."""
+    return set(_contexts)
 
 
 def get_current_stream(device_id: int | None = None) -> Stream:
@@ -186,6 +207,7 @@ class Event:
         _events[self.ptr] = self
 
     def record(self, stream: Stream | None = None) -> None:
+        _context()
         marker = _Marker()
         self._marker = marker
         self._stream = _stream(stream)
@@ -273,6 +295,7 @@ class Memory:
     """Device memory outside any pool (cudaMalloc); freed when the object goes."""
 
     def __init__(self, size: int):
+        _context()
         self._alloc = _Allocation(max(int(size), 1))
         _allocated[self._alloc.ptr] = self._alloc
         _used[0] += self._alloc.size
@@ -325,9 +348,12 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def setDevice(device: int) -> None:
+        """Makes `device` current in this thread and creates its primary context (CUDA 12)."""
         if not 0 <= device < _Runtime.getDeviceCount():
             raise CUDARuntimeError("cudaErrorInvalidDevice")
         _current.device = device
+        _current.context = device
+        _contexts.add(device)
 
     @staticmethod
     def memGetInfo() -> tuple[int, int]:
@@ -335,19 +361,23 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        _context()
         _run_on(stream, lambda: ctypes.memmove(dst, src, size))
 
     @staticmethod
     def memcpy(dst: int, src: int, size: int, kind: int) -> None:
+        _context()
         Stream.null.synchronize()
         ctypes.memmove(dst, src, size)
 
     @staticmethod
     def memsetAsync(ptr: int, value: int, size: int, stream: int) -> None:
+        _context()
         _run_on(stream, lambda: ctypes.memset(ptr, value, size))
 
     @staticmethod
     def hostAlloc(size: int, flags: int) -> int:
+        _context()
         buffer = (ctypes.c_char * max(size, 1))()
         ptr = ctypes.addressof(buffer)
         _host_buffers[ptr] = buffer
@@ -360,6 +390,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def ipcGetMemHandle(ptr: int) -> bytes:
+        _context()
         alloc = _allocated.get(ptr)
         if alloc is None:
             raise CUDARuntimeError("cudaErrorInvalidValue",
@@ -368,6 +399,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
+        _context()
         handle = bytes(handle)
         if _Allocation.name_in(handle).startswith(f"gpuring-cudasim-{os.getpid()}-"):
             raise CUDARuntimeError("cudaErrorDeviceUninitialized",
@@ -385,6 +417,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def eventQuery(ptr: int) -> int:
+        _context()
         event = _events[ptr]
         if event._stream is not None and event._stream._worker.error is not None:
             return 719  # cudaErrorLaunchFailure: the stream's earlier operation failed
@@ -397,6 +430,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def deviceSynchronize() -> None:
+        _context()
         for stream in list(_streams.values()):
             stream.synchronize()
 
@@ -418,24 +452,40 @@ class Device:
         self.compute_capability = "90"
 
     def __enter__(self) -> Device:
-        self._previous = runtime.getDevice()
-        runtime.setDevice(self.id)
+        # as CuPy: switch only when needed, but always restore on exit (which, in a thread
+        # that had no context, creates one on the previous device: CUDA >= 12)
+        previous = runtime.getDevice()
+        _device_stack().append(previous)
+        if previous != self.id:
+            runtime.setDevice(self.id)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        runtime.setDevice(self._previous)
+        runtime.setDevice(_device_stack().pop())
 
     def use(self) -> None:
         runtime.setDevice(self.id)
 
     def synchronize(self) -> None:
-        runtime.deviceSynchronize()
+        previous = runtime.getDevice()
+        try:
+            runtime.setDevice(self.id)
+            runtime.deviceSynchronize()
+        finally:
+            runtime.setDevice(previous)
+
+
+def _device_stack() -> list[int]:
+    stack = getattr(_current, "device_stack", None)
+    if stack is None:
+        stack = _current.device_stack = []
+    return stack
 
 
 # ------------------------------------------------------------------------------ kernels
 
-_FAMILIES = {"gpuring_reduce_": ("reduce", 5), "gpuring_copy_bytes": ("copy", 3),
-             "gpuring_wait_flag": ("wait", 4), "gpuring_write_flag": ("write", 3)}
+_FAMILIES = {"gpuring_reduce_": ("reduce", 6), "gpuring_copy_bytes": ("copy", 4),
+             "gpuring_wait_flag": ("wait", 5), "gpuring_write_flag": ("write", 3)}
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 
@@ -476,6 +526,7 @@ class RawKernel:
         blocks, threads = int(np.prod(grid)), int(np.prod(block))
         if not (1 <= blocks < 2**31 and 1 <= threads <= 1024):
             raise CUDARuntimeError("cudaErrorInvalidConfiguration", f"{grid} x {block}")
+        _context()
         values = [int(a) for a in args]
         launch, address = self._launch, self._address
         _stream(stream)._put(lambda: launch(address, blocks, threads, *values))
@@ -755,8 +806,19 @@ random = _Random()  # cupy.random
 
 cuda = types.ModuleType("cupy.cuda")
 function = types.ModuleType("cupy.cuda.function")
+driver = types.ModuleType("cupy.cuda.driver")
+
+
+def _ctx_get_current() -> int:
+    """cuCtxGetCurrent: a handle of the thread's current context, 0 when it has none."""
+    context = getattr(_current, "context", None)
+    return 0 if context is None else 0x7000 + context
+
+
+driver.ctxGetCurrent = _ctx_get_current  # type: ignore[attr-defined]
 function.Module = Module  # type: ignore[attr-defined]
-for _name, _value in {"runtime": runtime, "function": function, "Stream": Stream,
+for _name, _value in {"runtime": runtime, "function": function, "driver": driver,
+                      "Stream": Stream,
                       "Event": Event, "Memory": Memory, "Device": Device,
                       "get_current_stream": get_current_stream,
                       "get_elapsed_time": get_elapsed_time}.items():
@@ -764,6 +826,7 @@ for _name, _value in {"runtime": runtime, "function": function, "Stream": Stream
 sys.modules["cupy.cuda"] = cuda
 sys.modules["cupy.cuda.runtime"] = runtime
 sys.modules["cupy.cuda.function"] = function
+sys.modules["cupy.cuda.driver"] = driver
 
 
 def __getattr__(name: str) -> Any:

@@ -27,11 +27,13 @@ def _gpu_count() -> int:
 if _gpu_count() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from gpuring._errors import GpuringError  # noqa: E402
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
+from gpuring.devices import cuda as cuda_module  # noqa: E402
 from gpuring.devices.base import Flag, FlagWaitAborted, FlagWaitTimeout, Span  # noqa: E402
-from gpuring.devices.cuda import CudaDevice, _memops_supported  # noqa: E402
+from gpuring.devices.cuda import RELEASED, CudaDevice, CudaMemory  # noqa: E402
 
-FLAG_MODES = ["kernel"] + (["memops"] if _memops_supported(0) else [])
+FLAG_MODES = ["kernel"] + (["memops"] if cuda_module._memops_support(0) is None else [])
 
 
 @pytest.fixture(params=FLAG_MODES)
@@ -267,11 +269,6 @@ def test_events_order_streams_and_caller(device: CudaDevice) -> None:
     assert float(x.sum()) == 4.0 * n  # read on the caller's stream, after the reduce
 
 
-def _set_flag(mem, value: int) -> None:
-    word = np.array([value], np.uint64)
-    cp.cuda.runtime.memcpy(mem.ptr, word.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
-
-
 def test_wait_times_out() -> None:
     for mode in FLAG_MODES:
         dev = CudaDevice(0, timeout=0.5, flags=mode)
@@ -282,14 +279,29 @@ def test_wait_times_out() -> None:
             stream.synchronize()
         assert info.value.tag == ("step", 3) and info.value.value == 1
         assert info.value.observed == 0
-        _set_flag(flags, 1)  # a stream memory wait cannot be cancelled: satisfy it
-        dev.close()
+        assert _returns_within(60, dev.close), mode  # releases the wait nobody satisfies
 
 
-def test_abort_fails_waits() -> None:
+def _returns_within(seconds: float, fn: Any) -> bool:
+    """Whether fn() returned within `seconds` (run in a thread: a wedged GPU never returns)."""
+    import threading
+
+    done = threading.Event()
+
+    def call() -> None:
+        fn()
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    return done.wait(seconds)
+
+
+def test_abort_releases_every_wait_and_the_gpu_stays_usable() -> None:
+    """A wait nobody will ever satisfy (a dead peer's) ends at abort, in both flag modes:
+    the device synchronizes, closes, and CuPy works afterwards."""
     for mode in FLAG_MODES:
-        dev = CudaDevice(0, timeout=30.0, flags=mode)
-        flags = dev.alloc(8)
+        dev = CudaDevice(0, timeout=300.0, flags=mode)
+        flags = dev.alloc(16)
         stream = _ready_stream(dev)
         stream.wait_flag(Flag(flags, 0), 1, tag="never")
         dev.abort("peer 3 died")
@@ -297,13 +309,84 @@ def test_abort_fails_waits() -> None:
             stream.synchronize()
         with pytest.raises(FlagWaitAborted):
             stream.wait_flag(Flag(flags, 0), 2)
-        _set_flag(flags, 1)  # abort never writes peers' flags: release the wait by hand
-        start = time.monotonic()
+        assert _returns_within(60, cp.cuda.Device(0).synchronize), mode
+        assert dev.read_u64(flags.ptr) == RELEASED
+        assert _returns_within(60, dev.close), mode
+        assert float((cp.arange(10, dtype=cp.float32) * 2).sum()) == 90.0
+
+
+def test_work_queued_behind_a_released_wait_touches_nothing() -> None:
+    """Once aborted, the reduce, the copy from a peer and the flag write queued behind a
+    released wait run as no-ops: no garbage is computed into buffers or published to peers."""
+    for mode in FLAG_MODES:
+        dev = CudaDevice(0, timeout=300.0, flags=mode)
+        flags = dev.alloc(16)
+        n = 4096
+        x = cp.arange(n, dtype=cp.float32)
+        out = cp.full(n, -1.0, dtype=cp.float32)
+        mx, mout = dev.wrap(x), dev.wrap(out)
+        as_peer = CudaMemory(mx.ptr, mx.nbytes, "peer")  # read like a peer's buffer
+        stream = _ready_stream(dev)
+        stream.wait_flag(Flag(flags, 0), 1, tag="never")
+        stream.reduce(_span(mout, 0, 4 * n), _span(mx, 0, 4 * n), _span(mx, 0, 4 * n),
+                      "float32", ReduceOp.SUM)
+        stream.copy(_span(mout, 0, 4 * n), _span(as_peer, 0, 4 * n))
+        stream.write_flag(Flag(flags, 8), 7)
+        dev.abort("test")
+        assert _returns_within(60, cp.cuda.Device(0).synchronize), mode
+        assert bool((out == -1.0).all()), mode
+        assert dev.read_u64(flags.ptr + 8) == 0, mode
         dev.close()
-        assert time.monotonic() - start < 15
+
+
+def test_streams_wait_only_on_their_own_memory(device: CudaDevice) -> None:
+    """A peer's word could be written by nobody once that peer died, and abort cannot
+    release it: such a wait is refused."""
+    mem = device.alloc(64)
+    peer = CudaMemory(mem.ptr, mem.nbytes, "peer")
+    with pytest.raises(ValueError, match="only wait on a flag in memory this device"):
+        device.create_stream().wait_flag(Flag(peer, 0), 1)
+
+
+def test_spin_fallback_warns_once_with_cause_and_remedy(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    monkeypatch.setattr(cuda_module, "_memops_support", lambda device_id: "a test reason")
+    monkeypatch.setattr(cuda_module, "_warned_spin", False)
+    monkeypatch.delenv(cuda_module.FLAGS_ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match="a test reason") as caught:
+        dev = CudaDevice(0)
+    text = str(caught[0].message)
+    assert "cuda-bindings" in text and "MPS" in text and "time slice" in text
+    assert dev.flags_mode == "kernel"
+    dev.close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CudaDevice(0).close()  # once per process
+
+
+def test_missing_cuda_bindings_is_named_as_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    reason = cuda_module._memops_support(0)
+    assert reason is not None and "cuda-bindings is not importable" in reason
 
 
 # ------------------------------------------------------------------------------ IPC, close
+
+def test_handles_name_the_process_not_its_pid(device: CudaDevice) -> None:
+    """Equal PIDs in different PID namespaces or on other nodes must never make a rank read
+    its own buffer as a peer's: only this process's own token means "my memory"."""
+    mem = device.alloc(4096)
+    handle = device.export(mem)
+    other_process = handle._replace(process="another process with the same pid")
+    with pytest.raises(Exception) as info:  # opened through IPC, as a peer's handle is
+        device.open(other_process)
+    assert not isinstance(info.value, GpuringError)
+    elsewhere = handle._replace(process="a process elsewhere", host="another-node")
+    with pytest.raises(GpuringError, match="on this node only"):
+        device.open(elsewhere)
+
 
 def test_export_open_in_one_process_gives_the_local_pointer(device: CudaDevice) -> None:
     mem = device.alloc(4096)

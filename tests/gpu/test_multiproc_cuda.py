@@ -3,11 +3,15 @@ processes on the same device)."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from ..conftest import WORKER, launch
 
 TRAINING = WORKER.parent / "worker_training.py"
+FAULTS = WORKER.parent / "worker_faults.py"
 
 pytestmark = pytest.mark.gpu
 
@@ -42,3 +46,23 @@ def test_cuda_training_features(case, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
+def test_survivors_of_a_killed_rank_keep_their_gpu():
+    """Rank 1 of 3 is SIGKILLed mid all_reduce. Every survivor raises PeerFailureError naming
+    it, closes, synchronizes its GPU, computes and frees, and exits by itself: well before
+    the launcher's grace period would stop it (a stream left waiting for the dead rank's
+    flag would hang the synchronize forever)."""
+    grace = 120
+    start = time.monotonic()
+    proc = launch("gpuring", 3, [str(FAULTS), "kill_cuda"],
+                  env={"GPURING_TIMEOUT": "600", "GPURING_JITTER": "0"}, grace=grace,
+                  timeout=2 * grace + 60)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert "rank 1 failed first: it was killed by SIGKILL" in proc.stderr, out[-4000:]
+    failed = dict(re.findall(r"RESULT (\d+) (\w+) peer=1 ", proc.stdout))
+    assert failed == {"0": "PeerFailureError", "2": "PeerFailureError"}, out[-4000:]
+    recovered = set(re.findall(r"RECOVERED (\d+) ", proc.stdout))
+    assert recovered == {"0", "2"}, out[-4000:]
+    assert took < grace, f"the survivors were stopped by the launcher after {took:.0f} s"

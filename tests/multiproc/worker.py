@@ -302,13 +302,18 @@ def run_case(cases: dict) -> None:
         import cupy
 
         xp = cupy
+    gpu = None
     with gpuring.init(timeout=float(os.environ.get("GPURING_TIMEOUT", "60"))) as comm:
         if device == "cuda":  # the GPU gpuring picks for this rank
-            xp.cuda.Device(comm.local_rank % xp.cuda.runtime.getDeviceCount()).use()
+            gpu = comm.local_rank % xp.cuda.runtime.getDeviceCount()
+            xp.cuda.Device(gpu).use()
         checker = Checker(comm, case, outdir, xp)
         cases[case](checker)
         checker.finish()
         print(f"rank {comm.rank}: {case} ok, {checker.checked} results checked")
+    created = getattr(xp, "contexts_created", None)  # the CUDA simulator tells
+    if created is not None:  # no thread of gpuring (watchdog, async, abort) touched another GPU
+        assert created() == {gpu}, f"CUDA contexts on GPUs {created()}, this rank uses {gpu}"
 
 
 def main() -> None:

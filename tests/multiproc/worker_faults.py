@@ -39,6 +39,42 @@ def case_kill(comm: gpuring.Communicator) -> None:
     raise AssertionError("no error although rank 1 was killed")
 
 
+def case_kill_cuda(comm: gpuring.Communicator) -> None:
+    """Rank 1 is SIGKILLed while every rank is inside all_reduces of CuPy arrays. Each
+    survivor raises, closes, and then uses its GPU as a program saving a checkpoint would:
+    a device-wide synchronize, new arrays, freeing the pool. None of it may hang on a stream
+    still waiting for the dead rank."""
+    import cupy
+
+    cupy.cuda.Device(comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+    rng = np.random.default_rng(comm.rank)
+    x = cupy.asarray(rng.standard_normal(1 << 20).astype(np.float32))  # 4 MiB
+    comm.all_reduce(x, op="avg", out=x)
+    comm.synchronize()
+    print(f"JOB {os.environ.get('GPURING_JOB_ID', '')}", flush=True)
+    if comm.rank == 1:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    since = time.monotonic()
+    try:
+        for i in range(100_000):
+            comm.all_reduce(x, op="avg", out=x)
+            if i % 4 == 3:
+                comm.synchronize()
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        comm.close()
+        cupy.cuda.Device().synchronize()
+        checkpoint = cupy.asnumpy(x)  # what a survivor saves
+        y = cupy.arange(1000, dtype=cupy.float32) * 2
+        assert float(y.sum()) == 999000.0 and checkpoint.shape == (1 << 20,)
+        del x, y
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.cuda.Device().synchronize()
+        print(f"RECOVERED {comm.rank} after={time.monotonic() - since:.2f}", flush=True)
+        return
+    raise AssertionError("no error although rank 1 was killed")
+
+
 def case_sleep(comm: gpuring.Communicator) -> None:
     """Rank 1 sleeps past the timeout before a collective."""
     x = np.ones(1000, np.float64)

@@ -26,6 +26,9 @@ from ..cudasim import kernels_host_build
 
 # (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
 GRIDS = [(1, 1), (3, 7), (4, 64)]
+_NOT_ABORTED = np.zeros(1, np.int32)
+CLEAR = _NOT_ABORTED.ctypes.data  # the device's abort word, not set
+RELEASED = 2**63 - 1  # what an abort writes into the words a rank waits on
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +139,7 @@ def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> Non
                         before = arena.raw.copy()
                         data = arena.raw.ctypes.data
                         lib.emu_launch_reduce(kernel, blocks, threads, data + idst, data + ia,
-                                              data + ib, n, divisor)
+                                              data + ib, n, divisor, CLEAR)
                         expected = _host_reduce(x, y, op, divisor)
                         got = arena.raw[idst:idst + n * size].view(dt)
                         where = f"{dtype} {op.value} n={n} align={aligned} " \
@@ -162,7 +165,7 @@ def test_reduce_in_place(lib: ctypes.CDLL, dtype: str, into: str) -> None:
         ib, vb = arena.place(y, misalign)
         idst = ia if into == "a" else ib
         data = arena.raw.ctypes.data
-        lib.emu_launch_reduce(kernel, 2, 32, data + idst, data + ia, data + ib, n, 1)
+        lib.emu_launch_reduce(kernel, 2, 32, data + idst, data + ia, data + ib, n, 1, CLEAR)
         result = va if into == "a" else vb
         assert _same(result, _host_reduce(x, y, ReduceOp.SUM, 1))
 
@@ -172,9 +175,11 @@ def test_integer_sum_wraps_and_average_truncates_toward_zero(lib: ctypes.CDLL) -
     y = np.array([1, 0, 0, -1, 0], np.int32)
     out = np.zeros_like(x)
     kernel = _kernel(lib, _kernels.reduce_kernel_name("int32", "sum"))
-    lib.emu_launch_reduce(kernel, 1, 4, out.ctypes.data, x.ctypes.data, y.ctypes.data, 5, 1)
+    lib.emu_launch_reduce(kernel, 1, 4, out.ctypes.data, x.ctypes.data, y.ctypes.data, 5, 1,
+                          CLEAR)
     assert out.tolist() == [-(2**31), -7, 7, 2**31 - 1, -1]
-    lib.emu_launch_reduce(kernel, 1, 4, out.ctypes.data, x.ctypes.data, y.ctypes.data, 5, 2)
+    lib.emu_launch_reduce(kernel, 1, 4, out.ctypes.data, x.ctypes.data, y.ctypes.data, 5, 2,
+                          CLEAR)
     # (2^31-1)+1 wraps to -2^31, /2; -7/2 -> -3; 7/2 -> 3; ...; -1/2 -> 0
     assert out.tolist() == [-(2**30), -3, 3, (2**31 - 1) // 2, 0]
 
@@ -191,22 +196,42 @@ def test_copy_bytes(lib: ctypes.CDLL) -> None:
                 idst, _ = arena.place(np.zeros(nbytes, np.uint8), dst_mis)
                 before = arena.raw.copy()
                 data = arena.raw.ctypes.data
-                lib.emu_launch_copy(kernel, blocks, threads, data + idst, data + isrc, nbytes)
+                lib.emu_launch_copy(kernel, blocks, threads, data + idst, data + isrc, nbytes,
+                                    CLEAR)
                 assert np.array_equal(arena.raw[idst:idst + nbytes], src)
                 before[idst:idst + nbytes] = src
                 assert np.array_equal(arena.raw, before)
+
+
+def test_data_kernels_do_nothing_once_aborted(lib: ctypes.CDLL) -> None:
+    """After an abort, queued reduces and copies run without reading or writing anything:
+    a dead peer's memory may be gone, and a result computed then is garbage."""
+    aborted = np.ones(1, np.int32)
+    x = np.arange(1, 65, dtype=np.float32)
+    out = np.full(64, -1.0, np.float32)
+    bad = 16  # an address nothing may read: the kernels must not touch their operands
+    reduce = _kernel(lib, _kernels.reduce_kernel_name("float32", "sum"))
+    lib.emu_launch_reduce(reduce, 2, 32, out.ctypes.data, x.ctypes.data, bad, 64, 1,
+                          aborted.ctypes.data)
+    lib.emu_launch_copy(_kernel(lib, _kernels.COPY_KERNEL), 2, 32, out.ctypes.data, bad,
+                        out.nbytes, aborted.ctypes.data)
+    assert np.all(out == -1.0)
+    lib.emu_launch_reduce(reduce, 2, 32, out.ctypes.data, x.ctypes.data, x.ctypes.data, 64, 1,
+                          CLEAR)
+    assert np.array_equal(out, 2 * x)
 
 
 class _Flags:
     def __init__(self) -> None:
         self.flag = np.zeros(1, np.uint64)
         self.status = np.zeros(1, np.int32)
+        self.abort = np.zeros(1, np.int32)
 
 
 def _wait(lib: ctypes.CDLL, f: _Flags, value: int, timeout_ns: int) -> float:
     start = time.monotonic()
     lib.emu_launch_wait(_kernel(lib, _kernels.WAIT_FLAG_KERNEL), 1, 1, f.flag.ctypes.data,
-                        value, timeout_ns, f.status.ctypes.data)
+                        value, timeout_ns, f.status.ctypes.data, f.abort.ctypes.data)
     return time.monotonic() - start
 
 
@@ -228,9 +253,11 @@ def test_wait_flag_returns_once_the_flag_is_reached(lib: ctypes.CDLL) -> None:
 
 
 def test_wait_flag_times_out_into_the_status_word(lib: ctypes.CDLL) -> None:
+    """A timed-out wait tells the host (status) and stops the kernels queued after it
+    (abort), so nothing after the wait runs on data that never came."""
     f = _Flags()
     waited = _wait(lib, f, 1, timeout_ns=20_000_000)
-    assert f.status[0] == 1
+    assert f.status[0] == 1 and f.abort[0] == 1
     assert waited >= 0.02
 
 
@@ -241,16 +268,25 @@ def test_wait_flag_returns_at_once_after_an_abort(lib: ctypes.CDLL) -> None:
     assert f.status[0] == 2 and f.flag[0] == 0
 
 
-def test_write_flag_publishes_only_while_the_status_is_clear(lib: ctypes.CDLL) -> None:
+def test_write_flag_publishes_only_while_not_aborted(lib: ctypes.CDLL) -> None:
     f = _Flags()
     kernel = _kernel(lib, _kernels.WRITE_FLAG_KERNEL)
-    lib.emu_launch_write(kernel, 1, 1, f.flag.ctypes.data, 9, f.status.ctypes.data)
+    lib.emu_launch_write(kernel, 1, 1, f.flag.ctypes.data, 9, f.abort.ctypes.data)
     assert f.flag[0] == 9
-    for status in (1, 2):  # a timed-out wait, an abort
-        f.status[0] = status
-        lib.emu_launch_write(kernel, 1, 1, f.flag.ctypes.data, 10, f.status.ctypes.data)
-        assert f.flag[0] == 9
+    f.abort[0] = 1
+    lib.emu_launch_write(kernel, 1, 1, f.flag.ctypes.data, 10, f.abort.ctypes.data)
+    assert f.flag[0] == 9
     # extra threads of a wider launch must not write
-    f.status[0] = 0
-    lib.emu_launch_write(kernel, 2, 3, f.flag.ctypes.data, 11, f.status.ctypes.data)
+    f.abort[0] = 0
+    lib.emu_launch_write(kernel, 2, 3, f.flag.ctypes.data, 11, f.abort.ctypes.data)
     assert f.flag[0] == 11
+
+
+def test_write_flag_never_lowers_a_word(lib: ctypes.CDLL) -> None:
+    """A released wait word (raised to the largest value by an abort) stays released even
+    when a late producer writes its ordinary value."""
+    f = _Flags()
+    f.flag[0] = RELEASED
+    lib.emu_launch_write(_kernel(lib, _kernels.WRITE_FLAG_KERNEL), 1, 1, f.flag.ctypes.data,
+                         (7 << 32) | 3, f.abort.ctypes.data)
+    assert f.flag[0] == RELEASED

@@ -2,7 +2,8 @@
 
 The simulator interleaves ranks and channels at random (honouring flag waits), computes on
 exact Python integers, and fails on a deadlock, on a read of a buffer location nobody wrote in
-the round, and on a location written twice in one round.
+the round, and on a location written twice in one round. Flags live with their reader, as on
+the devices: a Signal reaches only the ranks it names, so a reader left out deadlocks.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
     assert len(nrounds) == 1, "ranks disagree on the number of rounds"
     for rnd in range(nrounds.pop()):
         buffers: list[dict] = [{} for _ in range(n)]
-        flags = [[0] * channels for _ in range(n)]
+        # flags[reader][channel][producer]: what the producer told the reader
+        flags = [[[0] * n for _ in range(channels)] for _ in range(n)]
         cursors = {(r, c): 0 for r in range(n)
                    for c, ops in enumerate(plans[r][rnd].channels) if ops}
 
@@ -72,7 +74,7 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
             runnable = []
             for (r, c), i in cursors.items():
                 op = plans[r][rnd].channels[c][i]
-                if type(op) is Wait and flags[op.peer][c] < op.value:
+                if type(op) is Wait and flags[r][c][op.peer] < op.value:
                     continue
                 runnable.append((r, c))
             if not runnable:
@@ -85,8 +87,11 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
                 a, b = read(r, op.a, op.length), read(r, op.b, op.length)
                 write(r, op.dst, [x + y for x, y in zip(a, b, strict=True)])
             elif type(op) is Signal:
-                assert op.value > flags[r][c]
-                flags[r][c] = op.value
+                if r in op.readers or len(set(op.readers)) != len(op.readers):
+                    raise Violation(f"rank {r} signals {op.readers}")
+                for reader in op.readers:
+                    assert op.value > flags[reader][c][r]
+                    flags[reader][c][r] = op.value
             cursors[(r, c)] += 1
             if cursors[(r, c)] == len(plans[r][rnd].channels[c]):
                 del cursors[(r, c)]
@@ -162,6 +167,26 @@ def test_barrier_plan_waits_for_everyone():
                                      chunk_bytes=1, channels=1)
             waited = {op.peer for op in rnd.channels[0] if type(op) is Wait}
             assert waited == set(range(n)) - {r}
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "barrier"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
+    """A Signal names every rank that waits on it and no other (an extra reader would be a
+    write nobody reads; a missing one, a wait released by nothing)."""
+    count = 4 * n
+    for one_shot in (0, count):
+        plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=1 << 20,
+                                 chunk_bytes=2, channels=2, root=1 % n,
+                                 one_shot_bytes=one_shot) for r in range(n)]
+        for rnd in range(len(plans[0])):
+            for c in range(max(len(p[rnd].channels) for p in plans)):
+                waiters = {(r, op.peer) for r in range(n) if c < len(plans[r][rnd].channels)
+                           for op in plans[r][rnd].channels[c] if type(op) is Wait}
+                signals = {(reader, r) for r in range(n) if c < len(plans[r][rnd].channels)
+                           for op in plans[r][rnd].channels[c] if type(op) is Signal
+                           for reader in op.readers}
+                assert waiters == signals, (kind, n, one_shot, rnd, c)
 
 
 @settings(max_examples=60, deadline=None)
