@@ -5,14 +5,15 @@ there one item at a time, in submission order, which every rank must share (as f
 synchronous verbs). A synchronous verb called while async work is outstanding first waits for
 that work, so the order across ranks stays the order of the calls.
 
-CUDA: the caller's current stream is marked when the work is submitted; the collective runs
-on a side stream that waits for that mark, and `Work.wait()` makes the caller's current stream
-wait for the collective instead of blocking the host.
+CUDA: the caller's current stream (torch's for a torch tensor) is marked when the work is
+submitted; the collective runs on a side stream that waits for that mark, and `Work.wait()`
+makes the caller's current stream wait for the collective instead of blocking the host.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import sys
 import threading
@@ -40,8 +41,10 @@ class Work:
     the caller's current stream after it without blocking the host.
     """
 
-    def __init__(self, name: str, keep: Any = None, cuda_device: int | None = None):
+    def __init__(self, name: str, keep: Any = None, cuda_device: int | None = None,
+                 caller_stream: Callable[[], Any] | None = None):
         self.name = name
+        self._caller_stream = caller_stream or contextlib.nullcontext
         self._finished = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -70,7 +73,7 @@ class Work:
         if self._error is not None:
             raise self._error
         if self._cuda_event is not None:
-            with _cupy().cuda.Device(self._cuda_device):
+            with _cupy().cuda.Device(self._cuda_device), self._caller_stream():
                 _cupy().cuda.get_current_stream().wait_event(self._cuda_event)
         return self._result
 
@@ -94,11 +97,13 @@ class Executor:
         self._closed = False
         self._side_streams: dict[int, Any] = {}
 
-    def submit(self, fn: Callable[[], Any], name: str, *,
-               cuda_device: int | None = None) -> Work:
+    def submit(self, fn: Callable[[], Any], name: str, *, cuda_device: int | None = None,
+               caller_stream: Callable[[], Any] | None = None) -> Work:
         """Queue `fn()`; its result or error goes to the returned Work. `cuda_device`: the
-        call runs on a side stream ordered after the caller's current stream on that GPU."""
-        work = Work(name, fn, cuda_device)
+        call runs on a side stream ordered after the caller's current stream on that GPU;
+        `caller_stream()` makes the caller's stream CuPy's current one when `wait()` orders
+        it after the call (CuPy's current stream when not given)."""
+        work = Work(name, fn, cuda_device, caller_stream)
         if cuda_device is not None:
             fn = self._on_side_stream(fn, work, cuda_device)
         with self._cond:

@@ -701,15 +701,18 @@ class Communicator:
         with self._lock:
             if self._executor is None:
                 self._executor = Executor()
-        # views made here, in the caller's thread: DLPack orders them on the caller's stream
-        args, kwargs, restore = interop.convert((x,), kwargs)
-        cuda = interop.device_kind(args[0]) == "cuda"
+        # views made here, in the caller's thread and on the caller's stream (torch's for a
+        # torch tensor): DLPack orders them there, and the collective starts after it
+        with interop.caller_stream(x):
+            args, kwargs, restore = interop.convert((x,), kwargs)
+            cuda = interop.device_kind(args[0]) == "cuda"
 
-        def run() -> Any:
-            return restore(verb(*args, **kwargs))
+            def run() -> Any:
+                return restore(verb(*args, **kwargs))
 
-        device_id = int(args[0].device.id) if cuda else None  # the array's own GPU
-        return self._executor.submit(run, name, cuda_device=device_id)
+            device_id = int(args[0].device.id) if cuda else None  # the array's own GPU
+            return self._executor.submit(run, name, cuda_device=device_id,
+                                         caller_stream=lambda: interop.caller_stream(x))
 
     def _drain_async(self) -> None:
         executor = self._executor

@@ -74,7 +74,14 @@ def plan_buckets(groups: Sequence[Any], nbytes: Sequence[int], limit: int) -> li
 def all_reduce_many(comm: Any, arrays: Sequence[Any], *, op: ReduceOp | str = "sum",
                     fusion_bytes: int | None = None) -> list[Any]:
     """`comm.all_reduce` of every array, fused; results in input order, each array's type."""
-    rop = ReduceOp.parse(op)
+    if not arrays:
+        return []
+    with interop.caller_stream(arrays[0]):  # torch tensors: on torch's current stream
+        return _all_reduce_many(comm, arrays, ReduceOp.parse(op), fusion_bytes)
+
+
+def _all_reduce_many(comm: Any, arrays: Sequence[Any], rop: ReduceOp,
+                     fusion_bytes: int | None) -> list[Any]:
     limit = default_fusion_bytes() if fusion_bytes is None else fusion_bytes
     native = [_arrays.contiguous(interop.to_native(a)) for a in arrays]
     groups = [(_arrays.device_kind(a), _arrays.dtype_name(a)) for a in native]

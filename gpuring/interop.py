@@ -5,17 +5,23 @@ through `__dlpack__` (or `__cuda_array_interface__`), runs on that view, and han
 back as the caller's type: the caller's own object when the result was written into it
 (`out=`, `broadcast`), else a new one made by the producing package's `from_dlpack`
 (`torch.from_dlpack` for torch). Packages without one get the NumPy or CuPy array.
+
+Streams: a GPU collective is ordered after the work already queued on the caller's stream, and
+the caller's stream after the collective. For CuPy arrays that stream is CuPy's current one;
+for torch CUDA tensors it is torch's current stream on the tensor's device, which
+`caller_stream` makes CuPy's current stream for the length of the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["to_native", "from_native", "device_kind", "convert", "call"]
+__all__ = ["to_native", "from_native", "device_kind", "convert", "call", "caller_stream"]
 
 _DL_CPU = 1
 _DL_CUDA = 2
@@ -105,8 +111,30 @@ def convert(args: tuple[Any, ...], kwargs: dict[str, Any]
     return (native_x, *args[1:]), kwargs, restore
 
 
+def _torch_cuda_device(x: Any) -> int | None:
+    """The GPU index of a torch CUDA tensor, else None."""
+    if type(x).__module__.partition(".")[0] != "torch" or not getattr(x, "is_cuda", False):
+        return None
+    return int(x.device.index)
+
+
+def caller_stream(x: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which CuPy's current stream is the stream the caller orders `x`'s work
+    on: torch's current stream on the tensor's GPU for a torch CUDA tensor (so the collective
+    starts after the caller's queued torch work and torch work queued afterwards sees its
+    result); for anything else, nothing changes."""
+    device = _torch_cuda_device(x)
+    if device is None:
+        return contextlib.nullcontext()
+    torch = sys.modules["torch"]
+    stream = torch.cuda.current_stream(device)
+    return _cupy().cuda.ExternalStream(int(stream.cuda_stream), device)
+
+
 def call(method: Callable[..., Any], comm: Any, args: tuple[Any, ...],
          kwargs: dict[str, Any]) -> Any:
-    """`method(comm, *args, **kwargs)` on native views; the result in the caller's type."""
-    args, kwargs, restore = convert(args, kwargs)
-    return restore(method(comm, *args, **kwargs))
+    """`method(comm, *args, **kwargs)` on native views, on the caller's stream; the result in
+    the caller's type."""
+    with caller_stream(args[0]):
+        args, kwargs, restore = convert(args, kwargs)
+        return restore(method(comm, *args, **kwargs))

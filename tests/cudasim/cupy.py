@@ -163,6 +163,27 @@ class Stream:
 
 Stream.null = Stream(null=True)
 _current = threading.local()
+
+
+class ExternalStream:
+    """A stream made by another library (say torch), named by its handle: the same stream,
+    so work queued through either runs in one order. Usable as the current stream."""
+
+    def __init__(self, ptr: int, device_id: int = -1):
+        self._stream = _stream(int(ptr))
+        self.ptr = self._stream.ptr
+        self.device_id = device_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __enter__(self) -> ExternalStream:
+        self._previous = get_current_stream()
+        _current.stream = self._stream
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.stream = self._previous
 _contexts: set[int] = set()  # devices whose primary context this process created
 
 
@@ -732,6 +753,28 @@ for _form in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__neg
 ndarray.__hash__ = None  # type: ignore[assignment]
 
 
+class _HostCapsule:
+    """Presents a DLPack capsule of host memory (the simulator's device memory) to NumPy."""
+
+    def __init__(self, capsule: Any):
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+def from_dlpack(x: Any) -> ndarray:
+    """A device array sharing `x`'s memory. As CuPy does, the current stream is handed to the
+    producer, which orders its own pending work before that stream (DLPack's stream rule);
+    the simulated producer's capsule describes host memory, which is device memory here."""
+    stream = get_current_stream()
+    capsule = x.__dlpack__(stream=stream.ptr or 1)  # 1: the legacy default stream
+    return ndarray(np.from_dlpack(_HostCapsule(capsule)))
+
+
 def asnumpy(x: Any, stream: Stream | None = None) -> np.ndarray:
     return x.get() if isinstance(x, ndarray) else np.asarray(x)
 
@@ -818,7 +861,7 @@ def _ctx_get_current() -> int:
 driver.ctxGetCurrent = _ctx_get_current  # type: ignore[attr-defined]
 function.Module = Module  # type: ignore[attr-defined]
 for _name, _value in {"runtime": runtime, "function": function, "driver": driver,
-                      "Stream": Stream,
+                      "Stream": Stream, "ExternalStream": ExternalStream,
                       "Event": Event, "Memory": Memory, "Device": Device,
                       "get_current_stream": get_current_stream,
                       "get_elapsed_time": get_elapsed_time}.items():

@@ -37,7 +37,8 @@ def test_cuda_collectives(case, n, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
-@pytest.mark.parametrize("case", ["async", "async_mismatch", "fusion", "compression"])
+@pytest.mark.parametrize("case", ["async", "async_mismatch", "fusion", "compression",
+                                  "torch_stream"])
 def test_cuda_training_features(case, tmp_path):
     """Async work, fusion and compression on CuPy arrays, 2 ranks sharing a GPU."""
     n = 2

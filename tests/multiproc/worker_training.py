@@ -212,6 +212,56 @@ def case_torch(c: Checker) -> None:
         c.expect(param.grad.numpy(), sum(want) / n, f"torch grad {k}")
 
 
+def _cuda_torch():
+    """torch with CUDA where there is one, else the CUDA simulator's stand-in."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch
+    except ImportError:
+        pass
+    import fake_torch  # tests/cudasim: installs itself as `torch`
+
+    return fake_torch
+
+
+def case_torch_stream(c: Checker) -> None:
+    """torch CUDA tensors used on a torch stream that is not CuPy's current one: the
+    collective starts after the caller's torch work and torch work queued after the call sees
+    the result, in place (no DLPack conversion on the way back), out of place and async.
+    Rank 1 enters late, so a result read on the torch stream too early reads stale data."""
+    import time
+
+    import cupy
+
+    torch = _cuda_torch()
+    comm, r = c.comm, c.comm.rank
+    ins = c.inputs("float32", (4096,), 800)
+    want = c.reduce_reference(ins, "sum")
+    comm.all_reduce(cupy.ones(4096, cupy.float32))  # set up: the ranks meet here, not below
+    comm.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = cupy.cuda.ExternalStream(side.cuda_stream, comm.local_rank %
+                                           cupy.cuda.runtime.getDeviceCount())
+        for how in ("in place", "out of place", "async"):
+            with on_side:  # the tensor's data, written on the torch stream
+                x = torch.from_dlpack(cupy.asarray(ins[r]))
+            if r == 1:
+                time.sleep(0.5)  # the collective cannot complete before rank 1 is in
+            if how == "in place":
+                got = comm.all_reduce(x, out=x)
+            elif how == "out of place":
+                got = comm.all_reduce(x)
+            else:
+                got = comm.all_reduce_async(x, out=x).wait()
+            with on_side:  # torch work on the torch stream, queued right after the call
+                seen = cupy.from_dlpack(got).copy()
+            side.synchronize()
+            c.expect(seen, want, f"torch stream, {how}")
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
