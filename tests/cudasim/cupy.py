@@ -4,7 +4,10 @@ machine without a GPU. Put this directory first on PYTHONPATH; `import cupy` the
 What it models, and how:
 - device memory is host memory: `cuda.Memory` maps a /dev/shm file, so that CUDA IPC
   (`ipcGetMemHandle` / `ipcOpenMemHandle`) maps the same pages in a peer process; a device
-  pointer is a plain address, and a wrong one faults as it would on the GPU;
+  pointer is a plain address, and a wrong one faults as it would on the GPU; freeing memory a
+  peer still maps makes that peer's next access fault (SIGBUS), as undefined behaviour may.
+  Files are named after the process (and the `gpuring run` job, whose launcher removes them);
+  those of dead processes are removed when the simulator is next imported;
 - every stream is a thread that runs its operations in order; events mark a point in a stream;
   `Stream.wait_event` holds a stream, with no timeout, like the GPU does;
 - `RawModule` kernels are those of kernels/reduce.cu built for the CPU
@@ -26,6 +29,7 @@ with AttributeError.
 
 from __future__ import annotations
 
+import builtins  # this module defines any, all, sum, abs ... as cupy does: use the builtins
 import ctypes
 import itertools
 import mmap
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from shm_names import allocation_name, live_mappers, mapping_marker, sweep_dead_allocations
 
 __version__ = "0.0.0+cudasim"
 _HERE = Path(__file__).resolve().parent
@@ -257,16 +262,24 @@ def _sync_current() -> None:
 # ------------------------------------------------------------------------------ memory
 
 class _Allocation:
-    """`size` bytes of a /dev/shm file mapped at `ptr` (shared, so peers can map it)."""
+    """`size` bytes of a /dev/shm file mapped at `ptr` (shared, so peers can map it).
+
+    Freeing it while a peer still maps it is undefined behaviour in CUDA; here the owner's
+    free truncates the file, so a peer that still reads or writes it dies of SIGBUS at once
+    (a loud failure, as an illegal address on a GPU is)."""
 
     MAGIC = b"cudasim1"
 
     def __init__(self, size: int, name: str | None = None):
         self.size = size
         self.owner = name is None
-        self.name = name or f"gpuring-cudasim-{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = name or allocation_name()
+        self.opens = 1
         path = f"/dev/shm/{self.name}"
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0), 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0), 0o600)
+        except FileNotFoundError:  # the exporter freed it: an invalid handle by now
+            raise CUDARuntimeError("cudaErrorInvalidValue", f"{self.name} was freed") from None
         try:
             if self.owner:
                 os.ftruncate(fd, size)
@@ -296,15 +309,33 @@ class _Allocation:
         size, _length = struct.unpack_from("<qI", handle, len(cls.MAGIC))
         return cls(size, cls.name_in(handle))
 
+    def map_in_peer(self) -> None:
+        """Record that this process maps a peer's allocation (its owner checks at free)."""
+        open(mapping_marker(self.name, os.getpid()), "w").close()
+
     def free(self) -> None:
-        if self.ptr:
-            _libc.munmap(self.ptr, self.size)
-            self.ptr = 0
-            if self.owner:
-                try:
-                    os.unlink(f"/dev/shm/{self.name}")
-                except FileNotFoundError:
-                    pass
+        if not self.ptr:
+            return
+        _libc.munmap(self.ptr, self.size)
+        self.ptr = 0
+        if not self.owner:
+            try:
+                os.unlink(mapping_marker(self.name, os.getpid()))
+            except FileNotFoundError:
+                pass
+            return
+        path = f"/dev/shm/{self.name}"
+        mappers = live_mappers(self.name)
+        try:
+            os.truncate(path, 0)  # peers' mappings now fault on access
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        if mappers:  # undefined behaviour on a GPU: make it loud and certain here
+            sys.stderr.write(f"cudasim: cudaFree of {self.name} while processes {mappers} "
+                             "still map it (undefined behaviour in CUDA); aborting\n")
+            sys.stderr.flush()
+            os.abort()
 
 
 _allocated: dict[int, _Allocation] = {}  # base pointer -> allocation made here
@@ -420,21 +451,32 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
+        """Maps a peer's allocation; opening the same handle again returns the same mapping
+        (counted: each open needs its close)."""
         _context()
         handle = bytes(handle)
-        if _Allocation.name_in(handle).startswith(f"gpuring-cudasim-{os.getpid()}-"):
+        name = _Allocation.name_in(handle)
+        if builtins.any(a.name == name for a in _allocated.values()):
             raise CUDARuntimeError("cudaErrorDeviceUninitialized",
                                    "a process cannot open its own IPC handle")
+        for alloc in _opened.values():
+            if alloc.name == name:
+                alloc.opens += 1
+                return alloc.ptr
         alloc = _Allocation.from_handle(handle)
+        alloc.map_in_peer()
         _opened[alloc.ptr] = alloc
         return alloc.ptr
 
     @staticmethod
     def ipcCloseMemHandle(ptr: int) -> None:
-        alloc = _opened.pop(ptr, None)
+        alloc = _opened.get(ptr)
         if alloc is None:
             raise CUDARuntimeError("cudaErrorInvalidValue", f"{ptr:#x} was not opened by IPC")
-        alloc.free()
+        alloc.opens -= 1
+        if alloc.opens == 0:
+            del _opened[ptr]
+            alloc.free()
 
     @staticmethod
     def eventQuery(ptr: int) -> int:
@@ -695,7 +737,8 @@ def _bury(host: np.ndarray) -> None:
 
 def _collect() -> None:
     with _graveyard_lock:
-        _graveyard[:] = [(m, h) for m, h in _graveyard if not all(x.reached.is_set() for x in m)]
+        _graveyard[:] = [(m, h) for m, h in _graveyard
+                         if not builtins.all(x.reached.is_set() for x in m)]
 
 
 def _unwrap_queued(x: Any) -> Any:
@@ -795,7 +838,7 @@ def ascontiguousarray(x: Any, dtype: Any = None) -> ndarray:
 
 
 def get_array_module(*args: Any) -> Any:
-    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
+    return sys.modules[__name__] if builtins.any(isinstance(a, ndarray) for a in args) else np
 
 
 def may_share_memory(a: Any, b: Any, max_work: Any = None) -> bool:
@@ -971,3 +1014,4 @@ def _install_driver() -> None:
 
 if os.environ.get("GPURING_CUDASIM_MEMOPS") == "1":
     _install_driver()
+sweep_dead_allocations()  # what killed processes left behind

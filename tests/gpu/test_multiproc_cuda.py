@@ -37,6 +37,14 @@ def test_cuda_collectives(case, n, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
+def test_close_waits_until_every_peer_unmapped(tmp_path):
+    """A rank frees its buffers only once every peer has unmapped them (the simulator aborts
+    a process that frees memory a live peer still maps: undefined behaviour on a GPU)."""
+    proc = launch("gpuring", 2, [str(WORKER), "uneven_close", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 @pytest.mark.parametrize("case", ["async", "async_mismatch", "fusion", "compression",
                                   "torch_stream"])
 def test_cuda_training_features(case, tmp_path):

@@ -111,6 +111,20 @@ def dev(c: Checker, a: np.ndarray):
     return c.xp.asarray(a)
 
 
+def case_uneven_close(c: Checker) -> None:
+    """The last rank is slow to close: the others must not free their buffers while it still
+    maps them (its peers wait for it at close)."""
+    import time
+
+    comm = c.comm
+    ins = c.inputs("float32", (5000,), 900)
+    c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"),
+             "before an uneven close")
+    comm.synchronize()
+    if comm.rank == comm.size - 1:
+        time.sleep(1.0)
+
+
 def case_dtypes_ops(c: Checker) -> None:
     """Every dtype and op, all_reduce in and out of place, plus reduce_scatter and reduce."""
     n, comm = c.comm.size, c.comm
