@@ -144,11 +144,16 @@ class _Bench:
 
 
 def run(s: Settings) -> int:
-    """Run the benchmark on this rank; returns 1 on every rank when any result was wrong."""
+    """Run the benchmark on this rank; returns 1 on every rank when any result was wrong, 2 on
+    every rank when a rank lacks what the options need (checked before measuring)."""
     import gpuring
 
-    backend = cuda_backend() if s.device == "cuda" else host_backend()
+    from .preflight import check_ranks
+
     with gpuring.init() as comm:  # an error on its way out is not masked by close()
+        if not check_ranks(s, comm):
+            return 2
+        backend = cuda_backend() if s.device == "cuda" else host_backend()
         backend.use_device(comm.local_rank)
         out = Output(comm.rank == 0, stream_path_from_env())
         peers: list[System] = []

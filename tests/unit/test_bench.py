@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpuring.bench import data, metrics, report
+from gpuring.bench import data, metrics, preflight, report
 from gpuring.bench.cli import settings_from_args, to_argv
 from gpuring.bench.machine import cpu_model
 from gpuring.bench.peers import parse_peers, select_peers
@@ -285,3 +285,52 @@ def test_corruption_hook_makes_the_exit_status_nonzero(monkeypatch, capsys):
     assert code == 1
     text = capsys.readouterr().out
     assert "# Wrong elements    : 8 FAILED" in text  # 2 sizes x 2 placements x 2 checks
+
+
+def test_preflight_names_what_the_options_lack(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    s = settings_from_args(parse("--device", "cuda", "--plot", str(tmp_path / "p.png"),
+                                 "--json", str(tmp_path / "absent" / "r.json"),
+                                 "--csv", str(tmp_path)))
+    found = preflight.problems(s, writes_files=True)
+    assert len(found) == 4, found
+    csv, cuda, json_path, plot = sorted(found, key=lambda p: p.split()[0])
+    assert cuda.startswith("--device cuda needs CuPy")
+    assert csv == f"--csv {tmp_path}: is a directory"
+    assert plot.startswith(f"--plot {tmp_path / 'p.png'}: needs matplotlib")
+    assert json_path.startswith(f"--json {tmp_path / 'absent' / 'r.json'}: no directory")
+    # ranks that write no files check only what they need themselves
+    assert preflight.problems(s, writes_files=False) == [cuda]
+    same = settings_from_args(parse("--json", "x", "--csv", "./x"))
+    assert preflight.problems(same, writes_files=True) == ["--csv ./x: the same file as --json"]
+
+
+def test_preflight_passes_and_leaves_nothing_behind(tmp_path):
+    s = settings_from_args(parse("--json", str(tmp_path / "r.json"), "--csv",
+                                 str(tmp_path / "r.csv")))
+    assert preflight.problems(s, writes_files=True) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_rank_stops_when_any_rank_has_a_problem():
+    assert preflight.agree(_Comm(), [])
+    assert not preflight.agree(_Comm(), ["--json r.json: no directory"])
+    assert not preflight.agree(_Comm(other_ok=False), [])  # the other rank has one
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--json"])
+def test_a_missing_dependency_or_directory_fails_before_measuring(tmp_path, monkeypatch,
+                                                                   capsys, flag):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    target = tmp_path / ("p.png" if flag == "--plot" else "absent/r.json")
+    code = main(["bench", "-b", "8", "-e", "16", "-n", "1", "-w", "0", "--device", "cpu",
+                 flag, str(target)])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""  # nothing measured: not even the header
+    assert err.startswith(f"gpuring bench: {flag} {target}: ")
+    assert not target.exists()
