@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from .metrics import IN_PLACE, OUT_OF_PLACE
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
            "footer_lines", "peer_lines", "floor_lines", "ratios", "avg_busbw", "to_json",
-           "write_json", "write_csv", "plot"]
+           "write_json", "write_csv", "replace_file", "plot"]
 
 SCHEMA = "gpuring.bench/1"
 _PLACE = (OUT_OF_PLACE, IN_PLACE)
@@ -179,10 +182,13 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
 
 
 def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dict[str, Any],
-            peers: list[str], results: list[Result], floors: list[Floor]) -> dict[str, Any]:
-    """The document --json writes (schema "gpuring.bench/1")."""
+            peers: list[str], results: list[Result], floors: list[Floor],
+            complete: bool = True) -> dict[str, Any]:
+    """The document --json writes (schema "gpuring.bench/1"); `complete` is False while the
+    run goes on (the sizes not yet measured are missing)."""
     return {
         "schema": SCHEMA,
+        "complete": complete,
         "settings": settings,
         "machine": machine,
         "memory_bandwidth": bandwidth,
@@ -195,20 +201,40 @@ def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dic
     }
 
 
+def replace_file(path: str, write: Callable[[IO[str]], None]) -> None:
+    """Write a new file beside `path` with `write`, then rename it over `path`: a reader
+    (or a run killed meanwhile) sees the old file or the new one, never half of one."""
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", newline="") as f:
+            write(f)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
 def write_json(path: str, document: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    def write(f: IO[str]) -> None:
         json.dump(document, f, indent=1)
         f.write("\n")
+
+    replace_file(path, write)
 
 
 def write_csv(path: str, results: list[Result]) -> None:
     """One row per result; the per-rank medians are left out."""
     names = [k for k in Result.__dataclass_fields__ if k != "rank_median_us"]
-    with open(path, "w", newline="") as f:
+
+    def write(f: IO[str]) -> None:
         writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
         for r in results:
             writer.writerow(asdict(r))
+
+    replace_file(path, write)
 
 
 def plot(path: str, results: list[Result], title: str, small_bytes: int = 64 << 10) -> str:

@@ -184,6 +184,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
         out.line(line)
     results: list[report.Result] = []
     floors: list[report.Floor] = []
+    files = _Files(s, settings, machine, bandwidth, active=rank == 0)
+    files.save(results, floors, peer_notes, complete=False)
     total, done = len(ops) * len(sizes) * len(systems), 0
     for op in ops:
         for size in sizes:
@@ -213,6 +215,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
                 floor = bench.floor(gp, op, bandwidth["GBps_per_rank"])
                 if floor is not None:
                     floors.append(floor)
+            files.save(results, floors, peer_notes + list(bench.notes.values()),
+                       complete=False)
     out.progress(total, total, "done")
     mine = [r for r in results if r.system == "gpuring"]
     for line in report.footer_lines(mine):
@@ -223,23 +227,43 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
             out.line(line)
     for line in report.floor_lines(bandwidth, floors):
         out.line(line)
-    if rank == 0:
-        _write_files(s, settings, machine, bandwidth, notes, results, floors, out)
+    files.finish(results, floors, notes, out)
     return 1 if sum(r.wrong for r in results) else 0
 
 
-def _write_files(s: Settings, settings: dict[str, Any], machine: dict[str, Any],
-                 bandwidth: dict[str, Any], notes: list[str], results: list[report.Result],
-                 floors: list[report.Floor], out: Output) -> None:
-    if s.json:
-        report.write_json(s.json, report.to_json(
-            settings=settings, machine=machine, bandwidth=bandwidth, peers=notes,
-            results=results, floors=floors))
-        out.line(f"# JSON written to {s.json}")
-    if s.csv:
-        report.write_csv(s.csv, results)
-        out.line(f"# CSV written to {s.csv}")
-    if s.plot:
-        title = (f"gpuring bench {s.collective}, {settings['ranks']} ranks, {s.device}, "
-                 f"{s.dtype}")
-        out.line(report.plot(s.plot, results, title))
+class _Files:
+    """Rank 0's --json and --csv, rewritten whole (`report.replace_file`) before the first
+    size, after every size with "complete": false, and at the end with "complete": true: a
+    run stopped part-way (a timeout) leaves every finished size in files a reader can parse.
+    The plot is drawn at the end only."""
+
+    def __init__(self, s: Settings, settings: dict[str, Any], machine: dict[str, Any],
+                 bandwidth: dict[str, Any], *, active: bool):
+        self.s, self.settings, self.machine, self.bandwidth = s, settings, machine, bandwidth
+        self.active = active
+
+    def save(self, results: list[report.Result], floors: list[report.Floor],
+             notes: list[str], *, complete: bool) -> None:
+        if not self.active:
+            return
+        if self.s.json:
+            report.write_json(self.s.json, report.to_json(
+                settings=self.settings, machine=self.machine, bandwidth=self.bandwidth,
+                peers=notes, results=results, floors=floors, complete=complete))
+        if self.s.csv:
+            report.write_csv(self.s.csv, results)
+
+    def finish(self, results: list[report.Result], floors: list[report.Floor],
+               notes: list[str], out: Output) -> None:
+        if not self.active:
+            return
+        s = self.s
+        self.save(results, floors, notes, complete=True)
+        if s.json:
+            out.line(f"# JSON written to {s.json}")
+        if s.csv:
+            out.line(f"# CSV written to {s.csv}")
+        if s.plot:
+            title = (f"gpuring bench {s.collective}, {self.settings['ranks']} ranks, "
+                     f"{s.device}, {s.dtype}")
+            out.line(report.plot(s.plot, results, title))

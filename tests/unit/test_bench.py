@@ -334,3 +334,68 @@ def test_a_missing_dependency_or_directory_fails_before_measuring(tmp_path, monk
     assert out == ""  # nothing measured: not even the header
     assert err.startswith(f"gpuring bench: {flag} {target}: ")
     assert not target.exists()
+
+
+def test_files_are_replaced_whole_or_not_at_all(tmp_path):
+    """A writer that fails half-way (as a killed run would) leaves the previous file whole."""
+    path = tmp_path / "r.json"
+    report.write_json(str(path), {"complete": False, "results": [1]})
+    with pytest.raises(TypeError):
+        report.write_json(str(path), {"complete": True, "results": [1, object()]})
+    assert json.loads(path.read_text()) == {"complete": False, "results": [1]}
+    csv_path = tmp_path / "r.csv"
+    report.write_csv(str(csv_path), [result("in-place")])
+    before = csv_path.read_text()
+    rows: list = [result("out-of-place"), _Unwritable()]
+    with pytest.raises(TypeError):
+        report.write_csv(str(csv_path), rows)
+    assert csv_path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.json"]
+
+
+class _Unwritable:
+    """Not a Result: asdict() fails on it, after the CSV header and first row are out."""
+
+
+def _stop_at(monkeypatch, size: int) -> None:
+    """Make the run fail when it reaches `size`, as a timeout would end it."""
+    from gpuring.bench import runner
+
+    measure = runner._Bench.measure
+
+    def stopping(self, system, kind, placement, op, at, *args):
+        if at >= size:
+            raise KeyboardInterrupt("stopped")
+        return measure(self, system, kind, placement, op, at, *args)
+
+    monkeypatch.setattr(runner._Bench, "measure", stopping)
+
+
+def test_json_and_csv_hold_every_finished_size_when_a_run_is_stopped(tmp_path, monkeypatch):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
+    _stop_at(monkeypatch, 64)
+    path, csv_path = tmp_path / "r.json", tmp_path / "r.csv"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "-b", "8", "-e", "256", "-n", "1", "-w", "0", "--device", "cpu",
+              "--json", str(path), "--csv", str(csv_path)])
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is False
+    assert sorted({r["size"] for r in doc["results"]}) == [8, 16, 32]
+    assert doc["settings"]["sizes"] == [8, 16, 32, 64, 128, 256]  # what was still to come
+    assert csv_path.read_text().count("\n") == 1 + 2 * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.json"]
+
+
+def test_a_finished_run_marks_its_json_complete(tmp_path, monkeypatch):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
+    path = tmp_path / "r.json"
+    assert main(["bench", "-b", "8", "-e", "16", "-n", "1", "-w", "0", "--device", "cpu",
+                 "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is True and len(doc["results"]) == 4
