@@ -14,8 +14,8 @@ from typing import IO, Any
 from .metrics import IN_PLACE, OUT_OF_PLACE
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
-           "footer_lines", "peer_lines", "floor_lines", "ratios", "avg_busbw", "to_json",
-           "write_json", "write_csv", "replace_file", "plot"]
+           "footer_lines", "peer_lines", "floor_lines", "floor_basis", "ratios", "avg_busbw",
+           "to_json", "write_json", "write_csv", "replace_file", "plot"]
 
 SCHEMA = "gpuring.bench/1"
 _PLACE = (OUT_OF_PLACE, IN_PLACE)
@@ -55,10 +55,39 @@ class Floor:
     floor_us: float
     time_us: float
     efficiency_pct: float
+    #: the memory that sets the floor, how many ranks share it, the bytes all of them move
+    #: through it and its bandwidth
+    memory: str = ""
+    ranks_sharing: int = 1
+    memory_bytes: float = 0.0
+    memory_GBps: float = 0.0
 
 
-def header_lines(machine: dict[str, Any], settings: dict[str, Any]) -> list[str]:
-    """The '#' lines above the table: what ran, where, with what."""
+def _ranks(ranks: list[int]) -> str:
+    """[0, 2] -> "0, 2"; [0, 1, 2, 3] -> "0-3"."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks)
+
+
+def floor_basis(bandwidth: dict[str, Any]) -> str:
+    """Which bandwidth the floor assumes and which ranks share it, e.g. "GPU 0 shared by 2
+    ranks (0, 2) at 10.00 GB/s"."""
+    memories = bandwidth.get("memories")
+    if not memories:
+        return f"memory bandwidth {bandwidth['GBps_per_rank']:.2f} GB/s per rank"
+    parts = []
+    for m in memories:
+        k = len(m["ranks"])
+        shared = f"shared by {k} ranks" if k > 1 else "used by 1 rank"
+        parts.append(f"{m['memory']} {shared} ({_ranks(m['ranks'])}) at {m['GBps']:.2f} GB/s")
+    return "; ".join(parts)
+
+
+def header_lines(machine: dict[str, Any], settings: dict[str, Any],
+                 bandwidth: dict[str, Any] | None = None) -> list[str]:
+    """The '#' lines above the table: what ran, where, with what, and the bandwidth the floor
+    assumes."""
     v = machine.get("versions", {})
     lines = [
         f"# gpuring bench {settings['collective']}: {settings['ranks']} ranks, device "
@@ -78,6 +107,9 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any]) -> list[str]
                  f"{settings.get('channels') or 'default'}")
     lines.append("# time: median over the timed iterations on each rank, then the slowest "
                  "rank's median; checks run apart from the timed iterations")
+    if bandwidth is not None:
+        lines.append(f"# floor: {floor_basis(bandwidth)} (each with all its ranks copying at "
+                     "once); the ranks sharing a memory move all their bytes through it")
     return lines
 
 
@@ -166,18 +198,20 @@ def peer_lines(notes: list[str], results: list[Result]) -> list[str]:
 
 
 def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
-    lines = [f"# Floor: memory bandwidth {bandwidth['GBps_per_rank']:.2f} GB/s per rank "
-             f"({bandwidth['method']}); floor = bytes the busiest rank moves through memory "
-             "/ that bandwidth; efficiency = floor / gpuring's time"]
+    lines = [f"# Floor: {floor_basis(bandwidth)} ({bandwidth['method']}); floor = the bytes "
+             "every rank sharing a memory moves through it (counted from gpuring's plan; k "
+             "ranks moving the same: k x bytes/rank) / that memory's bandwidth, for the most "
+             "loaded memory; efficiency = floor / gpuring's time"]
     if not floors:
         return [*lines, "#   (one rank: nothing moves)"]
-    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'floor':>11}"
-                 f"{'gpuring':>11}{'efficiency':>12}")
-    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'(us)':>11}{'(us)':>11}{'(%)':>12}")
+    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'sharing':>9}"
+                 f"{'floor':>11}{'gpuring':>11}{'efficiency':>12}")
+    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'(ranks)':>9}{'(us)':>11}{'(us)':>11}"
+                 f"{'(%)':>12}")
     for f in floors:
         lines.append(f"{f.size:>12d}{f.redop:>7}{f.traffic_bytes:>14.0f}"
-                     f"{f.traffic_over_size:>8.2f}{f.floor_us:>11.2f}{f.time_us:>11.2f}"
-                     f"{f.efficiency_pct:>12.1f}")
+                     f"{f.traffic_over_size:>8.2f}{f.ranks_sharing:>9d}{f.floor_us:>11.2f}"
+                     f"{f.time_us:>11.2f}{f.efficiency_pct:>12.1f}")
     return lines
 
 

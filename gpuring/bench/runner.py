@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,11 +15,14 @@ from .data import corrupt, count_wrong, expected_for_rank, make_input, tolerance
 from .metrics import (
     OUT_OF_PLACE,
     REDUCING,
+    Memory,
     align_bytes,
     bus_factor,
-    memory_traffic,
+    group_memories,
     placements,
     plan_count,
+    rank_traffic,
+    shared_floor,
     size_series,
 )
 from .peers import select_peers
@@ -70,17 +74,33 @@ class _Bench:
         self.itemsize = np.dtype(s.dtype).itemsize
         self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
         self.notes: dict[str, str] = {}
+        self.memories: list[Memory] = []
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
 
     def bandwidth(self) -> dict[str, Any]:
-        per_rank = self.gather(np.array([self.backend.copy_bandwidth(
-            self.s.membw_bytes, 5, self.comm.barrier)]))[:, 0]
+        """Every rank copies at once; ranks whose arrays share a memory (all of a node's on
+        the CPU, those on one GPU for CUDA) are grouped, and each memory's bandwidth is the
+        bytes its ranks copied / the longest of their times (`group_memories`)."""
+        repeats = 5
+        moved, seconds = self.backend.copy_seconds(self.s.membw_bytes, repeats,
+                                                    self.comm.barrier)
+        node = zlib.crc32(platform.node().encode())
+        table = self.gather(np.array([node, self.backend.memory_of(self.comm.local_rank),
+                                      moved, seconds]))
+        keys = [(int(row[0]), int(row[1])) for row in table]
+        self.memories = group_memories(keys, table[:, 2].tolist(), table[:, 3].tolist(),
+                                       self.backend.name)
+        per_rank = table[:, 2] / table[:, 3] / 1e9
         what = "CuPy device copy" if self.backend.name == "cuda" else "NumPy copy"
         return {"GBps_per_rank": float(per_rank.mean()), "per_rank": per_rank.tolist(),
-                "method": f"{what} of {self.s.membw_bytes >> 20} MiB on every rank at once, "
-                          "read + write counted, best of 5"}
+                "memories": [{"memory": m.name, "ranks": m.ranks, "GBps": m.GBps}
+                             for m in self.memories],
+                "method": f"{what} of {self.s.membw_bytes >> 20} MiB, {repeats} in a row, on "
+                          "every rank at once, read + write counted; a memory's GBps = the "
+                          "bytes all ranks sharing it copied / the longest of their times; "
+                          "per_rank = each rank's bytes / its own time"}
 
     def measure(self, system: System, kind: str, placement: str, op: str, size: int,
                 source: np.ndarray, expected: np.ndarray | None) -> report.Result | None:
@@ -128,19 +148,29 @@ class _Bench:
             wrong += count_wrong(got, expected, rtol)
         return wrong
 
-    def floor(self, gp: report.Result, op: str, bandwidth: float) -> report.Floor | None:
-        if self.n < 2 or bandwidth <= 0:
+    def floor(self, gp: report.Result, op: str,
+              memories: list[Memory]) -> report.Floor | None:
+        """The memory-bandwidth floor of `gp`: the bytes every rank moves (from the plan)
+        summed over the ranks that share a memory, over that memory's bandwidth, for the most
+        loaded memory (`shared_floor`)."""
+        usable = [m for m in memories if m.GBps > 0]
+        if self.n < 2 or not usable:
             return None
         config = self.comm.config
-        traffic = memory_traffic(
+        traffic = rank_traffic(
             gp.collective, self.n, gp.size, self.itemsize, root=self.s.root,
             buffer_bytes=getattr(config, "buffer_bytes", 16 << 20),
             one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10), avg=op == "avg")
-        floor_us = traffic / (bandwidth * 1e9) * 1e6
-        return report.Floor(size=gp.size, redop=op, traffic_bytes=traffic,
-                            traffic_over_size=traffic / gp.size, floor_us=floor_us,
+        seconds, memory = shared_floor(traffic, usable)
+        floor_us = seconds * 1e6
+        busiest = max(traffic)
+        return report.Floor(size=gp.size, redop=op, traffic_bytes=busiest,
+                            traffic_over_size=busiest / gp.size, floor_us=floor_us,
                             time_us=gp.time_us,
-                            efficiency_pct=100.0 * floor_us / gp.time_us if gp.time_us else 0.0)
+                            efficiency_pct=100.0 * floor_us / gp.time_us if gp.time_us else 0.0,
+                            memory=memory.name, ranks_sharing=len(memory.ranks),
+                            memory_bytes=sum(traffic[r] for r in memory.ranks),
+                            memory_GBps=memory.GBps)
 
 
 def run(s: Settings) -> int:
@@ -178,7 +208,7 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     settings = {**asdict(s), "ranks": n, "ops": ops, "sizes": sizes}
     machine = describe() if rank == 0 else {}
     bandwidth = bench.bandwidth()
-    for line in report.header_lines(machine, settings):
+    for line in report.header_lines(machine, settings, bandwidth):
         out.line(line)
     for line in report.table_header():
         out.line(line)
@@ -212,7 +242,7 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
             if row:
                 out.line(report.table_row(row))
                 gp = row.get(OUT_OF_PLACE) or next(iter(row.values()))
-                floor = bench.floor(gp, op, bandwidth["GBps_per_rank"])
+                floor = bench.floor(gp, op, bench.memories)
                 if floor is not None:
                     floors.append(floor)
             files.save(results, floors, peer_notes + list(bench.notes.values()),

@@ -36,6 +36,14 @@ def test_two_ranks_small_sizes(tmp_path):
     assert sizes == [8 << i for i in range(14)]
     assert all(len(r["rank_median_us"]) == 2 for r in doc["results"])
     assert doc["floor"] and doc["memory_bandwidth"]["GBps_per_rank"] > 0
+    # both ranks share the host memory: the floor moves both ranks' bytes through it
+    (host,) = doc["memory_bandwidth"]["memories"]
+    assert host["memory"] == "host memory" and host["ranks"] == [0, 1] and host["GBps"] > 0
+    for f in doc["floor"]:
+        assert (f["memory"], f["ranks_sharing"]) == ("host memory", 2)
+        assert f["memory_bytes"] == 2 * f["traffic_bytes"]  # the ring: every rank moves as much
+        assert f["floor_us"] == pytest.approx(f["memory_bytes"] / host["GBps"] / 1e3)
+    assert "host memory shared by 2 ranks (0, 1)" in out
     assert (tmp_path / "r.csv").read_text().count("\n") == 1 + 2 * 14
 
 

@@ -399,3 +399,87 @@ def test_a_finished_run_marks_its_json_complete(tmp_path, monkeypatch):
                  "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["complete"] is True and len(doc["results"]) == 4
+
+
+def test_the_floor_counts_the_bytes_of_every_rank_that_shares_a_memory():
+    """k ranks on one memory move k times the bytes of one through it: the floor is the most
+    loaded memory's bytes over its bandwidth, not one rank's bytes over it."""
+    four = [100.0] * 4
+    gpus = [metrics.Memory("GPU 0", [0, 2], 10.0), metrics.Memory("GPU 1", [1, 3], 10.0)]
+    seconds, memory = metrics.shared_floor(four, gpus)
+    assert seconds == pytest.approx(200 / 10e9) and memory.name == "GPU 0"
+    host = [metrics.Memory("host memory", [0, 1, 2, 3], 10.0)]
+    assert metrics.shared_floor(four, host) == (pytest.approx(400 / 10e9), host[0])
+    uneven = [metrics.Memory("GPU 0", [0, 2], 10.0), metrics.Memory("GPU 1", [1], 10.0)]
+    assert metrics.shared_floor([100.0] * 3, uneven)[1].name == "GPU 0"
+    slower = [metrics.Memory("GPU 0", [0, 2], 10.0), metrics.Memory("GPU 1", [1], 4.0)]
+    assert metrics.shared_floor([100.0] * 3, slower) == (pytest.approx(100 / 4e9), slower[1])
+    rooted = metrics.shared_floor([400.0, 200.0], [metrics.Memory("host memory", [0, 1], 2.0)])
+    assert rooted[0] == pytest.approx(600 / 2e9)  # ranks that move different amounts: summed
+
+
+def test_memories_are_grouped_from_what_every_rank_measured():
+    """A memory's bandwidth: the bytes all its ranks copied at once / the longest time."""
+    gpus = metrics.group_memories([(7, 0), (7, 1), (7, 0), (7, 1)], [2e9] * 4,
+                                  [1.0, 0.5, 2.0, 0.5], "cuda")
+    assert gpus == [metrics.Memory("GPU 0", [0, 2], 2.0), metrics.Memory("GPU 1", [1, 3], 8.0)]
+    hosts = metrics.group_memories([(5, 0), (9, 0), (5, 0)], [1e9] * 3, [1.0] * 3, "cpu")
+    assert [(m.name, m.ranks) for m in hosts] == [("host memory of node 0", [0, 2]),
+                                                  ("host memory of node 1", [1])]
+    one = metrics.group_memories([(5, 0), (5, 0)], [1e9] * 2, [0.5, 1.0], "cpu")
+    assert one == [metrics.Memory("host memory", [0, 1], 2.0)]
+
+
+def test_ranks_on_one_node_share_gpu_local_rank_mod_count(monkeypatch):
+    import types
+
+    from gpuring.bench import timing
+
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 2)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=runtime)))
+    assert [timing.cuda_backend().memory_of(r) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert {timing.host_backend().memory_of(r) for r in range(5)} == {0}
+
+
+class _FourRanks:
+    rank, size, local_rank, config = 0, 4, 0, None
+
+
+def test_the_floor_of_four_ranks_sharing_host_memory():
+    from gpuring.bench import runner
+
+    bench = runner._Bench(runner.Settings(), _FourRanks(), runner.host_backend(),
+                          Output(False))
+    gp = result("out-of-place")
+    gp.ranks = 4
+    host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
+    floor = bench.floor(gp, "sum", host)
+    per_rank = metrics.memory_traffic("all_reduce", 4, gp.size, 4)
+    assert floor is not None
+    assert floor.traffic_bytes == per_rank  # the busiest rank's bytes, as before
+    assert (floor.memory, floor.ranks_sharing) == ("host memory", 4)
+    assert floor.memory_bytes == pytest.approx(4 * per_rank)
+    assert floor.floor_us == pytest.approx(4 * per_rank / 20e9 * 1e6)
+    assert floor.efficiency_pct == pytest.approx(100 * floor.floor_us / gp.time_us)
+
+
+def test_the_report_says_which_bandwidth_the_floor_assumes_and_who_shares_it():
+    bandwidth = {"GBps_per_rank": 5.0, "per_rank": [5.0] * 4, "method": "m",
+                 "memories": [{"memory": "GPU 0", "ranks": [0, 2], "GBps": 10.0},
+                              {"memory": "GPU 1", "ranks": [1, 3], "GBps": 12.5}]}
+    basis = "GPU 0 shared by 2 ranks (0, 2) at 10.00 GB/s; GPU 1 shared by 2 ranks (1, 3) " \
+            "at 12.50 GB/s"
+    header = report.header_lines({}, {"collective": "all_reduce", "ranks": 4, "device": "cuda",
+                                      "dtype": "float32", "min_bytes": 8, "max_bytes": 64,
+                                      "factor": 2, "iters": 1, "warmup": 0, "check_iters": 1},
+                                 bandwidth)
+    assert any(basis in line for line in header)
+    floor = report.Floor(size=1 << 20, redop="sum", traffic_bytes=3.5 * (1 << 20),
+                         traffic_over_size=3.5, floor_us=200.0, time_us=250.0,
+                         efficiency_pct=80.0, memory="GPU 0", ranks_sharing=2,
+                         memory_bytes=7.0 * (1 << 20), memory_GBps=10.0)
+    lines = report.floor_lines(bandwidth, [floor])
+    assert basis in lines[0]
+    assert lines[-1].split() == ["1048576", "sum", "3670016", "3.50", "2", "200.00", "250.00",
+                                 "80.0"]
