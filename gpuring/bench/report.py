@@ -7,7 +7,7 @@ import csv
 import json
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -61,6 +61,10 @@ class Floor:
     ranks_sharing: int = 1
     memory_bytes: float = 0.0
     memory_GBps: float = 0.0
+    #: gpuring's result the floor is of, and whether it was faster than the floor (efficiency
+    #: above 100 %: the data stayed in cache, which the DRAM floor does not bound)
+    placement: str = ""
+    beats_floor: bool = False
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -211,7 +215,11 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
     for f in floors:
         lines.append(f"{f.size:>12d}{f.redop:>7}{f.traffic_bytes:>14.0f}"
                      f"{f.traffic_over_size:>8.2f}{f.ranks_sharing:>9d}{f.floor_us:>11.2f}"
-                     f"{f.time_us:>11.2f}{f.efficiency_pct:>12.1f}")
+                     f"{f.time_us:>11.2f}{f.efficiency_pct:>12.1f}{'*' if f.beats_floor else ''}")
+    if any(f.beats_floor for f in floors):
+        lines.append("# * above 100 %: faster than the floor allows, so at this size the data "
+                     "stayed in cache; the floor assumes every byte goes through DRAM at the "
+                     "bandwidth above and does not bound cache-resident sizes")
     return lines
 
 
@@ -258,15 +266,26 @@ def write_json(path: str, document: dict[str, Any]) -> None:
     replace_file(path, write)
 
 
-def write_csv(path: str, results: list[Result]) -> None:
-    """One row per result; the per-rank medians are left out."""
+#: the CSV's columns after the Result's: the floor of the gpuring row it is of (else empty)
+CSV_FLOOR = ("floor_us", "efficiency_pct", "beats_floor")
+
+
+def write_csv(path: str, results: list[Result], floors: Sequence[Floor] = ()) -> None:
+    """One row per result (the per-rank medians are left out), with the floor's time,
+    efficiency and `beats_floor` on the gpuring row each floor is of."""
     names = [k for k in Result.__dataclass_fields__ if k != "rank_median_us"]
+    by_row = {(f.size, f.redop, f.placement): f for f in floors}
 
     def write(f: IO[str]) -> None:
-        writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=[*names, *CSV_FLOOR], extrasaction="ignore")
         writer.writeheader()
         for r in results:
-            writer.writerow(asdict(r))
+            row = asdict(r)
+            floor = by_row.get((r.size, r.redop, r.placement)) if r.system == "gpuring" else None
+            if floor is not None:
+                row.update(floor_us=floor.floor_us, efficiency_pct=floor.efficiency_pct,
+                           beats_floor=floor.beats_floor)
+            writer.writerow(row)
 
     replace_file(path, write)
 

@@ -164,13 +164,14 @@ class _Bench:
         seconds, memory = shared_floor(traffic, usable)
         floor_us = seconds * 1e6
         busiest = max(traffic)
+        efficiency = 100.0 * floor_us / gp.time_us if gp.time_us else 0.0
         return report.Floor(size=gp.size, redop=op, traffic_bytes=busiest,
                             traffic_over_size=busiest / gp.size, floor_us=floor_us,
-                            time_us=gp.time_us,
-                            efficiency_pct=100.0 * floor_us / gp.time_us if gp.time_us else 0.0,
+                            time_us=gp.time_us, efficiency_pct=efficiency,
                             memory=memory.name, ranks_sharing=len(memory.ranks),
                             memory_bytes=sum(traffic[r] for r in memory.ranks),
-                            memory_GBps=memory.GBps)
+                            memory_GBps=memory.GBps, placement=gp.placement,
+                            beats_floor=efficiency > 100.0)
 
 
 def run(s: Settings) -> int:
@@ -281,7 +282,7 @@ class _Files:
                 settings=self.settings, machine=self.machine, bandwidth=self.bandwidth,
                 peers=notes, results=results, floors=floors, complete=complete))
         if self.s.csv:
-            report.write_csv(self.s.csv, results)
+            report.write_csv(self.s.csv, results, floors)
 
     def finish(self, results: list[report.Result], floors: list[report.Floor],
                notes: list[str], out: Output) -> None:

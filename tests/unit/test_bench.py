@@ -483,3 +483,52 @@ def test_the_report_says_which_bandwidth_the_floor_assumes_and_who_shares_it():
     assert basis in lines[0]
     assert lines[-1].split() == ["1048576", "sum", "3670016", "3.50", "2", "200.00", "250.00",
                                  "80.0"]
+
+
+def _floor(size: int, efficiency: float) -> report.Floor:
+    return report.Floor(size=size, redop="sum", traffic_bytes=3.5 * size, traffic_over_size=3.5,
+                        floor_us=efficiency * 2.5, time_us=250.0, efficiency_pct=efficiency,
+                        memory="host memory", ranks_sharing=2, memory_bytes=7.0 * size,
+                        memory_GBps=20.0, placement="out-of-place",
+                        beats_floor=efficiency > 100)
+
+
+def test_efficiency_above_100_percent_is_marked_as_cache_not_dram():
+    bandwidth = {"GBps_per_rank": 10.0, "per_rank": [10.0] * 2, "method": "m",
+                 "memories": [{"memory": "host memory", "ranks": [0, 1], "GBps": 20.0}]}
+    lines = report.floor_lines(bandwidth, [_floor(1 << 16, 180.0), _floor(1 << 20, 80.0)])
+    cached, dram = lines[3], lines[4]
+    assert cached.endswith("180.0*") and dram.endswith("80.0")
+    assert len(cached) == len(dram) + 1  # the numbers stay aligned
+    assert lines[-1].startswith("# * ") and "cache" in lines[-1] and "DRAM" in lines[-1]
+    unmarked = report.floor_lines(bandwidth, [_floor(1 << 20, 80.0)])
+    assert not any("*" in line for line in unmarked)
+
+
+def test_efficiency_above_100_percent_is_flagged_in_json_and_csv(tmp_path):
+    floors = [_floor(1 << 20, 180.0)]
+    rows = [result("out-of-place"), result("in-place"), result("out-of-place", system="mpi")]
+    doc = report.to_json(settings={}, machine={}, bandwidth={}, peers=[], results=rows,
+                         floors=floors)
+    assert doc["floor"][0]["beats_floor"] is True
+    path = tmp_path / "r.csv"
+    report.write_csv(str(path), rows, floors)
+    import csv
+
+    back = list(csv.DictReader(path.open()))
+    assert [r["beats_floor"] for r in back] == ["True", "", ""]  # the row the floor is of
+    assert back[0]["efficiency_pct"] == "180.0" and back[2]["floor_us"] == ""
+
+
+def test_the_bench_flags_a_time_below_the_floor():
+    from gpuring.bench import runner
+
+    bench = runner._Bench(runner.Settings(), _FourRanks(), runner.host_backend(),
+                          Output(False))
+    host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
+    fast, slow = result("out-of-place"), result("out-of-place")
+    fast.ranks = slow.ranks = 4
+    fast.time_us, slow.time_us = 1.0, 1e6
+    assert bench.floor(fast, "sum", host).beats_floor is True
+    assert bench.floor(slow, "sum", host).beats_floor is False
+    assert bench.floor(slow, "sum", host).placement == "out-of-place"
