@@ -7,10 +7,16 @@ Quantities (S = the size column in bytes, n ranks, t = time):
   reduce_scatter and all_gather (S is the full array: reduce_scatter's input, all_gather's
   output), 1 for broadcast and reduce.
 * t is the median over the timed iterations on each rank, then the slowest rank's median.
-* floor = bytes the algorithm moves through memory on the busiest rank / memory bandwidth
-  per rank, measured in the same run (CPU: a NumPy copy of 128 MiB on every rank at once,
-  read + write counted; GPU: a CuPy device-to-device copy timed with events). Efficiency is
-  floor / t. The bytes are counted from gpuring's own plan: a copy of k bytes moves 2k
+* floor: ranks whose arrays share a memory (CPU: every rank of a node shares its host
+  memory; CUDA: the ranks of a node on GPU local_rank % count share that GPU) move all their
+  bytes through it, so for each memory the floor is the sum over its ranks of the bytes each
+  moves (k ranks moving the same: k x bytes per rank) / its bandwidth, and the floor is the
+  largest of these. A memory's bandwidth is measured in the same run: every rank copies
+  128 MiB five times in a row at once (a NumPy copy on the CPU, a CuPy device copy on a GPU,
+  read + write counted, host clock to the end of the last copy), and the bytes all ranks of
+  the memory copied are divided by the longest of their times: ranks time-sliced on one GPU
+  take turns, ranks of one node's CPU copy side by side. Efficiency is floor / t. The bytes
+  are counted from gpuring's own plan: a copy of k bytes moves 2k
   (read + write), a reduction 3k (two reads, one write), an avg's final division 2k more.
   For the ring all_reduce this gives per rank (5(n-1)/n + 2) x S = (7n-5)/n x S: staging
   copy 2S/n, n-1 reductions 3S/n each, the copy of the own final segment to the output

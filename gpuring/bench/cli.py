@@ -10,6 +10,7 @@ import tempfile
 
 from .._config import parse_size
 from .._ops import SUPPORTED_DTYPES, ReduceOp, check_op_dtype
+from . import preflight
 from .metrics import COLLECTIVES, REDUCING
 from .peers import parse_peers
 from .runner import Settings, run
@@ -121,7 +122,8 @@ def _spawn(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run `gpuring bench`; the exit status is 1 when any result was wrong."""
+    """Run `gpuring bench`; the exit status is 1 when any result was wrong, 2 when the
+    arguments are wrong or what they need is missing (found before measuring)."""
     try:
         settings = settings_from_args(args)
     except (ValueError, TypeError) as exc:  # TypeError: op not defined for the dtype
@@ -131,7 +133,10 @@ def main(args: argparse.Namespace) -> int:
         print("gpuring bench: --ranks must be at least 1", file=sys.stderr)
         return 2
     if args.ranks is not None and not already_launched():
-        return _spawn(args)
+        problems = preflight.problems(settings, writes_files=True)
+        for line in problems:
+            print(f"gpuring bench: {line}", file=sys.stderr)
+        return 2 if problems else _spawn(args)
     from .timing import resolve_device
 
     settings.device = resolve_device(settings.device)

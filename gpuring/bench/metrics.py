@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 __all__ = ["COLLECTIVES", "ROOTED", "REDUCING", "bus_factor", "size_series", "align_bytes",
-           "plan_count", "memory_traffic", "closed_form_traffic", "placements"]
+           "plan_count", "memory_traffic", "rank_traffic", "closed_form_traffic", "placements",
+           "Memory", "group_memories", "shared_floor"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 ROOTED = ("broadcast", "reduce")
@@ -100,18 +102,72 @@ def closed_form_traffic(kind: str, n: int, size: int, *, one_shot: bool = False)
     raise ValueError(f"unknown collective {kind!r}")
 
 
+def rank_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0,
+                 buffer_bytes: int = 16 << 20, one_shot_bytes: int = 64 << 10,
+                 avg: bool = False, ranks: Iterable[int] | None = None) -> list[float]:
+    """Bytes each of `ranks` (default: every rank) reads and writes in one collective, counted
+    from the plan (every rank gets the busiest rank's `closed_form_traffic` when the plan
+    cannot be read)."""
+    which = list(range(n) if ranks is None else ranks)
+    if n < 2:
+        return [0.0] * len(which)
+    count = plan_count(kind, n, size, itemsize)
+    try:
+        return [float(_plan_traffic(kind, n, r, count, itemsize, root, buffer_bytes,
+                                    one_shot_bytes, avg)) for r in which]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        one_shot = kind == "all_reduce" and size <= one_shot_bytes
+        return [closed_form_traffic(kind, n, size, one_shot=one_shot)] * len(which)
+
+
 def memory_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0,
                    buffer_bytes: int = 16 << 20, one_shot_bytes: int = 64 << 10,
                    avg: bool = False, ranks: Iterable[int] | None = None) -> float:
-    """Bytes the busiest rank reads and writes in one collective, counted from the plan
-    (falls back to `closed_form_traffic` when the plan cannot be read)."""
+    """Bytes the busiest rank reads and writes in one collective (see `rank_traffic`)."""
     if n < 2:
         return 0.0
-    count = plan_count(kind, n, size, itemsize)
-    try:
-        return float(max(_plan_traffic(kind, n, r, count, itemsize, root, buffer_bytes,
-                                       one_shot_bytes, avg)
-                         for r in (range(n) if ranks is None else ranks)))
-    except (ImportError, AttributeError, TypeError, ValueError):
-        one_shot = kind == "all_reduce" and size <= one_shot_bytes
-        return closed_form_traffic(kind, n, size, one_shot=one_shot)
+    return max(rank_traffic(kind, n, size, itemsize, root=root, buffer_bytes=buffer_bytes,
+                            one_shot_bytes=one_shot_bytes, avg=avg, ranks=ranks))
+
+
+@dataclass
+class Memory:
+    """A memory that ranks' arrays live in, the ranks that share it, and its bandwidth (GB/s)
+    measured while all of them copied at once."""
+
+    name: str
+    ranks: list[int]
+    GBps: float
+
+
+def group_memories(keys: Sequence[tuple[int, int]], moved: Sequence[float],
+                   seconds: Sequence[float], device: str) -> list[Memory]:
+    """The memories of the job from what every rank measured: rank r's arrays live in memory
+    `keys[r]` = (node, index on the node: 0 for host memory, the GPU for CUDA), and it copied
+    `moved[r]` bytes in `seconds[r]`, all ranks at once. A memory's bandwidth is the bytes all
+    its ranks copied / the longest of their times (ranks time-sliced on one GPU take turns:
+    the last one finishes when the memory has moved everybody's bytes)."""
+    nodes = list(dict.fromkeys(node for node, _ in keys))
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r, key in enumerate(keys):
+        groups.setdefault(key, []).append(r)
+    memories = []
+    for (node, index), ranks in groups.items():
+        name = "host memory" if device == "cpu" else f"GPU {index}"
+        if len(nodes) > 1:
+            name += f" of node {nodes.index(node)}"
+        longest = max(seconds[r] for r in ranks)
+        total = sum(moved[r] for r in ranks)
+        memories.append(Memory(name, ranks, total / longest / 1e9 if longest > 0 else 0.0))
+    return memories
+
+
+def shared_floor(traffic: Sequence[float], memories: Sequence[Memory]) -> tuple[float, Memory]:
+    """The floor in seconds: every memory must move the bytes of all the ranks that share it
+    (`traffic[r]`: rank r's bytes), so the floor is the largest of (their sum / the memory's
+    bandwidth); returned with the memory that sets it (the first of equals)."""
+    def seconds(m: Memory) -> float:
+        return sum(traffic[r] for r in m.ranks) / (m.GBps * 1e9)
+
+    memory = max(memories, key=seconds)
+    return seconds(memory), memory

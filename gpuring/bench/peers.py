@@ -15,7 +15,7 @@ from .metrics import IN_PLACE, OUT_OF_PLACE
 from .systems import Buffers, System, Unsupported
 
 __all__ = ["PEERS", "parse_peers", "select_peers", "PeerUnavailable", "MpiPeer", "NcclPeer",
-           "GlooPeer"]
+           "GlooPeer", "all_ranks_ok"]
 
 PEERS = ("mpi", "nccl", "gloo")
 
@@ -69,7 +69,7 @@ class PeerUnavailable(Exception):
     """A peer cannot run in this job; the message says why (printed as "skipped (...)")."""
 
 
-def _all_ranks_ok(comm: Any, ok: bool) -> bool:
+def all_ranks_ok(comm: Any, ok: bool) -> bool:
     """True when `ok` holds on every rank (a collective: every rank must call it)."""
     flag = np.array([1 if ok else 0], dtype=np.int32)
     return bool(comm.all_reduce(flag, op="min")[0])
@@ -114,7 +114,7 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         else:
             if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
                 why = "CuPy could not load libnccl (pip install nvidia-nccl-cu13)"
-        if not _all_ranks_ok(comm, why is None):
+        if not all_ranks_ok(comm, why is None):
             raise PeerUnavailable(why or "NCCL is unavailable on another rank")
         self.cupy, self.nccl, self.gcomm = cupy, nccl, comm
         message = np.zeros(129, dtype=np.uint8)  # [ok, the 128-byte ncclUniqueId]
@@ -194,7 +194,7 @@ class GlooPeer(System):
                 why = "this torch has no gloo backend"
             elif device == "cuda" and not torch.cuda.is_available():
                 why = "this torch has no CUDA"
-        if not _all_ranks_ok(comm, why is None):
+        if not all_ranks_ok(comm, why is None):
             raise PeerUnavailable(why or "gloo is unavailable on another rank")
         self.torch, self.dist, self.device = torch, dist, device
         if device == "cuda":  # the GPU gpuring uses on this rank
@@ -274,7 +274,7 @@ def select_peers(names: list[str], comm: Any, device: str) -> tuple[list[System]
             why = f"skipped ({exc})"
         except Exception as exc:  # a failed init (NcclError, RuntimeError from gloo, ...)
             why = f"skipped (it failed to start: {type(exc).__name__}: {exc})"
-        if not _all_ranks_ok(comm, peer is not None):
+        if not all_ranks_ok(comm, peer is not None):
             if peer is not None:
                 peer.close()
                 peer = None

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from .metrics import IN_PLACE, OUT_OF_PLACE
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
-           "footer_lines", "peer_lines", "floor_lines", "ratios", "avg_busbw", "to_json",
-           "write_json", "write_csv", "plot"]
+           "footer_lines", "peer_lines", "floor_lines", "floor_basis", "ratios", "avg_busbw",
+           "to_json", "write_json", "write_csv", "replace_file", "plot"]
 
 SCHEMA = "gpuring.bench/1"
 _PLACE = (OUT_OF_PLACE, IN_PLACE)
@@ -52,10 +55,43 @@ class Floor:
     floor_us: float
     time_us: float
     efficiency_pct: float
+    #: the memory that sets the floor, how many ranks share it, the bytes all of them move
+    #: through it and its bandwidth
+    memory: str = ""
+    ranks_sharing: int = 1
+    memory_bytes: float = 0.0
+    memory_GBps: float = 0.0
+    #: gpuring's result the floor is of, and whether it was faster than the floor (efficiency
+    #: above 100 %: the data stayed in cache, which the DRAM floor does not bound)
+    placement: str = ""
+    beats_floor: bool = False
 
 
-def header_lines(machine: dict[str, Any], settings: dict[str, Any]) -> list[str]:
-    """The '#' lines above the table: what ran, where, with what."""
+def _ranks(ranks: list[int]) -> str:
+    """[0, 2] -> "0, 2"; [0, 1, 2, 3] -> "0-3"."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks)
+
+
+def floor_basis(bandwidth: dict[str, Any]) -> str:
+    """Which bandwidth the floor assumes and which ranks share it, e.g. "GPU 0 shared by 2
+    ranks (0, 2) at 10.00 GB/s"."""
+    memories = bandwidth.get("memories")
+    if not memories:
+        return f"memory bandwidth {bandwidth['GBps_per_rank']:.2f} GB/s per rank"
+    parts = []
+    for m in memories:
+        k = len(m["ranks"])
+        shared = f"shared by {k} ranks" if k > 1 else "used by 1 rank"
+        parts.append(f"{m['memory']} {shared} ({_ranks(m['ranks'])}) at {m['GBps']:.2f} GB/s")
+    return "; ".join(parts)
+
+
+def header_lines(machine: dict[str, Any], settings: dict[str, Any],
+                 bandwidth: dict[str, Any] | None = None) -> list[str]:
+    """The '#' lines above the table: what ran, where, with what, and the bandwidth the floor
+    assumes."""
     v = machine.get("versions", {})
     lines = [
         f"# gpuring bench {settings['collective']}: {settings['ranks']} ranks, device "
@@ -75,6 +111,9 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any]) -> list[str]
                  f"{settings.get('channels') or 'default'}")
     lines.append("# time: median over the timed iterations on each rank, then the slowest "
                  "rank's median; checks run apart from the timed iterations")
+    if bandwidth is not None:
+        lines.append(f"# floor: {floor_basis(bandwidth)} (each with all its ranks copying at "
+                     "once); the ranks sharing a memory move all their bytes through it")
     return lines
 
 
@@ -163,26 +202,35 @@ def peer_lines(notes: list[str], results: list[Result]) -> list[str]:
 
 
 def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
-    lines = [f"# Floor: memory bandwidth {bandwidth['GBps_per_rank']:.2f} GB/s per rank "
-             f"({bandwidth['method']}); floor = bytes the busiest rank moves through memory "
-             "/ that bandwidth; efficiency = floor / gpuring's time"]
+    lines = [f"# Floor: {floor_basis(bandwidth)} ({bandwidth['method']}); floor = the bytes "
+             "every rank sharing a memory moves through it (counted from gpuring's plan; k "
+             "ranks moving the same: k x bytes/rank) / that memory's bandwidth, for the most "
+             "loaded memory; efficiency = floor / gpuring's time"]
     if not floors:
         return [*lines, "#   (one rank: nothing moves)"]
-    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'floor':>11}"
-                 f"{'gpuring':>11}{'efficiency':>12}")
-    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'(us)':>11}{'(us)':>11}{'(%)':>12}")
+    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'sharing':>9}"
+                 f"{'floor':>11}{'gpuring':>11}{'efficiency':>12}")
+    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'(ranks)':>9}{'(us)':>11}{'(us)':>11}"
+                 f"{'(%)':>12}")
     for f in floors:
         lines.append(f"{f.size:>12d}{f.redop:>7}{f.traffic_bytes:>14.0f}"
-                     f"{f.traffic_over_size:>8.2f}{f.floor_us:>11.2f}{f.time_us:>11.2f}"
-                     f"{f.efficiency_pct:>12.1f}")
+                     f"{f.traffic_over_size:>8.2f}{f.ranks_sharing:>9d}{f.floor_us:>11.2f}"
+                     f"{f.time_us:>11.2f}{f.efficiency_pct:>12.1f}{'*' if f.beats_floor else ''}")
+    if any(f.beats_floor for f in floors):
+        lines.append("# * above 100 %: faster than the floor allows, so at this size the data "
+                     "stayed in cache; the floor assumes every byte goes through DRAM at the "
+                     "bandwidth above and does not bound cache-resident sizes")
     return lines
 
 
 def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dict[str, Any],
-            peers: list[str], results: list[Result], floors: list[Floor]) -> dict[str, Any]:
-    """The document --json writes (schema "gpuring.bench/1")."""
+            peers: list[str], results: list[Result], floors: list[Floor],
+            complete: bool = True) -> dict[str, Any]:
+    """The document --json writes (schema "gpuring.bench/1"); `complete` is False while the
+    run goes on (the sizes not yet measured are missing)."""
     return {
         "schema": SCHEMA,
+        "complete": complete,
         "settings": settings,
         "machine": machine,
         "memory_bandwidth": bandwidth,
@@ -195,20 +243,51 @@ def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dic
     }
 
 
+def replace_file(path: str, write: Callable[[IO[str]], None]) -> None:
+    """Write a new file beside `path` with `write`, then rename it over `path`: a reader
+    (or a run killed meanwhile) sees the old file or the new one, never half of one."""
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", newline="") as f:
+            write(f)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
 def write_json(path: str, document: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    def write(f: IO[str]) -> None:
         json.dump(document, f, indent=1)
         f.write("\n")
 
+    replace_file(path, write)
 
-def write_csv(path: str, results: list[Result]) -> None:
-    """One row per result; the per-rank medians are left out."""
+
+#: the CSV's columns after the Result's: the floor of the gpuring row it is of (else empty)
+CSV_FLOOR = ("floor_us", "efficiency_pct", "beats_floor")
+
+
+def write_csv(path: str, results: list[Result], floors: Sequence[Floor] = ()) -> None:
+    """One row per result (the per-rank medians are left out), with the floor's time,
+    efficiency and `beats_floor` on the gpuring row each floor is of."""
     names = [k for k in Result.__dataclass_fields__ if k != "rank_median_us"]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
+    by_row = {(f.size, f.redop, f.placement): f for f in floors}
+
+    def write(f: IO[str]) -> None:
+        writer = csv.DictWriter(f, fieldnames=[*names, *CSV_FLOOR], extrasaction="ignore")
         writer.writeheader()
         for r in results:
-            writer.writerow(asdict(r))
+            row = asdict(r)
+            floor = by_row.get((r.size, r.redop, r.placement)) if r.system == "gpuring" else None
+            if floor is not None:
+                row.update(floor_us=floor.floor_us, efficiency_pct=floor.efficiency_pct,
+                           beats_floor=floor.beats_floor)
+            writer.writerow(row)
+
+    replace_file(path, write)
 
 
 def plot(path: str, results: list[Result], title: str, small_bytes: int = 64 << 10) -> str:

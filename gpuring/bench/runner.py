@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,11 +15,14 @@ from .data import corrupt, count_wrong, expected_for_rank, make_input, tolerance
 from .metrics import (
     OUT_OF_PLACE,
     REDUCING,
+    Memory,
     align_bytes,
     bus_factor,
-    memory_traffic,
+    group_memories,
     placements,
     plan_count,
+    rank_traffic,
+    shared_floor,
     size_series,
 )
 from .peers import select_peers
@@ -70,17 +74,33 @@ class _Bench:
         self.itemsize = np.dtype(s.dtype).itemsize
         self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
         self.notes: dict[str, str] = {}
+        self.memories: list[Memory] = []
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
 
     def bandwidth(self) -> dict[str, Any]:
-        per_rank = self.gather(np.array([self.backend.copy_bandwidth(
-            self.s.membw_bytes, 5, self.comm.barrier)]))[:, 0]
+        """Every rank copies at once; ranks whose arrays share a memory (all of a node's on
+        the CPU, those on one GPU for CUDA) are grouped, and each memory's bandwidth is the
+        bytes its ranks copied / the longest of their times (`group_memories`)."""
+        repeats = 5
+        moved, seconds = self.backend.copy_seconds(self.s.membw_bytes, repeats,
+                                                    self.comm.barrier)
+        node = zlib.crc32(platform.node().encode())
+        table = self.gather(np.array([node, self.backend.memory_of(self.comm.local_rank),
+                                      moved, seconds]))
+        keys = [(int(row[0]), int(row[1])) for row in table]
+        self.memories = group_memories(keys, table[:, 2].tolist(), table[:, 3].tolist(),
+                                       self.backend.name)
+        per_rank = table[:, 2] / table[:, 3] / 1e9
         what = "CuPy device copy" if self.backend.name == "cuda" else "NumPy copy"
         return {"GBps_per_rank": float(per_rank.mean()), "per_rank": per_rank.tolist(),
-                "method": f"{what} of {self.s.membw_bytes >> 20} MiB on every rank at once, "
-                          "read + write counted, best of 5"}
+                "memories": [{"memory": m.name, "ranks": m.ranks, "GBps": m.GBps}
+                             for m in self.memories],
+                "method": f"{what} of {self.s.membw_bytes >> 20} MiB, {repeats} in a row, on "
+                          "every rank at once, read + write counted; a memory's GBps = the "
+                          "bytes all ranks sharing it copied / the longest of their times; "
+                          "per_rank = each rank's bytes / its own time"}
 
     def measure(self, system: System, kind: str, placement: str, op: str, size: int,
                 source: np.ndarray, expected: np.ndarray | None) -> report.Result | None:
@@ -128,27 +148,43 @@ class _Bench:
             wrong += count_wrong(got, expected, rtol)
         return wrong
 
-    def floor(self, gp: report.Result, op: str, bandwidth: float) -> report.Floor | None:
-        if self.n < 2 or bandwidth <= 0:
+    def floor(self, gp: report.Result, op: str,
+              memories: list[Memory]) -> report.Floor | None:
+        """The memory-bandwidth floor of `gp`: the bytes every rank moves (from the plan)
+        summed over the ranks that share a memory, over that memory's bandwidth, for the most
+        loaded memory (`shared_floor`)."""
+        usable = [m for m in memories if m.GBps > 0]
+        if self.n < 2 or not usable:
             return None
         config = self.comm.config
-        traffic = memory_traffic(
+        traffic = rank_traffic(
             gp.collective, self.n, gp.size, self.itemsize, root=self.s.root,
             buffer_bytes=getattr(config, "buffer_bytes", 16 << 20),
             one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10), avg=op == "avg")
-        floor_us = traffic / (bandwidth * 1e9) * 1e6
-        return report.Floor(size=gp.size, redop=op, traffic_bytes=traffic,
-                            traffic_over_size=traffic / gp.size, floor_us=floor_us,
-                            time_us=gp.time_us,
-                            efficiency_pct=100.0 * floor_us / gp.time_us if gp.time_us else 0.0)
+        seconds, memory = shared_floor(traffic, usable)
+        floor_us = seconds * 1e6
+        busiest = max(traffic)
+        efficiency = 100.0 * floor_us / gp.time_us if gp.time_us else 0.0
+        return report.Floor(size=gp.size, redop=op, traffic_bytes=busiest,
+                            traffic_over_size=busiest / gp.size, floor_us=floor_us,
+                            time_us=gp.time_us, efficiency_pct=efficiency,
+                            memory=memory.name, ranks_sharing=len(memory.ranks),
+                            memory_bytes=sum(traffic[r] for r in memory.ranks),
+                            memory_GBps=memory.GBps, placement=gp.placement,
+                            beats_floor=efficiency > 100.0)
 
 
 def run(s: Settings) -> int:
-    """Run the benchmark on this rank; returns 1 on every rank when any result was wrong."""
+    """Run the benchmark on this rank; returns 1 on every rank when any result was wrong, 2 on
+    every rank when a rank lacks what the options need (checked before measuring)."""
     import gpuring
 
-    backend = cuda_backend() if s.device == "cuda" else host_backend()
+    from .preflight import check_ranks
+
     with gpuring.init() as comm:  # an error on its way out is not masked by close()
+        if not check_ranks(s, comm):
+            return 2
+        backend = cuda_backend() if s.device == "cuda" else host_backend()
         backend.use_device(comm.local_rank)
         out = Output(comm.rank == 0, stream_path_from_env())
         peers: list[System] = []
@@ -173,12 +209,14 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     settings = {**asdict(s), "ranks": n, "ops": ops, "sizes": sizes}
     machine = describe() if rank == 0 else {}
     bandwidth = bench.bandwidth()
-    for line in report.header_lines(machine, settings):
+    for line in report.header_lines(machine, settings, bandwidth):
         out.line(line)
     for line in report.table_header():
         out.line(line)
     results: list[report.Result] = []
     floors: list[report.Floor] = []
+    files = _Files(s, settings, machine, bandwidth, active=rank == 0)
+    files.save(results, floors, peer_notes, complete=False)
     total, done = len(ops) * len(sizes) * len(systems), 0
     for op in ops:
         for size in sizes:
@@ -205,9 +243,11 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
             if row:
                 out.line(report.table_row(row))
                 gp = row.get(OUT_OF_PLACE) or next(iter(row.values()))
-                floor = bench.floor(gp, op, bandwidth["GBps_per_rank"])
+                floor = bench.floor(gp, op, bench.memories)
                 if floor is not None:
                     floors.append(floor)
+            files.save(results, floors, peer_notes + list(bench.notes.values()),
+                       complete=False)
     out.progress(total, total, "done")
     mine = [r for r in results if r.system == "gpuring"]
     for line in report.footer_lines(mine):
@@ -218,23 +258,43 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
             out.line(line)
     for line in report.floor_lines(bandwidth, floors):
         out.line(line)
-    if rank == 0:
-        _write_files(s, settings, machine, bandwidth, notes, results, floors, out)
+    files.finish(results, floors, notes, out)
     return 1 if sum(r.wrong for r in results) else 0
 
 
-def _write_files(s: Settings, settings: dict[str, Any], machine: dict[str, Any],
-                 bandwidth: dict[str, Any], notes: list[str], results: list[report.Result],
-                 floors: list[report.Floor], out: Output) -> None:
-    if s.json:
-        report.write_json(s.json, report.to_json(
-            settings=settings, machine=machine, bandwidth=bandwidth, peers=notes,
-            results=results, floors=floors))
-        out.line(f"# JSON written to {s.json}")
-    if s.csv:
-        report.write_csv(s.csv, results)
-        out.line(f"# CSV written to {s.csv}")
-    if s.plot:
-        title = (f"gpuring bench {s.collective}, {settings['ranks']} ranks, {s.device}, "
-                 f"{s.dtype}")
-        out.line(report.plot(s.plot, results, title))
+class _Files:
+    """Rank 0's --json and --csv, rewritten whole (`report.replace_file`) before the first
+    size, after every size with "complete": false, and at the end with "complete": true: a
+    run stopped part-way (a timeout) leaves every finished size in files a reader can parse.
+    The plot is drawn at the end only."""
+
+    def __init__(self, s: Settings, settings: dict[str, Any], machine: dict[str, Any],
+                 bandwidth: dict[str, Any], *, active: bool):
+        self.s, self.settings, self.machine, self.bandwidth = s, settings, machine, bandwidth
+        self.active = active
+
+    def save(self, results: list[report.Result], floors: list[report.Floor],
+             notes: list[str], *, complete: bool) -> None:
+        if not self.active:
+            return
+        if self.s.json:
+            report.write_json(self.s.json, report.to_json(
+                settings=self.settings, machine=self.machine, bandwidth=self.bandwidth,
+                peers=notes, results=results, floors=floors, complete=complete))
+        if self.s.csv:
+            report.write_csv(self.s.csv, results, floors)
+
+    def finish(self, results: list[report.Result], floors: list[report.Floor],
+               notes: list[str], out: Output) -> None:
+        if not self.active:
+            return
+        s = self.s
+        self.save(results, floors, notes, complete=True)
+        if s.json:
+            out.line(f"# JSON written to {s.json}")
+        if s.csv:
+            out.line(f"# CSV written to {s.csv}")
+        if s.plot:
+            title = (f"gpuring bench {s.collective}, {self.settings['ranks']} ranks, "
+                     f"{s.device}, {s.dtype}")
+            out.line(report.plot(s.plot, results, title))

@@ -54,16 +54,25 @@ class Backend:
     def use_device(self, local_rank: int) -> None:
         """Pick this rank's device (nothing to pick on the CPU)."""
 
-    def copy_bandwidth(self, nbytes: int, repeats: int, sync: Callable[[], None]) -> float:
-        """GB/s of a copy of `nbytes` (read + write counted), best of `repeats`; `sync` runs
-        first so every rank copies at the same time."""
+    def memory_of(self, local_rank: int) -> int:
+        """Which memory of this node the rank's arrays live in: the host's, for every rank."""
+        return 0
+
+    def copy_seconds(self, nbytes: int, repeats: int,
+                     sync: Callable[[], None]) -> tuple[float, float]:
+        """(bytes moved, seconds) of `repeats` copies of `nbytes` in a row, read + write
+        counted, on the host's clock to the end of the last; `sync` (a barrier) runs first so
+        every rank copies at the same time."""
         src = self.xp.ones(nbytes // 8, dtype=np.float64)
         dst = self.xp.zeros_like(src)
         self.xp.copyto(dst, src)
         self.synchronize()
         sync()
-        best = min(self.timed(lambda: self.xp.copyto(dst, src)) for _ in range(repeats))
-        return 2 * src.nbytes / best / 1e9
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            self.xp.copyto(dst, src)
+        self.synchronize()
+        return 2.0 * src.nbytes * repeats, time.perf_counter() - t0
 
 
 class _CudaBackend(Backend):  # pragma: no cover - needs a GPU
@@ -77,8 +86,11 @@ class _CudaBackend(Backend):  # pragma: no cover - needs a GPU
 
     def use_device(self, local_rank: int) -> None:
         """Make GPU `local_rank % count` current, the one gpuring's CudaDevice picks."""
-        cuda = self._cupy.cuda
-        cuda.Device(local_rank % cuda.runtime.getDeviceCount()).use()
+        self._cupy.cuda.Device(self.memory_of(local_rank)).use()
+
+    def memory_of(self, local_rank: int) -> int:
+        """The GPU of this node the rank uses: `local_rank % count`, as CudaDevice."""
+        return local_rank % self._cupy.cuda.runtime.getDeviceCount()
 
     def to_device(self, host: np.ndarray) -> Any:
         return self._cupy.asarray(host)

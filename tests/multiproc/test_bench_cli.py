@@ -36,6 +36,14 @@ def test_two_ranks_small_sizes(tmp_path):
     assert sizes == [8 << i for i in range(14)]
     assert all(len(r["rank_median_us"]) == 2 for r in doc["results"])
     assert doc["floor"] and doc["memory_bandwidth"]["GBps_per_rank"] > 0
+    # both ranks share the host memory: the floor moves both ranks' bytes through it
+    (host,) = doc["memory_bandwidth"]["memories"]
+    assert host["memory"] == "host memory" and host["ranks"] == [0, 1] and host["GBps"] > 0
+    for f in doc["floor"]:
+        assert (f["memory"], f["ranks_sharing"]) == ("host memory", 2)
+        assert f["memory_bytes"] == 2 * f["traffic_bytes"]  # the ring: every rank moves as much
+        assert f["floor_us"] == pytest.approx(f["memory_bytes"] / host["GBps"] / 1e3)
+    assert "host memory shared by 2 ranks (0, 1)" in out
     assert (tmp_path / "r.csv").read_text().count("\n") == 1 + 2 * 14
 
 
@@ -44,6 +52,30 @@ def test_a_wrong_result_fails_the_run(tmp_path):
                   "--device", "cpu"], tmp_path, GPURING_BENCH_CORRUPT="1")
     assert proc.returncode == 1, f"status {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr}"
     assert "# Wrong elements    : 2 FAILED" in proc.stdout
+
+
+def test_an_unwritable_output_stops_the_launch_before_any_rank_starts(tmp_path):
+    proc = bench(["all_reduce", "--ranks", "2", "-b", "8", "-e", "64", "--device", "cpu",
+                  "--json", "absent/r.json"], tmp_path)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.startswith("gpuring bench: --json absent/r.json: no directory")
+    assert proc.stdout == ""
+
+
+def test_every_rank_stops_when_rank_zero_cannot_write(tmp_path):
+    """Under `gpuring run` each rank checks after the rendezvous and they agree: every rank
+    exits with status 2 before measuring, none is left waiting in a collective."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    env.update(GPURING_TIMEOUT="60")
+    proc = subprocess.run([sys.executable, "-m", "gpuring", "run", "-n", "2", "--",
+                           sys.executable, "-m", "gpuring", "bench", "-b", "8", "-e", "64",
+                           "--device", "cpu", "--json", "absent/r.json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "[0] gpuring bench: --json absent/r.json: no directory" in proc.stderr
+    assert "[1] gpuring bench: stopped before measuring" in proc.stderr
+    assert "out-of-place" not in output and "Traceback" not in output
 
 
 @pytest.mark.mpi

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpuring.bench import data, metrics, report
+from gpuring.bench import data, metrics, preflight, report
 from gpuring.bench.cli import settings_from_args, to_argv
 from gpuring.bench.machine import cpu_model
 from gpuring.bench.peers import parse_peers, select_peers
@@ -285,3 +285,250 @@ def test_corruption_hook_makes_the_exit_status_nonzero(monkeypatch, capsys):
     assert code == 1
     text = capsys.readouterr().out
     assert "# Wrong elements    : 8 FAILED" in text  # 2 sizes x 2 placements x 2 checks
+
+
+def test_preflight_names_what_the_options_lack(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    s = settings_from_args(parse("--device", "cuda", "--plot", str(tmp_path / "p.png"),
+                                 "--json", str(tmp_path / "absent" / "r.json"),
+                                 "--csv", str(tmp_path)))
+    found = preflight.problems(s, writes_files=True)
+    assert len(found) == 4, found
+    csv, cuda, json_path, plot = sorted(found, key=lambda p: p.split()[0])
+    assert cuda.startswith("--device cuda needs CuPy")
+    assert csv == f"--csv {tmp_path}: is a directory"
+    assert plot.startswith(f"--plot {tmp_path / 'p.png'}: needs matplotlib")
+    assert json_path.startswith(f"--json {tmp_path / 'absent' / 'r.json'}: no directory")
+    # ranks that write no files check only what they need themselves
+    assert preflight.problems(s, writes_files=False) == [cuda]
+    same = settings_from_args(parse("--json", "x", "--csv", "./x"))
+    assert preflight.problems(same, writes_files=True) == ["--csv ./x: the same file as --json"]
+
+
+def test_preflight_passes_and_leaves_nothing_behind(tmp_path):
+    s = settings_from_args(parse("--json", str(tmp_path / "r.json"), "--csv",
+                                 str(tmp_path / "r.csv")))
+    assert preflight.problems(s, writes_files=True) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_rank_stops_when_any_rank_has_a_problem():
+    assert preflight.agree(_Comm(), [])
+    assert not preflight.agree(_Comm(), ["--json r.json: no directory"])
+    assert not preflight.agree(_Comm(other_ok=False), [])  # the other rank has one
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--json"])
+def test_a_missing_dependency_or_directory_fails_before_measuring(tmp_path, monkeypatch,
+                                                                   capsys, flag):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    target = tmp_path / ("p.png" if flag == "--plot" else "absent/r.json")
+    code = main(["bench", "-b", "8", "-e", "16", "-n", "1", "-w", "0", "--device", "cpu",
+                 flag, str(target)])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""  # nothing measured: not even the header
+    assert err.startswith(f"gpuring bench: {flag} {target}: ")
+    assert not target.exists()
+
+
+def test_files_are_replaced_whole_or_not_at_all(tmp_path):
+    """A writer that fails half-way (as a killed run would) leaves the previous file whole."""
+    path = tmp_path / "r.json"
+    report.write_json(str(path), {"complete": False, "results": [1]})
+    with pytest.raises(TypeError):
+        report.write_json(str(path), {"complete": True, "results": [1, object()]})
+    assert json.loads(path.read_text()) == {"complete": False, "results": [1]}
+    csv_path = tmp_path / "r.csv"
+    report.write_csv(str(csv_path), [result("in-place")])
+    before = csv_path.read_text()
+    rows: list = [result("out-of-place"), _Unwritable()]
+    with pytest.raises(TypeError):
+        report.write_csv(str(csv_path), rows)
+    assert csv_path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.json"]
+
+
+class _Unwritable:
+    """Not a Result: asdict() fails on it, after the CSV header and first row are out."""
+
+
+def _stop_at(monkeypatch, size: int) -> None:
+    """Make the run fail when it reaches `size`, as a timeout would end it."""
+    from gpuring.bench import runner
+
+    measure = runner._Bench.measure
+
+    def stopping(self, system, kind, placement, op, at, *args):
+        if at >= size:
+            raise KeyboardInterrupt("stopped")
+        return measure(self, system, kind, placement, op, at, *args)
+
+    monkeypatch.setattr(runner._Bench, "measure", stopping)
+
+
+def test_json_and_csv_hold_every_finished_size_when_a_run_is_stopped(tmp_path, monkeypatch):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
+    _stop_at(monkeypatch, 64)
+    path, csv_path = tmp_path / "r.json", tmp_path / "r.csv"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "-b", "8", "-e", "256", "-n", "1", "-w", "0", "--device", "cpu",
+              "--json", str(path), "--csv", str(csv_path)])
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is False
+    assert sorted({r["size"] for r in doc["results"]}) == [8, 16, 32]
+    assert doc["settings"]["sizes"] == [8, 16, 32, 64, 128, 256]  # what was still to come
+    assert csv_path.read_text().count("\n") == 1 + 2 * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.json"]
+
+
+def test_a_finished_run_marks_its_json_complete(tmp_path, monkeypatch):
+    from gpuring.cli import main
+
+    _no_launcher(monkeypatch)
+    monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
+    path = tmp_path / "r.json"
+    assert main(["bench", "-b", "8", "-e", "16", "-n", "1", "-w", "0", "--device", "cpu",
+                 "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is True and len(doc["results"]) == 4
+
+
+def test_the_floor_counts_the_bytes_of_every_rank_that_shares_a_memory():
+    """k ranks on one memory move k times the bytes of one through it: the floor is the most
+    loaded memory's bytes over its bandwidth, not one rank's bytes over it."""
+    four = [100.0] * 4
+    gpus = [metrics.Memory("GPU 0", [0, 2], 10.0), metrics.Memory("GPU 1", [1, 3], 10.0)]
+    seconds, memory = metrics.shared_floor(four, gpus)
+    assert seconds == pytest.approx(200 / 10e9) and memory.name == "GPU 0"
+    host = [metrics.Memory("host memory", [0, 1, 2, 3], 10.0)]
+    assert metrics.shared_floor(four, host) == (pytest.approx(400 / 10e9), host[0])
+    uneven = [metrics.Memory("GPU 0", [0, 2], 10.0), metrics.Memory("GPU 1", [1], 10.0)]
+    assert metrics.shared_floor([100.0] * 3, uneven)[1].name == "GPU 0"
+    slower = [metrics.Memory("GPU 0", [0, 2], 10.0), metrics.Memory("GPU 1", [1], 4.0)]
+    assert metrics.shared_floor([100.0] * 3, slower) == (pytest.approx(100 / 4e9), slower[1])
+    rooted = metrics.shared_floor([400.0, 200.0], [metrics.Memory("host memory", [0, 1], 2.0)])
+    assert rooted[0] == pytest.approx(600 / 2e9)  # ranks that move different amounts: summed
+
+
+def test_memories_are_grouped_from_what_every_rank_measured():
+    """A memory's bandwidth: the bytes all its ranks copied at once / the longest time."""
+    gpus = metrics.group_memories([(7, 0), (7, 1), (7, 0), (7, 1)], [2e9] * 4,
+                                  [1.0, 0.5, 2.0, 0.5], "cuda")
+    assert gpus == [metrics.Memory("GPU 0", [0, 2], 2.0), metrics.Memory("GPU 1", [1, 3], 8.0)]
+    hosts = metrics.group_memories([(5, 0), (9, 0), (5, 0)], [1e9] * 3, [1.0] * 3, "cpu")
+    assert [(m.name, m.ranks) for m in hosts] == [("host memory of node 0", [0, 2]),
+                                                  ("host memory of node 1", [1])]
+    one = metrics.group_memories([(5, 0), (5, 0)], [1e9] * 2, [0.5, 1.0], "cpu")
+    assert one == [metrics.Memory("host memory", [0, 1], 2.0)]
+
+
+def test_ranks_on_one_node_share_gpu_local_rank_mod_count(monkeypatch):
+    import types
+
+    from gpuring.bench import timing
+
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 2)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=runtime)))
+    assert [timing.cuda_backend().memory_of(r) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert {timing.host_backend().memory_of(r) for r in range(5)} == {0}
+
+
+class _FourRanks:
+    rank, size, local_rank, config = 0, 4, 0, None
+
+
+def test_the_floor_of_four_ranks_sharing_host_memory():
+    from gpuring.bench import runner
+
+    bench = runner._Bench(runner.Settings(), _FourRanks(), runner.host_backend(),
+                          Output(False))
+    gp = result("out-of-place")
+    gp.ranks = 4
+    host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
+    floor = bench.floor(gp, "sum", host)
+    per_rank = metrics.memory_traffic("all_reduce", 4, gp.size, 4)
+    assert floor is not None
+    assert floor.traffic_bytes == per_rank  # the busiest rank's bytes, as before
+    assert (floor.memory, floor.ranks_sharing) == ("host memory", 4)
+    assert floor.memory_bytes == pytest.approx(4 * per_rank)
+    assert floor.floor_us == pytest.approx(4 * per_rank / 20e9 * 1e6)
+    assert floor.efficiency_pct == pytest.approx(100 * floor.floor_us / gp.time_us)
+
+
+def test_the_report_says_which_bandwidth_the_floor_assumes_and_who_shares_it():
+    bandwidth = {"GBps_per_rank": 5.0, "per_rank": [5.0] * 4, "method": "m",
+                 "memories": [{"memory": "GPU 0", "ranks": [0, 2], "GBps": 10.0},
+                              {"memory": "GPU 1", "ranks": [1, 3], "GBps": 12.5}]}
+    basis = "GPU 0 shared by 2 ranks (0, 2) at 10.00 GB/s; GPU 1 shared by 2 ranks (1, 3) " \
+            "at 12.50 GB/s"
+    header = report.header_lines({}, {"collective": "all_reduce", "ranks": 4, "device": "cuda",
+                                      "dtype": "float32", "min_bytes": 8, "max_bytes": 64,
+                                      "factor": 2, "iters": 1, "warmup": 0, "check_iters": 1},
+                                 bandwidth)
+    assert any(basis in line for line in header)
+    floor = report.Floor(size=1 << 20, redop="sum", traffic_bytes=3.5 * (1 << 20),
+                         traffic_over_size=3.5, floor_us=200.0, time_us=250.0,
+                         efficiency_pct=80.0, memory="GPU 0", ranks_sharing=2,
+                         memory_bytes=7.0 * (1 << 20), memory_GBps=10.0)
+    lines = report.floor_lines(bandwidth, [floor])
+    assert basis in lines[0]
+    assert lines[-1].split() == ["1048576", "sum", "3670016", "3.50", "2", "200.00", "250.00",
+                                 "80.0"]
+
+
+def _floor(size: int, efficiency: float) -> report.Floor:
+    return report.Floor(size=size, redop="sum", traffic_bytes=3.5 * size, traffic_over_size=3.5,
+                        floor_us=efficiency * 2.5, time_us=250.0, efficiency_pct=efficiency,
+                        memory="host memory", ranks_sharing=2, memory_bytes=7.0 * size,
+                        memory_GBps=20.0, placement="out-of-place",
+                        beats_floor=efficiency > 100)
+
+
+def test_efficiency_above_100_percent_is_marked_as_cache_not_dram():
+    bandwidth = {"GBps_per_rank": 10.0, "per_rank": [10.0] * 2, "method": "m",
+                 "memories": [{"memory": "host memory", "ranks": [0, 1], "GBps": 20.0}]}
+    lines = report.floor_lines(bandwidth, [_floor(1 << 16, 180.0), _floor(1 << 20, 80.0)])
+    cached, dram = lines[3], lines[4]
+    assert cached.endswith("180.0*") and dram.endswith("80.0")
+    assert len(cached) == len(dram) + 1  # the numbers stay aligned
+    assert lines[-1].startswith("# * ") and "cache" in lines[-1] and "DRAM" in lines[-1]
+    unmarked = report.floor_lines(bandwidth, [_floor(1 << 20, 80.0)])
+    assert not any("*" in line for line in unmarked)
+
+
+def test_efficiency_above_100_percent_is_flagged_in_json_and_csv(tmp_path):
+    floors = [_floor(1 << 20, 180.0)]
+    rows = [result("out-of-place"), result("in-place"), result("out-of-place", system="mpi")]
+    doc = report.to_json(settings={}, machine={}, bandwidth={}, peers=[], results=rows,
+                         floors=floors)
+    assert doc["floor"][0]["beats_floor"] is True
+    path = tmp_path / "r.csv"
+    report.write_csv(str(path), rows, floors)
+    import csv
+
+    back = list(csv.DictReader(path.open()))
+    assert [r["beats_floor"] for r in back] == ["True", "", ""]  # the row the floor is of
+    assert back[0]["efficiency_pct"] == "180.0" and back[2]["floor_us"] == ""
+
+
+def test_the_bench_flags_a_time_below_the_floor():
+    from gpuring.bench import runner
+
+    bench = runner._Bench(runner.Settings(), _FourRanks(), runner.host_backend(),
+                          Output(False))
+    host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
+    fast, slow = result("out-of-place"), result("out-of-place")
+    fast.ranks = slow.ranks = 4
+    fast.time_us, slow.time_us = 1.0, 1e6
+    assert bench.floor(fast, "sum", host).beats_floor is True
+    assert bench.floor(slow, "sum", host).beats_floor is False
+    assert bench.floor(slow, "sum", host).placement == "out-of-place"
