@@ -12,6 +12,36 @@ import pytest
 
 HERE = Path(__file__).parent
 WORKER = HERE / "multiproc" / "worker.py"
+#: set (CI does) to make every skip a failure, except in tests that need a real GPU
+NO_SKIPS_ENV = "GPURING_TESTS_NO_SKIPS"
+
+
+def _skip_allowed(node: pytest.Item | pytest.Collector) -> bool:
+    if os.environ.get(NO_SKIPS_ENV) != "1":
+        return True
+    return node.get_closest_marker("gpu") is not None or (HERE / "gpu") in Path(
+        str(node.path)).parents
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """Under GPURING_TESTS_NO_SKIPS=1 a skip is a failure (a missing tool must not make the
+    suite silently check less), except in tests that need a real GPU."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and not _skip_allowed(item):
+        report.outcome = "failed"
+        report.longrepr = f"skipped, which {NO_SKIPS_ENV}=1 forbids: {report.longrepr}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    """The same for a whole module skipped while it is collected."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not _skip_allowed(collector):
+        report.outcome = "failed"
+        report.longrepr = f"skipped, which {NO_SKIPS_ENV}=1 forbids: {report.longrepr}"
 
 
 def mpiexec() -> str | None:
