@@ -139,7 +139,7 @@ finish() {
   finished=1
   stop_mps
   archive
-  if ! timeout 20 "$py" -m gpuring.bench.check_summary "$stage" "$out/probe.json" \
+  if ! timeout 8 "$py" -m gpuring.bench.check_summary "$stage" "$out/probe.json" \
     bench/device_check_notes.txt "$status" $((SECONDS - start)) > "$out/summary.txt.tmp" \
     2> "$stage/summary-error.log"; then
     {
