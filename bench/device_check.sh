@@ -1,31 +1,116 @@
 #!/usr/bin/env bash
-# The GPU device check: one command, no network needed, under 8 minutes on one GPU.
+# The GPU device check: one command, no network, at most 7 minutes, at most 8 files.
 #
 #   bash bench/device_check.sh [OUTDIR]      (or GPURING_DEVICE_CHECK_OUT=OUTDIR)
 #
-# Writes to OUTDIR: env.txt (nvidia-smi, versions), gpu-tests.log, and for 2 and 4 ranks
-# sharing the GPU: allreduce-<n>ranks.{txt,json} from `gpuring bench` (1 KiB .. 1 GiB, with
-# NCCL and torch gloo beside gpuring where present, the floor and efficiency against it), and
-# tune-chunk*.{txt,json}: 256 MiB on 4 ranks at several piece sizes and channel counts.
-# Runs the project from this tree (no install needed). $PYTHON picks the interpreter (default
-# python3); GPURING_DEVICE_CHECK_MAXBYTES the largest size (default 1G).
+# Leaves three files in OUTDIR (the device machine returns at most 8):
+#   probe.json      the probe (python -m gpuring.bench.probe), first, kept whatever happens
+#                   later: CUDA IPC, stream memory operations, 2-process flag ping-pong (memops,
+#                   spin kernels, MPS), a dead exporter, copy bandwidth, host cost, versions
+#   details.tar.gz  everything else: steps.tsv, env.txt, probe.log, gpu-tests.log, every
+#                   bench .txt/.json (rewritten after each step)
+#   summary.txt     each step's outcome, the probe's key numbers, the benches' key rows, what
+#                   to look at (and bench/device_check_notes.txt); printed last
+# Exit status 1 when a step failed, timed out or found no time left.
+#
+# Steps, each under `timeout` (seconds; 420 in all, and a shared deadline cuts the last):
+#   env 15 | probe 85 | GPU tests 100 (pytest tests/gpu and the kernel compile test; without
+#   pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside NCCL and gloo: 2 ranks
+#   50, 4 ranks 60 | gpuring alone 512M..1G: 2 ranks 25, 4 ranks 25 | piece size and channels
+#   at 256 MiB on 4 ranks: 4 x 12 | summary and archive: the last 10
+#
+# Settings: $PYTHON (default python3), GPURING_DEVICE_CHECK_MAXBYTES (largest size, 1G), and
+# for dry runs (tests/multiproc/test_device_check.py runs one on the CUDA simulator):
+# GPURING_DEVICE_CHECK_PEER_MAXBYTES (largest size beside the peers, 256M),
+# GPURING_DEVICE_CHECK_TUNE_BYTES (256M), GPURING_DEVICE_CHECK_TUNE ("2M:1 8M:1 32M:1 8M:2",
+# piece size:channels), GPURING_DEVICE_CHECK_BENCH_FLAGS (appended to every bench, e.g.
+# "-n 2 -w 1"), GPURING_DEVICE_CHECK_TESTS (pytest or smoke), GPURING_PROBE_* (the probe's),
+# GPURING_DEVICE_CHECK_TIME_SCALE (every time box and the deadline times this whole number;
+# 1 on the GPU, more on a slow or loaded machine such as CI's simulator).
+# Runs the project from this tree (no install); GPURING_COMMIT names the commit where this is
+# not a git checkout.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 out="${1:-${GPURING_DEVICE_CHECK_OUT:-device-check-out}}"
-mkdir -p "$out"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+rm -f "$out/summary.txt" "$out/probe.json" "$out/details.tar.gz"
+stage="$(mktemp -d "${TMPDIR:-/tmp}/gpuring-check.XXXXXX")"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_MULTI_RANK_GPU_ENABLE=1  # NCCL >= 2.30: several ranks on one GPU
+export GPURING_PROBE_MPS_DIR="$stage/mps"  # MPS logs land in the archive
 py="${PYTHON:-$(command -v python3 || command -v python)}"
+export py
+scale="${GPURING_DEVICE_CHECK_TIME_SCALE:-1}"
+if ! [[ $scale =~ ^[1-9][0-9]*$ ]]; then
+  echo "GPURING_DEVICE_CHECK_TIME_SCALE must be a whole number >= 1, not '$scale'" >&2
+  exit 2
+fi
+export GPURING_DEVICE_CHECK_TIME_SCALE=$scale  # the probe scales its parts too
+start=$SECONDS
+deadline=$((start + (420 - 10) * scale))  # the last 10 s: summary and archive
 status=0
+finished=0
+printf 'step\tstatus\trc\tseconds\tbudget\tlog\tnote\n' > "$stage/steps.tsv"
 
-{
+say() { printf '[%3ds] %s\n' $((SECONDS - start)) "$*"; }
+
+# record NAME STATUS RC SECONDS BUDGET LOG NOTE: one line of steps.tsv
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$stage/steps.tsv"; }
+
+# archive: details.tar.gz from the stage (atomically; MPS's pipes are not files)
+archive() {
+  tar -czf "$out/details.tar.gz.tmp" -C "$stage" --exclude=./mps/pipe . 2>/dev/null \
+    && mv -f "$out/details.tar.gz.tmp" "$out/details.tar.gz"
+}
+
+# step NAME BUDGET LOG CMD...: CMD under `timeout` (cut to the deadline), output in the stage
+step() {
+  local name=$1 budget=$(($2 * scale)) log=$3 left rc state t0=$SECONDS
+  shift 3
+  left=$((deadline - SECONDS))
+  if ((left < 5)); then
+    record "$name" no-time - 0 "$budget" "$log" "no time left before the deadline"
+    say "$name: no time left"
+    status=1
+    return
+  fi
+  ((budget > left)) && budget=$left
+  say "$name: up to ${budget}s"
+  timeout -k 3 "$budget" "$@" > "$stage/$log" 2>&1
+  rc=$?
+  case $rc in
+    0) state=ok ;;
+    124 | 137) state=timeout ;;
+    *) state=failed ;;
+  esac
+  [[ $state == ok ]] || status=1
+  record "$name" "$state" "$rc" $((SECONDS - t0)) "$budget" "$log" ""
+  say "$name: $state"
+  archive
+}
+
+# skip NAME NOTE: a step this run does not need
+skip() { record "$1" skipped - 0 0 - "$2"; }
+
+to_bytes() {  # 8, 4K, 64M, 1G -> bytes
+  local v=${1^^}
+  case $v in
+    *K) echo $((${v%K} << 10)) ;;
+    *M) echo $((${v%M} << 20)) ;;
+    *G) echo $((${v%G} << 30)) ;;
+    *) echo $((v)) ;;
+  esac
+}
+
+# shellcheck disable=SC2329  # run by `bash -c collect_env` in the env step
+collect_env() {
   date -u
-  git rev-parse HEAD 2>/dev/null || echo "commit: unknown"
-  nvidia-smi
+  git rev-parse HEAD 2>/dev/null || echo "commit: ${GPURING_COMMIT:-unknown}"
+  if command -v nvidia-smi > /dev/null; then nvidia-smi; else echo "nvidia-smi: not found"; fi
   "$py" - <<'PY'
 import importlib, importlib.metadata, platform, sys
 print("python", platform.python_version(), sys.executable)
-for name in ("numpy", "cupy", "cuda.bindings", "torch", "mpi4py"):
+for name in ("numpy", "cupy", "cuda.bindings", "torch", "mpi4py", "pytest", "xdist"):
     try:
         mod = importlib.import_module(name)
         print(name, getattr(mod, "__version__", "?"))
@@ -36,32 +121,85 @@ for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-cuda-nvrtc", "cuda-
         print(dist, importlib.metadata.version(dist))
     except importlib.metadata.PackageNotFoundError:
         pass
-try:
-    import cupy
-    from cupy.cuda import nccl
-    print("nccl", nccl.get_version())
-    print("cuda runtime", cupy.cuda.runtime.runtimeGetVersion(),
-          "driver", cupy.cuda.runtime.driverGetVersion())
-except Exception as exc:
-    print("nccl/cuda versions unavailable:", exc)
 PY
-} > "$out/env.txt" 2>&1
+}
+export -f collect_env
 
-timeout 180 "$py" -m pytest tests/gpu tests/unit/test_kernels_compile.py -q -p no:cacheprovider \
-  > "$out/gpu-tests.log" 2>&1 || status=1
+stop_mps() {  # the probe stops its MPS daemon; this is the safety net
+  local mps
+  mps="$(command -v nvidia-cuda-mps-control)" || return 0
+  [[ -d $stage/mps/pipe ]] || return 0
+  echo quit | CUDA_MPS_PIPE_DIRECTORY="$stage/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$stage/mps/log" \
+    timeout 5 "$mps" > /dev/null 2>&1 || true
+}
 
+# finish: summary.txt, the final archive, then the summary printed last
+finish() {
+  ((finished)) && return
+  finished=1
+  stop_mps
+  archive
+  if ! timeout 8 "$py" -m gpuring.bench.check_summary "$stage" "$out/probe.json" \
+    bench/device_check_notes.txt "$status" $((SECONDS - start)) > "$out/summary.txt.tmp" \
+    2> "$stage/summary-error.log"; then
+    {
+      echo "gpuring device check: summary (check_summary failed; steps.tsv and its error)"
+      echo "result: exit status $status in $((SECONDS - start)) s"
+      cat "$stage/steps.tsv" "$stage/summary-error.log"
+    } > "$out/summary.txt.tmp"
+    archive
+  fi
+  mv -f "$out/summary.txt.tmp" "$out/summary.txt"
+  rm -rf "$stage"
+  cat "$out/summary.txt"
+}
+trap 'status=1; record interrupted - - 0 0 - "signal"; finish; exit 1' TERM INT
+
+# 1. environment, 2. the probe (writes probe.json straight into OUTDIR)
+step env 15 env.txt bash -c collect_env
+step probe 85 probe.log "$py" -m gpuring.bench.probe "$out/probe.json"
+stop_mps  # in case the probe was killed before it could
+
+# 3. the GPU tests, or the smoke test where pytest is missing
+tests="${GPURING_DEVICE_CHECK_TESTS:-pytest}"
+if [[ $tests == pytest ]] && ! "$py" -c "import pytest" 2> /dev/null; then tests=smoke; fi
+if [[ $tests == pytest ]]; then
+  parallel=()
+  "$py" -c "import xdist" 2> /dev/null && parallel=(-n 4)
+  step gpu-tests 100 gpu-tests.log "$py" -m pytest tests/gpu tests/unit/test_kernels_compile.py \
+    -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"}
+else
+  step gpu-smoke 100 gpu-tests.log "$py" -m gpuring run -n 2 -- "$py" -m gpuring.bench.smoke
+fi
+
+# 4. all_reduce: beside NCCL and gloo up to 256 MiB, gpuring alone above
+maxb=$(to_bytes "${GPURING_DEVICE_CHECK_MAXBYTES:-1G}")
+peerb=$(to_bytes "${GPURING_DEVICE_CHECK_PEER_MAXBYTES:-256M}")
+((peerb > maxb)) && peerb=$maxb
+read -r -a extra <<< "${GPURING_DEVICE_CHECK_BENCH_FLAGS:-}"
+bench() {  # bench NAME BUDGET ARGS...
+  local name=$1 budget=$2
+  shift 2
+  step "$name" "$budget" "$name.txt" "$py" -m gpuring bench all_reduce --device cuda "$@" \
+    --json "$stage/$name.json" ${extra[@]+"${extra[@]}"}
+}
+bench allreduce-2ranks 50 --ranks 2 -b 1K -e "$peerb" --peers nccl,gloo
+bench allreduce-4ranks 60 --ranks 4 -b 1K -e "$peerb" --peers nccl,gloo
 for n in 2 4; do
-  timeout 110 "$py" -m gpuring bench all_reduce --ranks "$n" --device cuda -b 1K \
-    -e "${GPURING_DEVICE_CHECK_MAXBYTES:-1G}" \
-    --peers nccl,gloo --json "$out/allreduce-${n}ranks.json" \
-    > "$out/allreduce-${n}ranks.txt" 2>&1 || status=1
+  if ((maxb > peerb)); then
+    bench "allreduce-${n}ranks-large" 25 --ranks "$n" -b $((2 * peerb)) -e "$maxb" --peers ""
+  else
+    skip "allreduce-${n}ranks-large" "largest size $maxb is within the peers' range"
+  fi
 done
-# the piece size and channel count CudaDevice should default to: 256 MiB on 4 ranks
-for tuning in "2M 1" "8M 1" "32M 1" "8M 2"; do
-  set -- $tuning
-  timeout 40 "$py" -m gpuring bench all_reduce --ranks 4 --device cuda -b 256M -e 256M \
-    --chunk-bytes "$1" --channels "$2" -c 0 -n 20 -w 5 --peers "" --json "$out/tune-chunk$1-ch$2.json" \
-    > "$out/tune-chunk$1-ch$2.txt" 2>&1 || status=1
+
+# 5. the piece size and channel count CudaDevice should default to (4 ranks)
+tuneb="${GPURING_DEVICE_CHECK_TUNE_BYTES:-256M}"
+for tuning in ${GPURING_DEVICE_CHECK_TUNE:-2M:1 8M:1 32M:1 8M:2}; do
+  chunk=${tuning%%:*} channels=${tuning##*:}
+  bench "tune-chunk$chunk-ch$channels" 12 --ranks 4 -b "$tuneb" -e "$tuneb" \
+    --chunk-bytes "$chunk" --channels "$channels" -c 0 -n 20 -w 5 --peers ""
 done
-tail -n 5 "$out"/*.txt "$out/gpu-tests.log"
+
+finish
 exit $status
