@@ -196,6 +196,8 @@ class Gpu:
         cupy.cuda.Device(0).use()
         self.side = cupy.cuda.Stream(non_blocking=True)
         self._sm_count = 0
+        # the abort word every gpuring kernel reads first (kernels/reduce.cu); never set here
+        self.abort_word = self.alloc(256)
 
     @property
     def simulated(self) -> bool:
@@ -293,17 +295,17 @@ def check_cu(result: tuple[Any, ...], what: str) -> tuple[Any, ...]:
 
 # ---------------------------------------------------------------------------- kernels
 
-# The ONE place that launches gpuring_wait_flag / gpuring_write_flag of kernels/reduce.cu.
-# Their signatures are being changed on another branch: keep the two argument tuples below in
-# step with reduce.cu (today: wait_flag(flag, value, timeout_ns, status) and
-# write_flag(flag, value, status); one block of one thread each).
+# The one place that launches gpuring_wait_flag / gpuring_write_flag of kernels/reduce.cu:
+# wait_flag(flag, value, timeout_ns, status, abort) and write_flag(flag, value, abort); one
+# block of one thread each. `abort` is the device word every kernel reads first.
 def launch_flag_kernel(kernel: Any, stream: Any, flag: int, value: int, *, status: int,
-                       timeout_ns: int | None = None) -> None:
+                       abort: int, timeout_ns: int | None = None) -> None:
     """Launch the wait kernel (when `timeout_ns` is given) or the write kernel."""
     if timeout_ns is None:
-        args: tuple[Any, ...] = (np.uint64(flag), np.uint64(value), np.uint64(status))
+        args: tuple[Any, ...] = (np.uint64(flag), np.uint64(value), np.uint64(abort))
     else:
-        args = (np.uint64(flag), np.uint64(value), np.uint64(timeout_ns), np.uint64(status))
+        args = (np.uint64(flag), np.uint64(value), np.uint64(timeout_ns), np.uint64(status),
+                np.uint64(abort))
     kernel((1,), (1,), args, stream=stream)
 
 
@@ -313,15 +315,17 @@ def launch_copy_kernel(gpu: Gpu, stream: Any, dst: int, src: int, nbytes: int) -
 
     kernel = _kernels.get_function(_kernels.COPY_KERNEL, 0)
     kernel((gpu.grid_for(nbytes, 16),), (_THREADS,),
-           (np.uint64(dst), np.uint64(src), np.uint64(nbytes)), stream=stream)
+           (np.uint64(dst), np.uint64(src), np.uint64(nbytes), np.uint64(gpu.abort_word.ptr)),
+           stream=stream)
 
 
 def launch_reduce_kernel(kernel: Any, gpu: Gpu, stream: Any, dst: int, a: int, b: int,
                          n: int) -> None:
-    """A float32 reduce kernel (dst, a, b, n, divisor) with CudaDevice's grid; the arguments
-    are built per call, as CudaDevice builds them."""
+    """A float32 reduce kernel (dst, a, b, n, divisor, abort) with CudaDevice's grid; the
+    arguments are built per call, as CudaDevice builds them."""
     kernel((gpu.grid_for(n, 4),), (_THREADS,),
-           (np.uint64(dst), np.uint64(a), np.uint64(b), np.uint64(n), np.int64(1)),
+           (np.uint64(dst), np.uint64(a), np.uint64(b), np.uint64(n), np.int64(1),
+            np.uint64(gpu.abort_word.ptr)),
            stream=stream)
 
 
@@ -330,19 +334,23 @@ class FlagOps:
     them: stream memory operations ("memops") or one-thread spin kernels ("kernel")."""
 
     def __init__(self, gpu: Gpu, mode: str, timeout_s: float = 30.0):
-        if mode not in ("memops", "kernel"):
+        if mode not in ("memops", "kernel", "gpuring"):
             raise ValueError(f"flag mode {mode!r}")
         self.mode = mode
         self._gpu = gpu
         self._cu: dict[int, Any] = {}
-        if mode == "memops":
+        # memops: waits and writes are stream memory operations; kernel: spin-wait and write
+        # kernels; gpuring: what CudaDevice does, memops waits and write kernels
+        self._memops_wait = mode in ("memops", "gpuring")
+        self._memops_write = mode == "memops"
+        if self._memops_wait:
             from cuda.bindings import driver
 
             check_cu(driver.cuInit(0), "cuInit")
             self._driver = driver
             self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
             self._fence = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        else:
+        if mode != "memops":
             from ..devices import _kernels
 
             self._wait_kernel = _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, 0)
@@ -359,23 +367,25 @@ class FlagOps:
         return cu
 
     def wait(self, stream: Any, addr: int, value: int) -> None:
-        if self.mode == "memops":
+        if self._memops_wait:
             d = self._driver
             check_cu(d.cuStreamWaitValue64(self._stream(stream), d.CUdeviceptr(addr),
                                            d.cuuint64_t(value), self._geq),
                      "cuStreamWaitValue64")
         else:
             launch_flag_kernel(self._wait_kernel, stream, addr, value, status=self.status_ptr,
+                               abort=self._gpu.abort_word.ptr,
                                timeout_ns=self.timeout_ns)
 
     def write(self, stream: Any, addr: int, value: int) -> None:
-        if self.mode == "memops":
+        if self._memops_write:
             d = self._driver
             check_cu(d.cuStreamWriteValue64(self._stream(stream), d.CUdeviceptr(addr),
                                             d.cuuint64_t(value), self._fence),
                      "cuStreamWriteValue64")
         else:
-            launch_flag_kernel(self._write_kernel, stream, addr, value, status=self.status_ptr)
+            launch_flag_kernel(self._write_kernel, stream, addr, value, status=self.status_ptr,
+                               abort=self._gpu.abort_word.ptr)
 
     def timed_out(self) -> bool:
         """A spin wait gave up (kernel mode only)."""

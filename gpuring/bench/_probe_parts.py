@@ -528,6 +528,7 @@ PARTS: dict[str, Part] = {
     "host_cost": part_host_cost,
     "pingpong_memops": lambda rec, s, budget: part_pingpong(rec, s, budget, "memops"),
     "pingpong_kernel": lambda rec, s, budget: part_pingpong(rec, s, budget, "kernel"),
+    "pingpong_gpuring": lambda rec, s, budget: part_pingpong(rec, s, budget, "gpuring"),
     "dead_exporter": part_dead_exporter,
 }
 

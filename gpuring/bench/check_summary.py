@@ -197,10 +197,12 @@ def probe_lines(probe: dict[str, Any] | None) -> list[str]:
     out.append("ping-pong  GPU time per flag round trip, 2 processes on 1 GPU:")
     out.append(_pingpong("memops", probe.get("pingpong_memops")))
     out.append(_pingpong("spin kernels", probe.get("pingpong_kernel")))
+    out.append(_pingpong("gpuring (memops wait, kernel write)", probe.get("pingpong_gpuring")))
     mps = probe.get("mps") or {}
     if mps.get("status") == "ok":
         out.append(_pingpong("MPS memops", mps.get("pingpong_memops")))
         out.append(_pingpong("MPS spin", mps.get("pingpong_kernel")))
+        out.append(_pingpong("MPS gpuring", mps.get("pingpong_gpuring")))
     else:
         out.append(f"  MPS: {mps.get('status', 'missing')} "
                    f"({mps.get('reason') or mps.get('error') or mps.get('start', '')})")
@@ -209,7 +211,7 @@ def probe_lines(probe: dict[str, Any] | None) -> list[str]:
         out.append("dead peer  " + _dead_line(d))
     problems = [p for name in ("versions", "ipc", "memops", "kernels", "copy_bandwidth",
                                "host_cost", "pingpong_memops", "pingpong_kernel",
-                               "dead_exporter")
+                               "pingpong_gpuring", "dead_exporter")
                 if (p := _part_problem(name, probe.get(name)))]
     out += ["parts that did not finish normally:", *("  " + p for p in problems)] \
         if problems else ["every part finished normally"]

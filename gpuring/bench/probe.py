@@ -17,7 +17,8 @@ Parts (keys of OUT.json, in the order they run):
   host_cost         host microseconds per enqueue: a reduce kernel, cuStreamWriteValue64
                     (arguments built per call and pre-built), gpuring's CudaDevice stream ops
   pingpong_memops   2-process flag ping-pong with stream memory operations: per-round-trip
-  pingpong_kernel   GPU times (median, p99), and the same with the spin kernels
+  pingpong_kernel   GPU times (median, p99), and the same with the spin kernels, and
+  pingpong_gpuring  with what CudaDevice does (stream memory waits, write kernels)
   dead_exporter     reads of a SIGKILLed exporter's memory, then the survivor's context
   mps               both ping-pongs again under MPS, if nvidia-cuda-mps-control is on PATH
 Every part has "status": ok, error (with "error"), timeout (killed at its budget; what it had
@@ -57,7 +58,8 @@ SCHEMA = "gpuring.probe/1"
 #: each part's time box in seconds (the probe's total budget may cut it shorter)
 PART_BUDGETS: dict[str, float] = {
     "versions": 15, "ipc": 15, "memops": 10, "kernels": 30, "copy_bandwidth": 15,
-    "host_cost": 15, "pingpong_memops": 15, "pingpong_kernel": 20, "dead_exporter": 15,
+    "host_cost": 15, "pingpong_memops": 15, "pingpong_kernel": 20, "pingpong_gpuring": 15,
+    "dead_exporter": 15,
 }
 _MPS_RESERVE = 12.0  # seconds kept back to stop MPS
 _MIN_PART = 3.0  # a part gets at least this much, or is skipped
@@ -203,7 +205,7 @@ def run_mps(deadline: float, scale: float, sink: dict[str, Any]) -> dict[str, An
         if record["start"]["rc"] != 0:
             record.update(status="error", error="nvidia-cuda-mps-control -d failed")
             return record
-        for name in ("pingpong_memops", "pingpong_kernel"):
+        for name in ("pingpong_memops", "pingpong_kernel", "pingpong_gpuring"):
             budget = min(PART_BUDGETS[name] * scale,
                          deadline - time.monotonic() - _MPS_RESERVE)
             if budget >= _MIN_PART:

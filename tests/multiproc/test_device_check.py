@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from ..cudasim import kernels_host_build
+from ..cudasim import kernels_host_build, shm_names
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
@@ -97,19 +97,9 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _remove_leaked_memory(probe_json: Path) -> None:
-    """The simulator never frees the /dev/shm files of a process that was killed (its peer,
-    a part stopped by the probe): remove those of the dead processes the probe names."""
-    try:
-        probe = json.loads(probe_json.read_text())
-    except (OSError, ValueError):
-        return
-    records = [v for v in probe.values() if isinstance(v, dict)]
-    records += [v for r in records for v in r.values() if isinstance(v, dict)]  # mps
-    pids = {int(r[k]) for r in records for k in ("pid", "peer_pid") if isinstance(r.get(k), int)}
-    for pid in pids:
-        if not _alive(pid):
-            for path in Path("/dev/shm").glob(f"gpuring-cudasim-{pid}-*"):
-                path.unlink(missing_ok=True)
+    """The /dev/shm files of the processes the probe killed (a dead exporter, a part stopped
+    by the probe): the simulator's sweep removes what dead processes left."""
+    shm_names.sweep_dead_allocations()
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +167,7 @@ def test_probe_json_has_every_part(dry_run: Run) -> None:
     for key in ("kernel_launch_us", "write_value_built_us", "write_value_prebuilt_us",
                 "wait_value_prebuilt_us", "gpuring_reduce_us", "gpuring_write_flag_us"):
         assert host[key] > 0, (key, host)
-    for mode in ("memops", "kernel"):
+    for mode in ("memops", "kernel", "gpuring"):
         pp = probe[f"pingpong_{mode}"]
         assert pp["status"] == "ok", pp
         assert pp["samples"] == ROUND_TRIPS and pp["values_ok"] is True, pp
@@ -288,5 +278,5 @@ def test_mps_is_started_for_the_ping_pongs_and_stopped(check_env: dict[str, str]
                                               f"quit pipe={pipe} log={logs}"]
     assert record["status"] == "ok" and record["start"]["rc"] == record["stop"]["rc"] == 0
     assert record["control.log"].strip() == "fake control log"
-    for name in ("pingpong_memops", "pingpong_kernel"):
+    for name in ("pingpong_memops", "pingpong_kernel", "pingpong_gpuring"):
         assert record[name]["status"] == "ok" and record[name]["mps"] is True, record[name]
