@@ -424,8 +424,8 @@ class Communicator:
             try:
                 engine = Engine(device, self._control, capacity_bytes=capacity,
                                 timeout=self.config.timeout)
-            except BaseException:
-                device.close()
+            except BaseException:  # peers may have mapped what this rank exported by now
+                device.close(peers_may_read=True)
                 raise
             self._engines[kind] = engine
         return engine

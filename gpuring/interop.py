@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -127,8 +128,20 @@ def caller_stream(x: Any) -> contextlib.AbstractContextManager[Any]:
     if device is None:
         return contextlib.nullcontext()
     torch = sys.modules["torch"]
-    stream = torch.cuda.current_stream(device)
-    return _cupy().cuda.ExternalStream(int(stream.cuda_stream), device)
+    return _on_stream(int(torch.cuda.current_stream(device).cuda_stream), device)
+
+
+@contextlib.contextmanager
+def _on_stream(handle: int, device: int) -> Iterator[None]:
+    """CuPy's current stream on `device` is the CUDA stream `handle` for the block. The device
+    is made current first: CuPy keeps one current stream per device, and refuses a stream of
+    another device."""
+    cuda = _cupy().cuda
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = cuda.ExternalStream(handle, device)
+    with cuda.Device(device), stream:
+        yield
 
 
 def call(method: Callable[..., Any], comm: Any, args: tuple[Any, ...],

@@ -289,15 +289,20 @@ __device__ __forceinline__ u64 global_ns() {
 
 // Hold the stream until *flag >= value. Gives up after `timeout_ns` nanoseconds (0: never)
 // and then sets *status = 1 and *abort = 1, so that nothing queued after it runs; returns
-// at once while *status is non-zero (the host sets it to abort). `status` lives in mapped
-// pinned host memory, so the host sees it without a copy.
+// at once while *status is non-zero (the host sets it to abort), setting *abort too (in
+// stream order, whether or not the host's own write of it has landed yet). `status` lives
+// in mapped pinned host memory, so the host sees it without a copy.
 extern "C" __global__ void gpuring_wait_flag(volatile u64* flag, u64 value, u64 timeout_ns,
                                              volatile int* status, volatile int* abort) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const u64 start = global_ns();
     unsigned int sleep_ns = 32;
     while (*flag < value) {
-        if (*status != 0) break;
+        if (*status != 0) {  // aborted by the host: nothing queued after this may run
+            *abort = 1;
+            __threadfence_system();
+            break;
+        }
         if (timeout_ns != 0 && global_ns() - start > timeout_ns) {
             *abort = 1;
             __threadfence_system();

@@ -517,6 +517,37 @@ def peer_exporter(chan: Channel, args: dict[str, Any]) -> None:
     chan.recv("nothing")  # blocks until killed (or until the part goes away)
 
 
+# ---------------------------------------------------------------------------- abort
+
+def part_abort_release(rec: Recorder, s: Settings, budget: float) -> None:
+    """CudaDevice's abort, as a survivor of a dead peer runs it: 12 streams (more than the
+    default 8 hardware queues) each blocked in a flag wait nobody will satisfy, then abort.
+    Does the release (a side-stream write to each waited word) reach them, and how fast?
+    Run twice by the probe: as the process finds CUDA, and with CUDA_DEVICE_MAX_CONNECTIONS=1
+    (one hardware queue for every stream, as some training jobs set it)."""
+    from ..devices.base import Flag
+    from ..devices.cuda import CudaDevice
+
+    gpu = Gpu()
+    rec(max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"))
+    dev = CudaDevice(0, timeout=max(budget, 30.0))
+    rec(flags_mode=dev.flags_mode)
+    words = dev.alloc(8 * 12)
+    streams = [dev.create_stream() for _ in range(12)]
+    for i, stream in enumerate(streams):
+        stream.wait_flag(Flag(words, 8 * i), 1, tag=f"stream {i}")
+    blocked = [stream.record() for stream in streams]
+    time.sleep(0.2)
+    rec(blocked_before_abort=sum(not e.query() for e in blocked))
+    start = time.perf_counter()
+    dev.abort("probe: release every wait")
+    drained = dev._drain(min(10.0, budget / 2))
+    rec(released=drained, release_ms=(time.perf_counter() - start) * 1e3)
+    rec(device_synchronize=gpu.finish(gpu.event(gpu.side), 5.0))
+    if drained:
+        dev.close(peers_may_read=True)
+
+
 # ---------------------------------------------------------------------------- registries
 
 PARTS: dict[str, Part] = {
@@ -530,6 +561,8 @@ PARTS: dict[str, Part] = {
     "pingpong_kernel": lambda rec, s, budget: part_pingpong(rec, s, budget, "kernel"),
     "pingpong_gpuring": lambda rec, s, budget: part_pingpong(rec, s, budget, "gpuring"),
     "dead_exporter": part_dead_exporter,
+    "abort_release": part_abort_release,
+    "abort_release_1conn": part_abort_release,
 }
 
 PEERS: dict[str, Callable[[Channel, dict[str, Any]], None]] = {

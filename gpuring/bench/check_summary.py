@@ -209,9 +209,18 @@ def probe_lines(probe: dict[str, Any] | None) -> list[str]:
     d = probe.get("dead_exporter") or {}
     if "queued_read" in d:
         out.append("dead peer  " + _dead_line(d))
+    for name, label in (("abort_release", "default queues"),
+                        ("abort_release_1conn", "CUDA_DEVICE_MAX_CONNECTIONS=1")):
+        a = probe.get(name) or {}
+        if "released" in a:
+            out.append(f"abort      12 blocked streams, {label}: "
+                       + (f"released in {a.get('release_ms', 0):.1f} ms" if a["released"]
+                          else "NOT released (the side-stream release stalled)")
+                       + f" ({a.get('flags_mode', '?')} waits)")
     problems = [p for name in ("versions", "ipc", "memops", "kernels", "copy_bandwidth",
                                "host_cost", "pingpong_memops", "pingpong_kernel",
-                               "pingpong_gpuring", "dead_exporter")
+                               "pingpong_gpuring", "dead_exporter", "abort_release",
+                               "abort_release_1conn")
                 if (p := _part_problem(name, probe.get(name)))]
     out += ["parts that did not finish normally:", *("  " + p for p in problems)] \
         if problems else ["every part finished normally"]

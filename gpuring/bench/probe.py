@@ -20,6 +20,8 @@ Parts (keys of OUT.json, in the order they run):
   pingpong_kernel   GPU times (median, p99), and the same with the spin kernels, and
   pingpong_gpuring  with what CudaDevice does (stream memory waits, write kernels)
   dead_exporter     reads of a SIGKILLed exporter's memory, then the survivor's context
+  abort_release     CudaDevice.abort releasing 12 streams blocked in flag waits, as found and
+                    (abort_release_1conn) with CUDA_DEVICE_MAX_CONNECTIONS=1
   mps               both ping-pongs again under MPS, if nvidia-cuda-mps-control is on PATH
 Every part has "status": ok, error (with "error"), timeout (killed at its budget; what it had
 recorded is kept), interrupted (the probe got SIGTERM), hang (GPU work it waited for did not
@@ -59,8 +61,10 @@ SCHEMA = "gpuring.probe/1"
 PART_BUDGETS: dict[str, float] = {
     "versions": 15, "ipc": 15, "memops": 10, "kernels": 30, "copy_bandwidth": 15,
     "host_cost": 15, "pingpong_memops": 15, "pingpong_kernel": 20, "pingpong_gpuring": 15,
-    "dead_exporter": 15,
+    "dead_exporter": 15, "abort_release": 10, "abort_release_1conn": 10,
 }
+#: parts run with more in their environment
+PART_ENV: dict[str, dict[str, str]] = {"abort_release_1conn": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}}
 _MPS_RESERVE = 12.0  # seconds kept back to stop MPS
 _MIN_PART = 3.0  # a part gets at least this much, or is skipped
 _ROOT = Path(__file__).resolve().parents[2]
@@ -246,7 +250,8 @@ def _one(name: str, probe: dict[str, Any], deadline: float, scale: float) -> dic
     the CUDA simulator (as the versions part found)."""
     left = deadline - time.monotonic()
     if name != "mps":
-        return (run_part(name, min(PART_BUDGETS[name] * scale, left), probe)
+        env = dict(os.environ, **PART_ENV[name]) if name in PART_ENV else None
+        return (run_part(name, min(PART_BUDGETS[name] * scale, left), probe, env)
                 if left >= _MIN_PART else {"status": "skipped", "reason": "probe budget spent"})
     if (probe.get("versions") or {}).get("simulated"):
         return {"status": "unsupported",

@@ -86,6 +86,15 @@ _STATUS_ABORTED = 2
 RELEASED = 2**63 - 1
 #: this process, in the handles it exports: a PID can repeat across nodes and PID namespaces
 _PROCESS_TOKEN = secrets.token_hex(16)
+
+
+def _new_process_token() -> None:
+    """A forked child is another process: it gets its own token."""
+    global _PROCESS_TOKEN
+    _PROCESS_TOKEN = secrets.token_hex(16)
+
+
+os.register_at_fork(after_in_child=_new_process_token)
 #: memory of failed communicators that peers may still map: never freed (see CudaDevice.close)
 _LEAKED: list[Any] = []
 
@@ -419,8 +428,10 @@ class CudaDevice(Device):
             # status word in mapped pinned memory: read and written by host and kernels
             self.status_ptr = int(runtime.hostAlloc(
                 8, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED))
-            # the source of the released value that abort copies into waited-on words
+            # the source of the released value that abort copies into waited-on words, and
+            # where read_u64 copies a word to
             self._released_ptr = int(runtime.hostAlloc(8, _HOST_ALLOC_PORTABLE))
+            self._readback_ptr = int(runtime.hostAlloc(8, _HOST_ALLOC_PORTABLE))
             # the abort word every kernel checks first, in device memory (cheap to read)
             self._abort_mem = cupy.cuda.Memory(256)
             self.abort_ptr = int(self._abort_mem.ptr)
@@ -434,6 +445,7 @@ class CudaDevice(Device):
         self._streams: list[_CudaStream] = []
         self._wait_words: set[int] = set()  # every word a stream of this device waits on
         self._lock = threading.Lock()
+        self._closing = threading.RLock()  # abort (any thread) and close exclude each other
         self._abort_reason: str | None = None
         self._closed = False
         self._reduce_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
@@ -462,16 +474,23 @@ class CudaDevice(Device):
             with self._lock:
                 self._wait_words.add(addr)
 
-    def read_u64(self, addr: int) -> int:
-        """The 8-byte word at a device address, read on a side stream (not the legacy one,
-        which may be blocked behind the caller's work)."""
-        runtime = _cupy().cuda.runtime
-        out = np.zeros(1, np.uint64)
+    def _side_chore(self, what: str, seconds: float = 10.0) -> None:
+        """Wait, bounded, for what was just queued on the side stream (a stream that shares a
+        hardware queue with one blocked in a flag wait may itself stall: never hang on it)."""
         with self.scope():
-            runtime.memcpyAsync(out.ctypes.data, addr, 8, _MEMCPY_DEFAULT,
-                                self._side.ptr)
-            self._side.synchronize()
-        return int(out[0])
+            done = _CudaEvent(self._side.record(), self)
+        if not self._poll([done], seconds):
+            raise CollectiveTimeoutError(f"CUDA device {self.device_id}: {what} did not "
+                                         f"finish within {seconds} s")
+
+    def read_u64(self, addr: int) -> int:
+        """The 8-byte word at a device address, read on the side stream into pinned memory
+        (a copy into pageable memory would block the host), bounded."""
+        runtime = _cupy().cuda.runtime
+        with self.scope():
+            runtime.memcpyAsync(self._readback_ptr, addr, 8, _MEMCPY_DEFAULT, self._side.ptr)
+        self._side_chore("reading a flag")
+        return int(ctypes.c_uint64.from_address(self._readback_ptr).value)
 
     def check(self, tag: Any = None, stream: _CudaStream | None = None) -> None:
         """Raise if the device was aborted or a spinning wait timed out."""
@@ -525,7 +544,7 @@ class CudaDevice(Device):
         with self.scope():
             raw = cupy.cuda.Memory(max(nbytes, 1))
             cupy.cuda.runtime.memsetAsync(raw.ptr, 0, max(nbytes, 1), self._side.ptr)
-            self._side.synchronize()
+        self._side_chore("zeroing new memory")
         mem = CudaMemory(int(raw.ptr), nbytes, "local", raw)
         self._owned.append(mem)
         return mem
@@ -585,15 +604,17 @@ class CudaDevice(Device):
         """Fail every pending and future wait, from any thread: spinning waits return, every
         kernel queued from now on does nothing, and every word a stream waits on is raised to
         RELEASED, so no stream stays blocked (see the module docstring)."""
-        if self._abort_reason is not None:
-            return
-        self._abort_reason = reason
-        if self._closed:
-            return
-        # the device's abort word first: a spinning wait released by the status word must
-        # find the kernels behind it already disabled
-        self._release_waits()
-        self._status.value = _STATUS_ABORTED
+        with self._closing:  # not while close() frees what a release uses
+            if self._abort_reason is not None:
+                return
+            self._abort_reason = reason
+            if self._closed:
+                return
+            # the device's abort word first: a spinning wait released by the status word
+            # should find the kernels behind it disabled (the wait kernel also sets the abort
+            # word itself when the status word stops it)
+            self._release_waits()
+            self._status.value = _STATUS_ABORTED
 
     def _release_waits(self) -> bool:
         """Set the device's abort word, then raise every waited-on word to RELEASED, in that
@@ -631,10 +652,14 @@ class CudaDevice(Device):
         return True
 
     def _drain(self, seconds: float) -> bool:
-        """Wait up to `seconds` for every stream to be idle; True if they are. False also
-        when the GPU reports an error (a failed kernel): then nothing is known to be idle."""
+        """Wait up to `seconds` for every stream (the side stream too) to be idle; True if
+        they are. False also when the GPU reports an error (a failed kernel): then nothing is
+        known to be idle."""
         try:
-            return self._poll([s.record() for s in self._streams], seconds, release=True)
+            with self.scope():
+                events: list[Event] = [_CudaEvent(self._side.record(), self)]
+            events += [s.record() for s in self._streams]
+            return self._poll(events, seconds, release=True)
         except Exception as exc:
             warnings.warn(f"gpuring: CUDA error while closing: {exc}", RuntimeWarning,
                           stacklevel=3)
@@ -655,6 +680,10 @@ class CudaDevice(Device):
         warning says how much) while everything else is freed, so the process can go on using
         the GPU. If the streams stay busy even after an abort (a CUDA error), everything is
         leaked rather than the process hung (cudaFree would wait for them)."""
+        with self._closing:
+            self._close(peers_may_read)
+
+    def _close(self, peers_may_read: bool) -> None:
         if self._closed:
             return
         drained = self._drain(min(self.timeout, 10.0))
@@ -684,4 +713,5 @@ class CudaDevice(Device):
             self._status = None  # type: ignore[assignment]
             runtime.freeHost(self.status_ptr)
             runtime.freeHost(self._released_ptr)
-            self.status_ptr = self._released_ptr = 0
+            runtime.freeHost(self._readback_ptr)
+            self.status_ptr = self._released_ptr = self._readback_ptr = 0

@@ -125,6 +125,8 @@ class Stream:
             _context()
         self.ptr = 0 if null else next(_stream_ids)
         self.non_blocking = non_blocking
+        # the device current at creation (-1: the legacy stream, which every device has)
+        self.device_id = -1 if null else _Runtime.getDevice()
         self._worker = _Worker(f"cudasim-stream-{self.ptr:#x}")
         _streams[self.ptr] = self
 
@@ -155,40 +157,64 @@ class Stream:
         return event.done
 
     def use(self) -> Stream:
-        _current.stream = self
+        _check_stream_device(self)
+        _current_streams()[_Runtime.getDevice()] = self
         return self
 
     def __enter__(self) -> Stream:
-        self._previous = get_current_stream()
-        return self.use()
-
-    def __exit__(self, *exc: object) -> None:
-        _current.stream = self._previous
-
-
-Stream.null = Stream(null=True)
-_current = threading.local()
-
-
-class ExternalStream:
-    """A stream made by another library (say torch), named by its handle: the same stream,
-    so work queued through either runs in one order. Usable as the current stream."""
-
-    def __init__(self, ptr: int, device_id: int = -1):
-        self._stream = _stream(int(ptr))
-        self.ptr = self._stream.ptr
-        self.device_id = device_id
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-    def __enter__(self) -> ExternalStream:
-        self._previous = get_current_stream()
-        _current.stream = self._stream
+        _check_stream_device(self)
+        streams = _current_streams()
+        device = _Runtime.getDevice()
+        _stream_stack().append((device, streams.get(device)))
+        streams[device] = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _current.stream = self._previous
+        device, previous = _stream_stack().pop()
+        _current_streams()[device] = previous
+
+
+_current = threading.local()
+
+
+def _current_streams() -> dict[int, Any]:
+    """This thread's current stream per device (CuPy keeps one per device and thread)."""
+    streams = getattr(_current, "streams", None)
+    if streams is None:
+        streams = _current.streams = {}
+    return streams
+
+
+def _stream_stack() -> list[tuple[int, Any]]:
+    stack = getattr(_current, "stream_stack", None)
+    if stack is None:
+        stack = _current.stream_stack = []
+    return stack
+
+
+def _check_stream_device(stream: Any) -> None:
+    """As CuPy: a stream becomes current only while its own device is the current one."""
+    device = _Runtime.getDevice()
+    if stream.device_id >= 0 and stream.device_id != device:
+        raise RuntimeError(f"The device that the stream is created on ({stream.device_id}) "
+                           f"does not match with the current device ({device}).")
+
+
+Stream.null = Stream(null=True)
+
+
+class ExternalStream(Stream):
+    """A stream made by another library (say torch), named by its handle and device: the
+    same stream, so work queued through either runs in one order."""
+
+    def __init__(self, ptr: int, device_id: int = -1):  # no new thread: it shares the stream
+        self._stream = _stream(int(ptr))
+        self.ptr = self._stream.ptr
+        self.non_blocking = self._stream.non_blocking
+        self.device_id = self._stream.device_id if device_id < 0 else device_id
+        self._worker = self._stream._worker
+
+
 _contexts: set[int] = set()  # devices whose primary context this process created
 
 
@@ -206,7 +232,8 @@ def contexts_created() -> set[int]:
 
 
 def get_current_stream(device_id: int | None = None) -> Stream:
-    return getattr(_current, "stream", None) or Stream.null
+    device = _Runtime.getDevice() if device_id is None else device_id
+    return _current_streams().get(device) or Stream.null
 
 
 def _stream(ptr: int | Stream | None) -> Stream:
@@ -493,9 +520,12 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def deviceSynchronize() -> None:
+        """Waits for every stream of the current device (and the legacy stream)."""
         _context()
+        device = _Runtime.getDevice()
         for stream in list(_streams.values()):
-            stream.synchronize()
+            if stream.device_id in (-1, device):
+                stream.synchronize()
 
 
 runtime = _Runtime("cupy.cuda.runtime")

@@ -172,6 +172,11 @@ def test_probe_json_has_every_part(dry_run: Run) -> None:
         assert pp["status"] == "ok", pp
         assert pp["samples"] == ROUND_TRIPS and pp["values_ok"] is True, pp
         assert 0 < pp["median_us"] <= pp["p99_us"] <= pp["max_us"], pp
+    for name in ("abort_release", "abort_release_1conn"):
+        part = probe[name]
+        assert part["status"] == "ok" and part["released"] is True, part
+        assert part["blocked_before_abort"] == 12, part
+    assert probe["abort_release_1conn"]["max_connections"] == "1"
     dead = probe["dead_exporter"]
     assert dead["status"] == "ok" and dead["exporter_exit"] == -9, dead
     assert not _alive(dead["peer_pid"])

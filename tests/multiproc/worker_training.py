@@ -213,14 +213,14 @@ def case_torch(c: Checker) -> None:
 
 
 def _cuda_torch():
-    """torch with CUDA where there is one, else the CUDA simulator's stand-in."""
-    try:
+    """torch with CUDA on a GPU; on the CUDA simulator its stand-in (a real torch cannot run
+    on simulated devices, and may not even import beside the simulator's driver module)."""
+    import cupy
+
+    if not cupy.__version__.endswith("+cudasim"):
         import torch
 
-        if torch.cuda.is_available():
-            return torch
-    except ImportError:
-        pass
+        return torch
     import fake_torch  # tests/cudasim: installs itself as `torch`
 
     return fake_torch
@@ -237,6 +237,7 @@ def case_torch_stream(c: Checker) -> None:
 
     torch = _cuda_torch()
     comm, r = c.comm, c.comm.rank
+    c.uses_other_gpus = True  # below, GPU 0 is current while the tensors live elsewhere
     ins = c.inputs("float32", (4096,), 800)
     want = c.reduce_reference(ins, "sum")
     comm.all_reduce(cupy.ones(4096, cupy.float32))  # set up: the ranks meet here, not below
@@ -250,12 +251,13 @@ def case_torch_stream(c: Checker) -> None:
                 x = torch.from_dlpack(cupy.asarray(ins[r]))
             if r == 1:
                 time.sleep(0.5)  # the collective cannot complete before rank 1 is in
-            if how == "in place":
-                got = comm.all_reduce(x, out=x)
-            elif how == "out of place":
-                got = comm.all_reduce(x)
-            else:
-                got = comm.all_reduce_async(x, out=x).wait()
+            with cupy.cuda.Device(0):  # the caller's current GPU need not be the tensor's
+                if how == "in place":
+                    got = comm.all_reduce(x, out=x)
+                elif how == "out of place":
+                    got = comm.all_reduce(x)
+                else:
+                    got = comm.all_reduce_async(x, out=x).wait()
             with on_side:  # torch work on the torch stream, queued right after the call
                 seen = cupy.from_dlpack(got).copy()
             side.synchronize()

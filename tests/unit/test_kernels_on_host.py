@@ -266,6 +266,7 @@ def test_wait_flag_returns_at_once_after_an_abort(lib: ctypes.CDLL) -> None:
     f.status[0] = 2
     assert _wait(lib, f, 1, timeout_ns=0) < 5.0  # would spin forever without the abort
     assert f.status[0] == 2 and f.flag[0] == 0
+    assert f.abort[0] == 1  # the kernels queued after it are off, whatever the host did
 
 
 def test_write_flag_publishes_only_while_not_aborted(lib: ctypes.CDLL) -> None:
