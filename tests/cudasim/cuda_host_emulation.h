@@ -35,6 +35,12 @@ inline unsigned long long gpuring_host_globaltimer() {
         .count();
 }
 
+// The vector width the element-wise driver chose in the calling thread's last launch (0:
+// scalar, -1: none chosen), so that tests can check which path a placement takes.
+static thread_local int emu_vector_width = -1;
+#define GPURING_VECTOR_WIDTH(W) (emu_vector_width = (W))
+extern "C" int emu_last_vector_width() { return emu_vector_width; }
+
 // Launchers: the kernel is passed by address, with the parameters of its family.
 typedef unsigned long long emu_u64;
 typedef void (*emu_reduce_fn)(void*, const void*, const void*, emu_u64, long long,
@@ -46,6 +52,7 @@ typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, const volatile int*);
 #define EMU_GRID(grid, block, CALL)                    \
     do {                                               \
         gridDim = dim3(grid);                          \
+        emu_vector_width = -1;                         \
         blockDim = dim3(block);                        \
         for (unsigned b_ = 0; b_ < (grid); ++b_) {     \
             for (unsigned t_ = 0; t_ < (block); ++t_) { \

@@ -2,7 +2,8 @@
 
 `tests/cudasim/cuda_host_emulation.h` stands in for the CUDA built-ins (thread and block
 indices, rounded float operations, the global timer), so the kernel source itself, unchanged,
-runs here: every (dtype, op), alignments that take the vectorised and the scalar paths,
+runs here: every (dtype, op), alignments that take each vector width (16, 8, 4 bytes, with
+and without a scalar head) and the scalar path,
 grid-stride loops of several shapes, in-place operands. Each result must equal, bit for bit,
 what the host device computes, and no byte outside the destination may change. The flag
 kernels are checked for their wait, timeout, abort and publish rules. No GPU needed: this is
@@ -117,18 +118,32 @@ def _ops_of(dtype: str) -> list[ReduceOp]:
     return list(ReduceOp)
 
 
+def _placements(size: int) -> list[tuple[tuple[int, int, int], int]]:
+    """Offsets (dst, a, b) modulo 16 of operands of `size`-byte elements, each with the
+    vector width (bytes; 0: scalar) the kernels must take there: the widest of 16, 8 and 4
+    bytes (at least one element) at which all three share their offset. Every width the
+    element size allows, each with and without a scalar head, and the scalar path."""
+    out = [((0, 0, 0), 16), ((size % 16,) * 3, 16)]
+    if size <= 8:  # 16-byte offsets differ, 8-byte ones agree
+        out += [((0, 8, 0), 8), (((size % 8) + 8, size % 8, size % 8), 8)]
+    if size <= 4:  # 8-byte offsets differ, 4-byte ones agree
+        out += [((0, 4, 8), 4), ((size % 4, (size % 4) + 4, (size % 4) + 8), 4)]
+    if size <= 2:  # no 4-byte offset in common
+        out += [((0, size, 0), 0), ((3 * size % 16, 0, 5 * size % 16), 0)]
+    return out
+
+
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
 def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> None:
+    """Every op, at every placement of `_placements` (each checked to take its vector
+    width), sizes that leave a head, packs and a tail or only some of them, several grids."""
     dt = _np_dtype(dtype)
     rng = np.random.default_rng(sum(map(ord, dtype)))
     size = dt.itemsize
-    # alignments (dst, a, b) modulo 16: all aligned, a shared odd offset (vector body after
-    # a scalar head), and mismatched ones (scalar only)
-    aligns = [(0, 0, 0), (size, size, size), (0, size, 0), (3 * size % 16, 0, 5 * size % 16)]
     for op in _ops_of(dtype):
         kernel = _kernel(lib, _kernels.reduce_kernel_name(dtype, op))
         for n in (0, 1, 3, 17, 64, 257):
-            for aligned in aligns:
+            for aligned, width in _placements(size):
                 for blocks, threads in GRIDS:
                     for divisor in ((3, 5) if op is ReduceOp.AVG else (1,)):
                         x, y = _random(rng, dt, n), _random(rng, dt, n)
@@ -144,6 +159,7 @@ def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> Non
                         got = arena.raw[idst:idst + n * size].view(dt)
                         where = f"{dtype} {op.value} n={n} align={aligned} " \
                             f"grid={blocks}x{threads} divisor={divisor}"
+                        assert lib.emu_last_vector_width() == width, where
                         assert _same(got, expected), where
                         outside = np.ones(arena.raw.size, bool)
                         outside[idst:idst + n * size] = False
@@ -187,8 +203,11 @@ def test_integer_sum_wraps_and_average_truncates_toward_zero(lib: ctypes.CDLL) -
 def test_copy_bytes(lib: ctypes.CDLL) -> None:
     rng = np.random.default_rng(3)
     kernel = _kernel(lib, _kernels.COPY_KERNEL)
+    # (dst, src) offsets modulo 16 and the vector width each takes
+    placements = (((0, 0), 16), ((5, 5), 16), ((8, 0), 8), ((3, 11), 8), ((4, 0), 4),
+                  ((1, 5), 4), ((3, 9), 0), ((2, 0), 0))
     for nbytes in (0, 1, 15, 16, 17, 100, 1000):
-        for dst_mis, src_mis in ((0, 0), (5, 5), (3, 9)):
+        for (dst_mis, src_mis), width in placements:
             for blocks, threads in GRIDS:
                 src = rng.integers(0, 256, nbytes, dtype=np.uint8)
                 arena = _Arena(rng, 2 * nbytes + 64)
@@ -198,6 +217,7 @@ def test_copy_bytes(lib: ctypes.CDLL) -> None:
                 data = arena.raw.ctypes.data
                 lib.emu_launch_copy(kernel, blocks, threads, data + idst, data + isrc, nbytes,
                                     CLEAR)
+                assert lib.emu_last_vector_width() == width
                 assert np.array_equal(arena.raw[idst:idst + nbytes], src)
                 before[idst:idst + nbytes] = src
                 assert np.array_equal(arena.raw, before)
