@@ -3,6 +3,12 @@
 //   gpuring_reduce_<dtype>_<op>(dst, a, b, n, divisor, abort)
 //       dst[i] = op(a[i], b[i]), then / divisor when divisor != 1 (avg = sum + divisor).
 //       ops: sum, prod, min, max (complex: sum, prod). dst may alias a or b.
+//   gpuring_reduce_n_<dtype>_<op>(dst, s0, ..., s7, nsrc, n, divisor, abort)
+//       dst[i] = s0[i] op s1[i] op ... op s<nsrc-1>[i] for 1 <= nsrc <= 8, folded in that
+//       order with every step rounded as the binary kernel rounds it and the divisor at the
+//       last step only: the bits of the chain dst = s0 op s1, dst = dst op s2, ... Unused
+//       source pointers are never read. Longer folds run as several launches, each after
+//       the first starting from dst. dst may alias any source.
 //   gpuring_copy_bytes(dst, src, nbytes, abort)
 //   gpuring_wait_flag(flag, value, timeout_ns, status, abort) one thread, spin fallback
 //   gpuring_write_flag(flag, value, abort)                     one thread
@@ -279,14 +285,73 @@ struct BinaryBody {
     }
 };
 
+// dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i], folded left in source order
+// and rounded to T after every step, the divisor applied at the last step only: exactly
+// what the chain of binary reduces dst = s0 op s1, dst = dst op s2, ... computes, reading
+// each source once and writing dst once. dst may be the same memory as any source.
+// The loop over the sources is not unrolled (src is indexed at run time, from a 64-byte
+// array in local memory): unrolled, every pack loop compiles 8 times and NVRTC takes
+// several times longer over reduce.cu.
+#define GPURING_MAX_SOURCES 8
+
+template <typename T, typename Op>
+struct FoldBody {
+    T* dst;
+    const T* const* src;
+    int nsrc;
+    long long divisor;
+    const void* ptrs[GPURING_MAX_SOURCES + 1];
+    int count;
+
+    __device__ FoldBody(T* d, const T* const* s, int k, long long div)
+        : dst(d), src(s), nsrc(k), divisor(div), count(k + 1) {
+        ptrs[0] = d;
+#pragma unroll
+        for (int j = 0; j < GPURING_MAX_SOURCES; ++j) ptrs[j + 1] = j < k ? s[j] : nullptr;
+    }
+
+    // The divisor of step j (folding in src[j]): only the last step divides.
+    __device__ __forceinline__ long long step_divisor(int j) const {
+        return j == nsrc - 1 ? divisor : 1;
+    }
+
+    __device__ __forceinline__ void scalar(u64 i) const {
+        T acc = src[0][i];
+#pragma unroll 1
+        for (int j = 1; j < nsrc; ++j) acc = combine<Op>(acc, src[j][i], step_divisor(j));
+        dst[i] = acc;
+    }
+
+    template <int W>
+    __device__ __forceinline__ void pack(u64 i) const {
+        Vec<T, W> acc = load_pack<T, W>(src[0], i);
+#pragma unroll 1
+        for (int j = 1; j < nsrc; ++j) {
+            const Vec<T, W> y = load_pack<T, W>(src[j], i);
+            const long long d = step_divisor(j);
+#pragma unroll
+            for (int k = 0; k < Vec<T, W>::N; ++k) acc.v[k] = combine<Op>(acc.v[k], y.v[k], d);
+        }
+        *reinterpret_cast<Vec<T, W>*>(dst + i) = acc;
+    }
+};
+
 // ---------------------------------------------------------------------------------------
-// Reduce kernels: one extern "C" kernel per (dtype, op).
+// Reduce kernels: two extern "C" kernels per (dtype, op), binary and n-input.
 #define GPURING_REDUCE(NAME, T, OPNAME, OP) \
     extern "C" __global__ void gpuring_reduce_##NAME##_##OPNAME( \
         T* dst, const T* a, const T* b, u64 n, long long divisor, const volatile int* abort) { \
         if (*abort) return; \
         Combine<OP> f = {divisor}; \
         elementwise<T>(BinaryBody<T, Combine<OP> >(dst, a, b, f), n); \
+    } \
+    extern "C" __global__ void gpuring_reduce_n_##NAME##_##OPNAME( \
+        T* dst, const T* s0, const T* s1, const T* s2, const T* s3, const T* s4, const T* s5, \
+        const T* s6, const T* s7, int nsrc, u64 n, long long divisor, \
+        const volatile int* abort) { \
+        if (*abort || nsrc < 1 || nsrc > GPURING_MAX_SOURCES) return; \
+        const T* const src[GPURING_MAX_SOURCES] = {s0, s1, s2, s3, s4, s5, s6, s7}; \
+        elementwise<T>(FoldBody<T, OP>(dst, src, nsrc, divisor), n); \
     }
 
 #define GPURING_REDUCE_REAL(NAME, T) \

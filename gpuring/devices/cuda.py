@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -217,6 +217,30 @@ class _CudaStream(Stream):
                    (np.uint64(_addr(dst)), np.uint64(_addr(a)), np.uint64(_addr(b)),
                     np.uint64(n), np.int64(divisor), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
+
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        """One launch of the n-input kernel per `MAX_SOURCES` sources (`fold_launches`)."""
+        if len(srcs) < 2 or any(s.nbytes != dst.nbytes for s in srcs):
+            raise ValueError(f"reduce_n of {[s.nbytes for s in srcs]} bytes into {dst.nbytes}")
+        dev = self._device
+        kernel, itemsize = dev.reduce_n_kernel(dtype, op)
+        if dst.nbytes % itemsize:
+            raise ValueError(f"{dst.nbytes} bytes is not a whole number of {dtype}")
+        n = dst.nbytes // itemsize
+        if n == 0:
+            return
+        out = _addr(dst)
+        launches = _kernels.fold_launches(out, [_addr(s) for s in srcs])
+        with dev.scope():
+            grid = (dev.grid_for(n, max(1, 16 // itemsize)),)
+            for sources, last in launches:
+                pointers = [np.uint64(a) for a in sources]
+                pointers += [np.uint64(0)] * (_kernels.MAX_SOURCES - len(sources))
+                kernel(grid, (_THREADS,),
+                       (np.uint64(out), *pointers, np.int32(len(sources)), np.uint64(n),
+                        np.int64(divisor if last else 1), np.uint64(dev.abort_ptr)),
+                       stream=self.raw)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
         dev = self._device
@@ -437,6 +461,7 @@ class CudaDevice(Device):
         self._abort_reason: str | None = None
         self._closed = False
         self._reduce_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
+        self._reduce_n_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
 
     # -- helpers ------------------------------------------------------------------------------
     def scope(self) -> _Scope:
@@ -449,6 +474,16 @@ class CudaDevice(Device):
         if found is None:
             found = (_kernels.get_kernel(dtype, op, self.device_id), np.dtype(dtype).itemsize)
             self._reduce_kernels[(dtype, op)] = found
+        return found
+
+    def reduce_n_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
+        """(kernel, itemsize) of the n-input reduce for (dtype, op) on this GPU; looked up
+        once."""
+        found = self._reduce_n_kernels.get((dtype, op))
+        if found is None:
+            found = (_kernels.get_reduce_n_kernel(dtype, op, self.device_id),
+                     np.dtype(dtype).itemsize)
+            self._reduce_n_kernels[(dtype, op)] = found
         return found
 
     def grid_for(self, n: int, per_thread: int) -> int:

@@ -484,8 +484,10 @@ def _device_stack() -> list[int]:
 
 # ------------------------------------------------------------------------------ kernels
 
-_FAMILIES = {"gpuring_reduce_": ("reduce", 6), "gpuring_copy_bytes": ("copy", 4),
-             "gpuring_wait_flag": ("wait", 5), "gpuring_write_flag": ("write", 3)}
+# kernel name prefix: (launcher family, argument count); the first matching prefix wins
+_FAMILIES = {"gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
+             "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
+             "gpuring_write_flag": ("write", 3)}
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 

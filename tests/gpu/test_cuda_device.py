@@ -204,6 +204,36 @@ def test_reduce_in_place(device: CudaDevice) -> None:
     np.testing.assert_array_equal(cp.asnumpy(a), np.arange(10000, dtype=np.int32) + 7)
 
 
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_reduce_n_gives_the_bits_of_the_binary_chain(device: CudaDevice, dtype: str) -> None:
+    """reduce_n (one launch up to 8 sources, several beyond) gives bit for bit what the chain
+    reduce(dst, s0, s1), reduce(dst, dst, s2), ... gives on the same GPU, the divisor at the
+    last step; sources at offsets that share no 16-byte alignment with dst."""
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(5)
+    item = np.dtype(dtype).itemsize
+    n = 1003
+    for op in _ops_for(dtype):
+        divisor = 7 if op is ReduceOp.AVG else 1
+        for nsrc in (3, 11):
+            offsets = [(k % 3) * max(1, 4 // item) for k in range(nsrc)]
+            srcs = [device.wrap(cp.asarray(_random(dtype, n + 4, rng))) for _ in range(nsrc)]
+            spans = [_span(m, o * item, n * item) for m, o in zip(srcs, offsets, strict=True)]
+            chain, fold = cp.zeros(n, dtype), cp.zeros(n + 1, dtype)
+            mc, mf = device.wrap(chain), device.wrap(fold)
+            stream = _ready_stream(device)
+            acc = _span(mc, 0, n * item)
+            for k in range(1, nsrc):
+                stream.reduce(acc, spans[0] if k == 1 else acc, spans[k], dtype, op,
+                              divisor if k == nsrc - 1 else 1)
+            stream.reduce_n(_span(mf, item, n * item), spans, dtype, op, divisor)
+            stream.synchronize()
+            got = cp.asnumpy(fold)
+            assert got[1:].tobytes() == cp.asnumpy(chain).tobytes(), (op, nsrc)
+            assert not got[0], (op, nsrc)  # nothing written before dst
+
+
 # ------------------------------------------------------------------------------ copy
 
 @pytest.mark.parametrize("copy_mode", ["memcpy", "kernel"])
@@ -316,8 +346,9 @@ def test_abort_releases_every_wait_and_the_gpu_stays_usable() -> None:
 
 
 def test_work_queued_behind_a_released_wait_touches_nothing() -> None:
-    """Once aborted, the reduce, the copy from a peer and the flag write queued behind a
-    released wait run as no-ops: no garbage is computed into buffers or published to peers."""
+    """Once aborted, the reduce, the copy from a peer, the n-input reduce of peers' data and
+    the flag write queued behind a released wait run as no-ops: no garbage is computed into
+    buffers or published to peers."""
     for mode in FLAG_MODES:
         dev = CudaDevice(0, timeout=300.0, flags=mode)
         flags = dev.alloc(16)
@@ -331,6 +362,8 @@ def test_work_queued_behind_a_released_wait_touches_nothing() -> None:
         stream.reduce(_span(mout, 0, 4 * n), _span(mx, 0, 4 * n), _span(mx, 0, 4 * n),
                       "float32", ReduceOp.SUM)
         stream.copy(_span(mout, 0, 4 * n), _span(as_peer, 0, 4 * n))
+        stream.reduce_n(_span(mout, 0, 4 * n), [_span(as_peer, 0, 4 * n)] * 9, "float32",
+                        ReduceOp.SUM)
         stream.write_flag(Flag(flags, 8), 7)
         dev.abort("test")
         assert _returns_within(60, cp.cuda.Device(0).synchronize), mode

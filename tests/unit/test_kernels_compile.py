@@ -25,12 +25,31 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
                 continue
             name = _kernels.reduce_kernel_name(dtype, op)
             assert name in _kernels.REDUCE_KERNEL_NAMES
+            assert _kernels.reduce_n_kernel_name(dtype, op) in _kernels.REDUCE_N_KERNEL_NAMES
             assert f"GPURING_REDUCE_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
                 f"({dtype}," in source
     assert _kernels.reduce_kernel_name("float32", "avg") == "gpuring_reduce_float32_sum"
+    assert _kernels.reduce_n_kernel_name("float16", "avg") == "gpuring_reduce_n_float16_sum"
     reduce_kernels = sum(2 if d in COMPLEX_DTYPES else 4 for d in SUPPORTED_DTYPES)
     assert len(set(_kernels.ALL_KERNEL_NAMES)) == len(_kernels.ALL_KERNEL_NAMES) == (
-        reduce_kernels + 3)
+        2 * reduce_kernels + 3)
+    assert f"#define GPURING_MAX_SOURCES {_kernels.MAX_SOURCES}\n" in source
+
+
+def test_fold_launches_take_every_source_once_in_order() -> None:
+    """The first launch folds up to 8 sources; each later one starts from dst (the fold so
+    far) and adds up to 7 more; only the last applies the divisor."""
+    dst = 1000
+    for count in range(2, 30):
+        srcs = list(range(count))
+        launches = _kernels.fold_launches(dst, srcs)
+        assert [last for _, last in launches] == [False] * (len(launches) - 1) + [True]
+        assert all(2 <= len(s) <= _kernels.MAX_SOURCES for s, _ in launches[1:])
+        assert all(s[0] == dst for s, _ in launches[1:])
+        assert launches[0][0] == tuple(srcs[:_kernels.MAX_SOURCES])
+        assert [a for s, _ in launches for a in s if a != dst] == srcs
+    with pytest.raises(ValueError):
+        _kernels.fold_launches(dst, [1])
 
 
 def test_compile_error_carries_the_nvrtc_log() -> None:
