@@ -244,13 +244,15 @@ def nvrtc_compile(arch: str, source: str | None = None) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_all_with_nvrtc(arch: str) -> None:
-    """Compile every kernel for `arch` ("sm_80", "sm_90", ...) and check that each kernel name
-    is in the CUBIN. Raises KernelCompileError (with the NVRTC log) on failure."""
+def compile_all_with_nvrtc(arch: str) -> bytes:
+    """Compile every kernel for `arch` ("sm_80", "sm_90", ...), check that each kernel name
+    is in the CUBIN, and return the CUBIN. Raises KernelCompileError (with the NVRTC log) on
+    failure."""
     cubin = nvrtc_compile(arch)
     missing = [name for name in ALL_KERNEL_NAMES if name.encode() + b"\x00" not in cubin]
     if missing:
         raise KernelCompileError(f"kernels missing from the {arch} CUBIN: {', '.join(missing)}")
+    return cubin
 
 
 # ------------------------------------------------------------------------------- CuPy

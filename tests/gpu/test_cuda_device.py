@@ -234,6 +234,39 @@ def test_reduce_n_gives_the_bits_of_the_binary_chain(device: CudaDevice, dtype: 
             assert not got[0], (op, nsrc)  # nothing written before dst
 
 
+def test_grids_are_at_most_one_wave_of_each_kernel(device: CudaDevice) -> None:
+    """A grid-stride kernel's grid is capped at the blocks of that kernel that fit on all
+    SMs at once, as the driver reports for it (kernels differ: their registers decide), so a
+    large reduce runs one whole wave. On the simulator the driver's answer comes from the
+    registers of the NVRTC build that was loaded, and the launch itself is checked."""
+    from gpuring.devices import _kernels
+
+    sms = int(device.gpu.attributes["MultiProcessorCount"])
+    kernels = [device.reduce_kernel("float16", ReduceOp.SUM)[0],
+               device.reduce_n_kernel("int8", ReduceOp.MAX)[0],
+               _kernels.get_function(_kernels.COPY_KERNEL, device.device_id)]
+    for kernel in kernels:
+        per_sm = device.blocks_per_sm(kernel)
+        assert 1 <= per_sm <= 2048 // 256
+        assert device.grid_for(kernel, 1 << 40, 1) == sms * per_sm
+        assert device.grid_for(kernel, 300, 1) == 2
+        if hasattr(kernel, "registers"):  # the simulator
+            from cubin import blocks_per_sm
+
+            assert kernel.registers, "no register count from the loaded CUBIN"
+            assert per_sm == blocks_per_sm(kernel.registers, 256)
+    n = sms * 8 * 256 * 8 + 1  # float16: 8 elements a thread; more than one wave at most
+    a = cp.ones(n, cp.float16)
+    ma = device.wrap(a)
+    stream = _ready_stream(device)
+    stream.reduce(_span(ma, 0, 2 * n), _span(ma, 0, 2 * n), _span(ma, 0, 2 * n), "float16",
+                  ReduceOp.SUM)
+    stream.synchronize()
+    assert bool((a == 2).all())
+    if hasattr(kernels[0], "last_grid"):  # the simulator
+        assert kernels[0].last_grid == sms * device.blocks_per_sm(kernels[0])
+
+
 # ------------------------------------------------------------------------------ copy
 
 @pytest.mark.parametrize("copy_mode", ["memcpy", "kernel"])
