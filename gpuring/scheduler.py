@@ -28,7 +28,7 @@ from typing import Any
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
 from ._ops import ReduceOp
-from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, RoundPlan, Wait
+from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, ReduceN, RoundPlan, Wait
 from .devices.base import (
     Arg,
     CopyI,
@@ -40,6 +40,7 @@ from .devices.base import (
     Instruction,
     Memory,
     ReduceI,
+    ReduceNI,
     Runner,
     Span,
     Stream,
@@ -218,6 +219,10 @@ class Engine:
             elif isinstance(o, Reduce):
                 program.append(ReduceI(operand(o.dst, o.length), operand(o.a, o.length),
                                        operand(o.b, o.length), divisor if o.last else 1))
+            elif isinstance(o, ReduceN):
+                program.append(ReduceNI(operand(o.dst, o.length),
+                                        tuple(operand(s, o.length) for s in o.srcs),
+                                        divisor if o.last else 1))
             elif isinstance(o, Wait):
                 program.append(WaitI(Flag(local, self._ready_offset(c, o.peer)), o.value,
                                      _SEQ_SHIFT, (o.peer, f"piece {o.value} on channel {c}")))

@@ -3,6 +3,12 @@
 //   gpuring_reduce_<dtype>_<op>(dst, a, b, n, divisor, abort)
 //       dst[i] = op(a[i], b[i]), then / divisor when divisor != 1 (avg = sum + divisor).
 //       ops: sum, prod, min, max (complex: sum, prod). dst may alias a or b.
+//   gpuring_reduce_n_<dtype>_<op>(dst, s0, ..., s7, nsrc, n, divisor, abort)
+//       dst[i] = s0[i] op s1[i] op ... op s<nsrc-1>[i] for 1 <= nsrc <= 8, folded in that
+//       order with every step rounded as the binary kernel rounds it and the divisor at the
+//       last step only: the bits of the chain dst = s0 op s1, dst = dst op s2, ... Unused
+//       source pointers are never read. Longer folds run as several launches, each after
+//       the first starting from dst. dst may alias any source.
 //   gpuring_copy_bytes(dst, src, nbytes, abort)
 //   gpuring_wait_flag(flag, value, timeout_ns, status, abort) one thread, spin fallback
 //   gpuring_write_flag(flag, value, abort)                     one thread
@@ -185,55 +191,167 @@ struct TakeFirst {
 };
 
 // ---------------------------------------------------------------------------------------
-// Element-wise driver: dst[i] = f(a[i], b[i]) over a grid-stride loop.
-// When the three pointers share their offset modulo 16 (and it is a whole number of
-// elements), a scalar head reaches 16-byte alignment, the body moves 16-byte packs, and a
-// scalar tail finishes. Otherwise everything is scalar.
-template <typename T>
-struct __align__(16) Pack {
-    T v[16 / sizeof(T)];
+// Element-wise driver: a grid-stride loop over n elements of a `Body` (what one element and
+// one pack of elements do; see BinaryBody). It moves W-byte packs for the widest W of 16, 8
+// and 4 bytes (at least one element) at which every operand has the same offset modulo W, a
+// whole number of elements: a scalar head reaches W-byte alignment, the body moves packs,
+// a scalar tail finishes. Operands that share no such offset run scalar throughout.
+// GPURING_VECTOR_WIDTH(W) reports the width chosen (0: scalar); a no-op on the GPU, the
+// host build of the tests records it.
+#ifndef GPURING_VECTOR_WIDTH
+#define GPURING_VECTOR_WIDTH(W)
+#endif
+
+template <typename T, int W>
+struct alignas(W) Vec {
+    static const int N = W / sizeof(T);
+    T v[N];
 };
 
-template <typename T, typename F>
-__device__ void elementwise(T* dst, const T* a, const T* b, u64 n, F f) {
-    const int N = 16 / sizeof(T);
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-
-    const u64 mis = (u64)dst % 16;
-    const bool vec = (u64)a % 16 == mis && (u64)b % 16 == mis && mis % sizeof(T) == 0;
-    u64 head = n;
-    if (vec) {
-        head = ((16 - mis) % 16) / sizeof(T);
-        if (head > n) head = n;
-    }
-    const u64 npacks = (n - head) / N;
-    const u64 tail = head + npacks * N;
-
-    for (u64 i = tid; i < head; i += stride) dst[i] = f(a[i], b[i]);
-
-    Pack<T>* pd = reinterpret_cast<Pack<T>*>(dst + head);
-    const Pack<T>* pa = reinterpret_cast<const Pack<T>*>(a + head);
-    const Pack<T>* pb = reinterpret_cast<const Pack<T>*>(b + head);
-    for (u64 p = tid; p < npacks; p += stride) {
-        Pack<T> x = pa[p];
-        const Pack<T> y = pb[p];
+// True when every pointer has dst's offset modulo W, and that offset is whole elements.
+template <typename T, int W, int K>
+__device__ __forceinline__ bool same_offset(const void* const (&ptrs)[K], int count) {
+    const u64 mis = (u64)ptrs[0] % W;
+    bool same = mis % sizeof(T) == 0;
 #pragma unroll
-        for (int k = 0; k < N; ++k) x.v[k] = f(x.v[k], y.v[k]);
-        pd[p] = x;
-    }
-
-    for (u64 i = tail + tid; i < n; i += stride) dst[i] = f(a[i], b[i]);
+    for (int k = 1; k < K; ++k) same = same && (k >= count || (u64)ptrs[k] % W == mis);
+    return same;
 }
 
+template <typename T, int W, typename Body>
+__device__ __forceinline__ void vector_loop(const Body& body, u64 n, u64 tid, u64 stride) {
+    const int N = Vec<T, W>::N;
+    u64 head = ((W - (u64)body.dst % W) % W) / sizeof(T);
+    if (head > n) head = n;
+    const u64 npacks = (n - head) / N;
+    const u64 tail = head + npacks * N;
+    for (u64 i = tid; i < head; i += stride) body.scalar(i);
+    for (u64 p = tid; p < npacks; p += stride) body.template pack<W>(head + p * N);
+    for (u64 i = tail + tid; i < n; i += stride) body.scalar(i);
+}
+
+// The loop at width W when every operand allows it; false (nothing done) otherwise.
+template <typename T, int W, typename Body>
+__device__ __forceinline__ bool try_width(const Body& body, u64 n, u64 tid, u64 stride) {
+    if constexpr (W < sizeof(T)) {
+        return false;
+    } else {
+        if (!same_offset<T, W>(body.ptrs, body.count)) return false;
+        GPURING_VECTOR_WIDTH(W);
+        vector_loop<T, W>(body, n, tid, stride);
+        return true;
+    }
+}
+
+template <typename T, typename Body>
+__device__ void elementwise(const Body& body, u64 n) {
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    if (try_width<T, 16>(body, n, tid, stride)) return;
+    if (try_width<T, 8>(body, n, tid, stride)) return;
+    if (try_width<T, 4>(body, n, tid, stride)) return;
+    GPURING_VECTOR_WIDTH(0);
+    for (u64 i = tid; i < n; i += stride) body.scalar(i);
+}
+
+template <typename T, int W>
+__device__ __forceinline__ Vec<T, W> load_pack(const T* p, u64 i) {
+    return *reinterpret_cast<const Vec<T, W>*>(p + i);
+}
+
+// dst[i] = f(a[i], b[i]). dst may alias a or b (each element is read, then written, by the
+// same thread).
+template <typename T, typename F>
+struct BinaryBody {
+    T* dst;
+    const T* a;
+    const T* b;
+    F f;
+    const void* ptrs[3];
+    static const int count = 3;
+
+    __device__ BinaryBody(T* d, const T* x, const T* y, F fn)
+        : dst(d), a(x), b(y), f(fn), ptrs{d, x, y} {}
+
+    __device__ __forceinline__ void scalar(u64 i) const { dst[i] = f(a[i], b[i]); }
+
+    template <int W>
+    __device__ __forceinline__ void pack(u64 i) const {
+        Vec<T, W> x = load_pack<T, W>(a, i);
+        const Vec<T, W> y = load_pack<T, W>(b, i);
+#pragma unroll
+        for (int k = 0; k < Vec<T, W>::N; ++k) x.v[k] = f(x.v[k], y.v[k]);
+        *reinterpret_cast<Vec<T, W>*>(dst + i) = x;
+    }
+};
+
+// dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i], folded left in source order
+// and rounded to T after every step, the divisor applied at the last step only: exactly
+// what the chain of binary reduces dst = s0 op s1, dst = dst op s2, ... computes, reading
+// each source once and writing dst once. dst may be the same memory as any source.
+// The loop over the sources is not unrolled (src is indexed at run time, from a 64-byte
+// array in local memory): unrolled, every pack loop compiles 8 times and NVRTC takes
+// several times longer over reduce.cu.
+#define GPURING_MAX_SOURCES 8
+
+template <typename T, typename Op>
+struct FoldBody {
+    T* dst;
+    const T* const* src;
+    int nsrc;
+    long long divisor;
+    const void* ptrs[GPURING_MAX_SOURCES + 1];
+    int count;
+
+    __device__ FoldBody(T* d, const T* const* s, int k, long long div)
+        : dst(d), src(s), nsrc(k), divisor(div), count(k + 1) {
+        ptrs[0] = d;
+#pragma unroll
+        for (int j = 0; j < GPURING_MAX_SOURCES; ++j) ptrs[j + 1] = j < k ? s[j] : nullptr;
+    }
+
+    // The divisor of step j (folding in src[j]): only the last step divides.
+    __device__ __forceinline__ long long step_divisor(int j) const {
+        return j == nsrc - 1 ? divisor : 1;
+    }
+
+    __device__ __forceinline__ void scalar(u64 i) const {
+        T acc = src[0][i];
+#pragma unroll 1
+        for (int j = 1; j < nsrc; ++j) acc = combine<Op>(acc, src[j][i], step_divisor(j));
+        dst[i] = acc;
+    }
+
+    template <int W>
+    __device__ __forceinline__ void pack(u64 i) const {
+        Vec<T, W> acc = load_pack<T, W>(src[0], i);
+#pragma unroll 1
+        for (int j = 1; j < nsrc; ++j) {
+            const Vec<T, W> y = load_pack<T, W>(src[j], i);
+            const long long d = step_divisor(j);
+#pragma unroll
+            for (int k = 0; k < Vec<T, W>::N; ++k) acc.v[k] = combine<Op>(acc.v[k], y.v[k], d);
+        }
+        *reinterpret_cast<Vec<T, W>*>(dst + i) = acc;
+    }
+};
+
 // ---------------------------------------------------------------------------------------
-// Reduce kernels: one extern "C" kernel per (dtype, op).
+// Reduce kernels: two extern "C" kernels per (dtype, op), binary and n-input.
 #define GPURING_REDUCE(NAME, T, OPNAME, OP) \
     extern "C" __global__ void gpuring_reduce_##NAME##_##OPNAME( \
         T* dst, const T* a, const T* b, u64 n, long long divisor, const volatile int* abort) { \
         if (*abort) return; \
         Combine<OP> f = {divisor}; \
-        elementwise<T>(dst, a, b, n, f); \
+        elementwise<T>(BinaryBody<T, Combine<OP> >(dst, a, b, f), n); \
+    } \
+    extern "C" __global__ void gpuring_reduce_n_##NAME##_##OPNAME( \
+        T* dst, const T* s0, const T* s1, const T* s2, const T* s3, const T* s4, const T* s5, \
+        const T* s6, const T* s7, int nsrc, u64 n, long long divisor, \
+        const volatile int* abort) { \
+        if (*abort || nsrc < 1 || nsrc > GPURING_MAX_SOURCES) return; \
+        const T* const src[GPURING_MAX_SOURCES] = {s0, s1, s2, s3, s4, s5, s6, s7}; \
+        elementwise<T>(FoldBody<T, OP>(dst, src, nsrc, divisor), n); \
     }
 
 #define GPURING_REDUCE_REAL(NAME, T) \
@@ -266,11 +384,12 @@ GPURING_REDUCE_COMPLEX(complex128, cdouble)
 #undef GPURING_REDUCE
 
 // ---------------------------------------------------------------------------------------
-// Byte copy (16-byte packs when src and dst share their alignment).
+// Byte copy (packs of 16, 8 or 4 bytes when src and dst share that alignment).
 extern "C" __global__ void gpuring_copy_bytes(unsigned char* dst, const unsigned char* src,
                                               u64 nbytes, const volatile int* abort) {
     if (*abort) return;
-    elementwise<unsigned char>(dst, src, src, nbytes, TakeFirst());
+    elementwise<unsigned char>(BinaryBody<unsigned char, TakeFirst>(dst, src, src, TakeFirst()),
+                               nbytes);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """One-shot schedules for small messages: every rank stages its data, then reads every peer's.
 
 Fewer operations and one flag hop instead of 2(n-1): the latency choice. The reduction runs in
-rank order 0, 1, ..., n-1 on every rank, so results are bitwise identical across ranks.
+rank order 0, 1, ..., n-1 on every rank, so results are bitwise identical across ranks; with
+more than two ranks it is one n-input reduce (each staged input read once, the output written
+once) rather than a chain of n-1 binary reduces through the output.
 """
 
 from __future__ import annotations
 
-from .plan import BUF, IN, OUT, RS, Copy, Loc, Op, Reduce, RoundPlan, Signal, Wait
+from .plan import BUF, IN, OUT, RS, Copy, Loc, Op, Reduce, ReduceN, RoundPlan, Signal, Wait
 
 __all__ = ["one_shot_all_reduce", "barrier_round"]
 
@@ -16,9 +18,11 @@ def one_shot_all_reduce(n: int, rank: int, count: int) -> RoundPlan:
     others = tuple(peer for peer in range(n) if peer != rank)
     ops: list[Op] = [Copy(Loc(BUF, 0, rank, RS), Loc(IN, 0), count), Signal(1, others)]
     ops += [Wait(peer, 1) for peer in range(n) if peer != rank]
-    ops.append(Reduce(Loc(OUT, 0), Loc(BUF, 0, 0, RS), Loc(BUF, 0, 1, RS), count, n == 2))
-    for peer in range(2, n):
-        ops.append(Reduce(Loc(OUT, 0), Loc(OUT, 0), Loc(BUF, 0, peer, RS), count, peer == n - 1))
+    staged = tuple(Loc(BUF, 0, peer, RS) for peer in range(n))
+    if n == 2:
+        ops.append(Reduce(Loc(OUT, 0), staged[0], staged[1], count, True))
+    else:  # one pass over every rank's data, not n - 1 passes over the output
+        ops.append(ReduceN(Loc(OUT, 0), staged, count, True))
     return RoundPlan((tuple(ops),))
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 __all__ = [
     "IN", "OUT", "BUF", "RS", "AG",
-    "Loc", "Copy", "Reduce", "Wait", "Signal", "Op", "ChannelPlan", "RoundPlan",
+    "Loc", "Copy", "Reduce", "ReduceN", "Wait", "Signal", "Op", "ChannelPlan", "RoundPlan",
     "split_even",
 ]
 
@@ -50,6 +50,19 @@ class Reduce(NamedTuple):
     last: bool
 
 
+class ReduceN(NamedTuple):
+    """dst = srcs[0] op srcs[1] op ... op srcs[-1] over `length` elements (two or more
+    sources), folded in that order with every step rounded to the dtype: the same bits as the
+    chain of `Reduce`s dst = srcs[0] op srcs[1], dst = dst op srcs[2], ..., reading each
+    source once and writing dst once. `last` as for Reduce (avg divides at the final step).
+    dst may be srcs[0] but must not overlap a later source."""
+
+    dst: Loc
+    srcs: tuple[Loc, ...]
+    length: int
+    last: bool
+
+
 class Wait(NamedTuple):
     """Wait until `peer` has published `value` pieces on this channel (the 1-based index, in
     this round, of the piece the peer published)."""
@@ -67,7 +80,7 @@ class Signal(NamedTuple):
     readers: tuple[int, ...]
 
 
-Op = Copy | Reduce | Wait | Signal
+Op = Copy | Reduce | ReduceN | Wait | Signal
 ChannelPlan = tuple[Op, ...]
 
 

@@ -21,7 +21,8 @@ Quantities (S = the size column in bytes, n ranks, t = time):
   For the ring all_reduce this gives per rank (5(n-1)/n + 2) x S = (7n-5)/n x S: staging
   copy 2S/n, n-1 reductions 3S/n each, the copy of the own final segment to the output
   2S/n, n-2 all-gather forwards 4S/n each (into the buffer, then to the output) and the
-  last 2S/n. The one-shot all_reduce of small sizes moves (3n-1) x S; reduce_scatter
+  last 2S/n. The one-shot all_reduce of small sizes moves (n+3) x S: the staging copy 2S,
+  then one n-input reduction (n reads, one write: (n+1)k for k bytes); reduce_scatter
   (3n-1)/n x S; all_gather (4n-2)/n x S; broadcast up to 4S (2S on 2 ranks); reduce 3S.
   On a GPU reads of a peer's buffer cross the link, not only local memory, so there the
   floor is a lower bound rather than a tight one.

@@ -68,7 +68,7 @@ def plan_count(kind: str, n: int, size: int, itemsize: int) -> int:
 def _plan_traffic(kind: str, n: int, rank: int, count: int, itemsize: int, root: int,
                   buffer_bytes: int, one_shot_bytes: int, avg: bool) -> int:
     from ..algorithms.collectives import plan_collective
-    from ..algorithms.plan import Copy, Reduce
+    from ..algorithms.plan import Copy, Reduce, ReduceN
 
     rounds = plan_collective(kind, n, rank, count, itemsize=itemsize,
                              capacity_bytes=buffer_bytes, chunk_bytes=buffer_bytes, channels=1,
@@ -81,6 +81,8 @@ def _plan_traffic(kind: str, n: int, rank: int, count: int, itemsize: int, root:
                     moved += 2 * op.length
                 elif isinstance(op, Reduce):
                     moved += (5 if avg and op.last else 3) * op.length
+                elif isinstance(op, ReduceN):  # each source read once, dst written once
+                    moved += (len(op.srcs) + (3 if avg and op.last else 1)) * op.length
     return moved * itemsize
 
 
@@ -90,7 +92,7 @@ def closed_form_traffic(kind: str, n: int, size: int, *, one_shot: bool = False)
     if n < 2:
         return 0.0
     if kind == "all_reduce":
-        return (3 * n - 1) * size if one_shot else (7 * n - 5) / n * size
+        return (n + 3) * size if one_shot else (7 * n - 5) / n * size
     if kind == "reduce_scatter":
         return (3 * n - 1) / n * size
     if kind == "all_gather":

@@ -21,6 +21,7 @@ import hashlib
 import os
 import socket
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,15 @@ from .._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_op_dtype
 __all__ = [
     "KernelCompileError",
     "REDUCE_KERNEL_NAMES",
+    "REDUCE_N_KERNEL_NAMES",
+    "MAX_SOURCES",
     "COPY_KERNEL",
     "WAIT_FLAG_KERNEL",
     "WRITE_FLAG_KERNEL",
     "ALL_KERNEL_NAMES",
     "reduce_kernel_name",
+    "reduce_n_kernel_name",
+    "fold_launches",
     "kernel_source_path",
     "kernel_source",
     "cuda_include_dirs",
@@ -44,6 +49,7 @@ __all__ = [
     "get_module",
     "get_function",
     "get_kernel",
+    "get_reduce_n_kernel",
 ]
 
 SOURCE_NAME = "reduce.cu"
@@ -67,17 +73,40 @@ def reduce_kernel_name(dtype: str, op: ReduceOp | str) -> str:
     return f"gpuring_reduce_{dtype}_{op.value}"
 
 
-#: every reduce kernel in reduce.cu, one per (dtype, op)
-REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(
-    reduce_kernel_name(dtype, op)
-    for dtype in SUPPORTED_DTYPES
-    for op in (_COMPLEX_OPS if dtype in COMPLEX_DTYPES else _REAL_OPS)
-)
+def reduce_n_kernel_name(dtype: str, op: ReduceOp | str) -> str:
+    """Symbol of the n-input kernel that folds up to `MAX_SOURCES` arrays of `dtype` with
+    `op` (avg uses the sum kernel)."""
+    return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_reduce_n_", 1)
+
+
+_OP_PAIRS = tuple((dtype, op) for dtype in SUPPORTED_DTYPES
+                  for op in (_COMPLEX_OPS if dtype in COMPLEX_DTYPES else _REAL_OPS))
+#: every binary reduce kernel in reduce.cu, one per (dtype, op)
+REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_kernel_name(d, o) for d, o in _OP_PAIRS)
+#: every n-input reduce kernel in reduce.cu, one per (dtype, op)
+REDUCE_N_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_n_kernel_name(d, o) for d, o in _OP_PAIRS)
+#: the most sources one launch of an n-input kernel folds (GPURING_MAX_SOURCES in reduce.cu)
+MAX_SOURCES = 8
 COPY_KERNEL = "gpuring_copy_bytes"
 WAIT_FLAG_KERNEL = "gpuring_wait_flag"
 WRITE_FLAG_KERNEL = "gpuring_write_flag"
 ALL_KERNEL_NAMES: tuple[str, ...] = (
-    *REDUCE_KERNEL_NAMES, COPY_KERNEL, WAIT_FLAG_KERNEL, WRITE_FLAG_KERNEL)
+    *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, COPY_KERNEL, WAIT_FLAG_KERNEL,
+    WRITE_FLAG_KERNEL)
+
+
+def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], bool]]:
+    """The launches of an n-input kernel that fold `srcs` (two or more addresses) into `dst`
+    in order: (sources of the launch, whether it is the last, which applies the divisor).
+    The first launch takes up to `MAX_SOURCES` sources; each later one starts from `dst` (the
+    fold so far, already rounded to the dtype) and takes up to `MAX_SOURCES` - 1 more. So
+    `dst` may be the same memory as srcs[0] but must not overlap a later source."""
+    if len(srcs) < 2:
+        raise ValueError(f"a fold needs at least two sources, not {len(srcs)}")
+    launches = [tuple(srcs[:MAX_SOURCES])]
+    for start in range(MAX_SOURCES, len(srcs), MAX_SOURCES - 1):
+        launches.append((dst, *srcs[start:start + MAX_SOURCES - 1]))
+    return [(launch, i == len(launches) - 1) for i, launch in enumerate(launches)]
 
 
 # ------------------------------------------------------------------------------- source
@@ -215,13 +244,15 @@ def nvrtc_compile(arch: str, source: str | None = None) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_all_with_nvrtc(arch: str) -> None:
-    """Compile every kernel for `arch` ("sm_80", "sm_90", ...) and check that each kernel name
-    is in the CUBIN. Raises KernelCompileError (with the NVRTC log) on failure."""
+def compile_all_with_nvrtc(arch: str) -> bytes:
+    """Compile every kernel for `arch` ("sm_80", "sm_90", ...), check that each kernel name
+    is in the CUBIN, and return the CUBIN. Raises KernelCompileError (with the NVRTC log) on
+    failure."""
     cubin = nvrtc_compile(arch)
     missing = [name for name in ALL_KERNEL_NAMES if name.encode() + b"\x00" not in cubin]
     if missing:
         raise KernelCompileError(f"kernels missing from the {arch} CUBIN: {', '.join(missing)}")
+    return cubin
 
 
 # ------------------------------------------------------------------------------- CuPy
@@ -290,5 +321,11 @@ def get_function(name: str, device_id: int) -> Any:
 
 def get_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     """The reduce kernel for (dtype, op) on GPU `device_id`, with the signature
-    `(dst, a, b, n: uint64, divisor: int64)`."""
+    `(dst, a, b, n: uint64, divisor: int64, abort)`."""
     return get_function(reduce_kernel_name(dtype, op), device_id)
+
+
+def get_reduce_n_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
+    """The n-input reduce kernel for (dtype, op) on GPU `device_id`, with the signature
+    `(dst, s0, ..., s7, nsrc: int32, n: uint64, divisor: int64, abort)`."""
+    return get_function(reduce_n_kernel_name(dtype, op), device_id)

@@ -9,15 +9,15 @@ runs on both.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .._errors import PeerFailureError
 from .._ops import ReduceOp
 
 __all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
-           "FlagWaitAborted", "CopyI", "ReduceI", "WaitI", "WriteI", "Instruction", "Runner",
-           "open_peer"]
+           "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
+           "Runner", "open_peer"]
 
 
 class Memory(abc.ABC):
@@ -65,6 +65,14 @@ class ReduceI(NamedTuple):
     divisor: int
 
 
+class ReduceNI(NamedTuple):
+    """dst = srcs[0] op srcs[1] op ... in order (see `Stream.reduce_n`)."""
+
+    dst: Operand
+    srcs: tuple[Operand, ...]
+    divisor: int
+
+
 class WaitI(NamedTuple):
     """Wait until `flag` >= value, with value = rel + (seq << shift) for the run's seq."""
 
@@ -82,7 +90,7 @@ class WriteI(NamedTuple):
     shift: int
 
 
-Instruction = CopyI | ReduceI | WaitI | WriteI
+Instruction = CopyI | ReduceI | ReduceNI | WaitI | WriteI
 #: a compiled program: runner(input memory, output memory, seq)
 Runner = Callable[[Memory | None, Memory | None, int], None]
 
@@ -126,6 +134,15 @@ class Stream(abc.ABC):
     def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
                divisor: int = 1) -> None:
         """dst = op(a, b) element-wise, then dst /= divisor when divisor != 1 (avg)."""
+
+    @abc.abstractmethod
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        """dst = srcs[0] op srcs[1] op ... op srcs[-1] element-wise (two or more sources, same
+        byte count), folded in that order with every step rounded to the dtype, then dst /=
+        divisor at the last step when divisor != 1: the same bits as `reduce(dst, srcs[0],
+        srcs[1])` followed by `reduce(dst, dst, srcs[k])` for k = 2, 3, ..., the divisor
+        passed to the last. dst may be srcs[0] but must not overlap a later source."""
 
     @abc.abstractmethod
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
@@ -211,6 +228,9 @@ class Device(abc.ABC):
                 elif isinstance(ins, ReduceI):
                     stream.reduce(span(ins.dst), span(ins.a), span(ins.b), dtype, op,
                                   ins.divisor)
+                elif isinstance(ins, ReduceNI):
+                    stream.reduce_n(span(ins.dst), [span(s) for s in ins.srcs], dtype, op,
+                                    ins.divisor)
                 elif isinstance(ins, WaitI):  # early credits are <= 0: flags start at 0
                     stream.wait_flag(ins.flag, max(0, ins.rel + (seq << ins.shift)), ins.tag)
                 else:

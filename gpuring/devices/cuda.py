@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,7 +74,11 @@ _SUCCESS = 0
 _NOT_READY = 600  # cudaErrorNotReady
 
 _THREADS = 256
-_BLOCKS_PER_SM = 8
+#: blocks of _THREADS per SM assumed when the driver cannot say how many of a kernel fit
+#: (`_occupancy`): every data kernel of reduce.cu fits at least this many on sm_80 and sm_90
+#: (tests/unit/test_kernels_compile.py checks their NVRTC builds' registers), so the grid is
+#: still at most one wave, at the cost of occupancy
+_FALLBACK_BLOCKS_PER_SM = 4
 _RECENT_WAITS = 256  # waits remembered per stream, for error messages and abort
 
 # status word values (kernels/reduce.cu: gpuring_wait_flag)
@@ -200,8 +204,9 @@ class _CudaStream(Stream):
         with dev.scope():
             if dev.copy_mode == "kernel" or getattr(src.mem, "kind", "") == "peer":
                 n = dst.nbytes
-                _kernels.get_function(_kernels.COPY_KERNEL, dev.device_id)(
-                    (dev.grid_for(n, 16),), (_THREADS,),
+                kernel = _kernels.get_function(_kernels.COPY_KERNEL, dev.device_id)
+                kernel(
+                    (dev.grid_for(kernel, n, 16),), (_THREADS,),
                     (np.uint64(_addr(dst)), np.uint64(_addr(src)), np.uint64(n),
                      np.uint64(dev.abort_ptr)),
                     stream=self.raw)
@@ -222,10 +227,34 @@ class _CudaStream(Stream):
         if n == 0:
             return
         with dev.scope():
-            kernel((dev.grid_for(n, max(1, 16 // itemsize)),), (_THREADS,),
+            kernel((dev.grid_for(kernel, n, max(1, 16 // itemsize)),), (_THREADS,),
                    (np.uint64(_addr(dst)), np.uint64(_addr(a)), np.uint64(_addr(b)),
                     np.uint64(n), np.int64(divisor), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
+
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        """One launch of the n-input kernel per `MAX_SOURCES` sources (`fold_launches`)."""
+        if len(srcs) < 2 or any(s.nbytes != dst.nbytes for s in srcs):
+            raise ValueError(f"reduce_n of {[s.nbytes for s in srcs]} bytes into {dst.nbytes}")
+        dev = self._device
+        kernel, itemsize = dev.reduce_n_kernel(dtype, op)
+        if dst.nbytes % itemsize:
+            raise ValueError(f"{dst.nbytes} bytes is not a whole number of {dtype}")
+        n = dst.nbytes // itemsize
+        if n == 0:
+            return
+        out = _addr(dst)
+        launches = _kernels.fold_launches(out, [_addr(s) for s in srcs])
+        with dev.scope():
+            grid = (dev.grid_for(kernel, n, max(1, 16 // itemsize)),)
+            for sources, last in launches:
+                pointers = [np.uint64(a) for a in sources]
+                pointers += [np.uint64(0)] * (_kernels.MAX_SOURCES - len(sources))
+                kernel(grid, (_THREADS,),
+                       (np.uint64(out), *pointers, np.int32(len(sources)), np.uint64(n),
+                        np.int64(divisor if last else 1), np.uint64(dev.abort_ptr)),
+                       stream=self.raw)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
         dev = self._device
@@ -323,6 +352,33 @@ def _memops_support(device_id: int) -> str | None:
         return (f"device {device_id} reports no 64-bit stream memory operations "
                 "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0)")
     return None
+
+
+def _occupancy(kernel: Any, threads: int) -> int | None:
+    """Blocks of `threads` threads of `kernel` that fit on one SM at once, as the driver
+    computes it from the kernel's registers and shared memory
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor, through cuda-bindings, else through CuPy's
+    wrapper of the same call); None when neither can tell. Call it with the kernel's device
+    current."""
+    function = getattr(kernel, "kernel", kernel)  # a RawModule's RawKernel holds a Function
+    handle = int(getattr(function, "ptr", 0) or 0)  # the CUfunction
+    if not handle:
+        return None
+    try:
+        from cuda.bindings import driver
+
+        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            driver.CUfunction(handle), threads, 0)
+        if err == driver.CUresult.CUDA_SUCCESS and blocks > 0:
+            return int(blocks)
+    except Exception:  # no cuda-bindings, or no driver library behind it
+        pass
+    try:
+        blocks = _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            handle, threads, 0)
+    except Exception:  # an old CuPy, a driver error
+        return None
+    return int(blocks) if blocks > 0 else None
 
 
 _warned_spin = False
@@ -449,6 +505,8 @@ class CudaDevice(Device):
         self._abort_reason: str | None = None
         self._closed = False
         self._reduce_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
+        self._reduce_n_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
+        self._blocks_per_sm: dict[Any, int] = {}  # kernel -> blocks that fit on one SM
 
     # -- helpers ------------------------------------------------------------------------------
     def scope(self) -> _Scope:
@@ -463,10 +521,33 @@ class CudaDevice(Device):
             self._reduce_kernels[(dtype, op)] = found
         return found
 
-    def grid_for(self, n: int, per_thread: int) -> int:
-        """Blocks for a grid-stride loop over n elements, per_thread elements a thread."""
+    def reduce_n_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
+        """(kernel, itemsize) of the n-input reduce for (dtype, op) on this GPU; looked up
+        once."""
+        found = self._reduce_n_kernels.get((dtype, op))
+        if found is None:
+            found = (_kernels.get_reduce_n_kernel(dtype, op, self.device_id),
+                     np.dtype(dtype).itemsize)
+            self._reduce_n_kernels[(dtype, op)] = found
+        return found
+
+    def grid_for(self, kernel: Any, n: int, per_thread: int) -> int:
+        """Blocks of `kernel`'s grid-stride loop over n elements, per_thread elements a
+        thread: enough to cover n, but at most one wave (the blocks that fit on all SMs at
+        once), so that no SM runs a second, partial round of blocks."""
         blocks = -(-n // (_THREADS * per_thread))
-        return max(1, min(blocks, self._sm_count * _BLOCKS_PER_SM))
+        return max(1, min(blocks, self._sm_count * self.blocks_per_sm(kernel)))
+
+    def blocks_per_sm(self, kernel: Any) -> int:
+        """Blocks of _THREADS threads of `kernel` that fit on one SM at once (its registers
+        decide: the kernels of reduce.cu fit 4 to 8); asked of the driver once per kernel,
+        `_FALLBACK_BLOCKS_PER_SM` when it cannot say."""
+        found = self._blocks_per_sm.get(kernel)
+        if found is None:
+            with self.scope():
+                found = _occupancy(kernel, _THREADS) or _FALLBACK_BLOCKS_PER_SM
+            self._blocks_per_sm[kernel] = found
+        return found
 
     def note_wait_word(self, addr: int) -> None:
         """A stream of this device waits on the word at `addr` (abort releases it)."""

@@ -21,7 +21,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from .base import (
     Instruction,
     Memory,
     ReduceI,
+    ReduceNI,
     Runner,
     Span,
     Stream,
@@ -184,6 +185,13 @@ class _StreamBase(Stream):
         else:
             _average_into(d, x, y, divisor)
 
+    def _do_reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                     divisor: int) -> None:
+        self._jitter()
+        d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
+        _fold_into(d, [s.mem.view(s.offset, s.nbytes, dtype)  # type: ignore[attr-defined]
+                       for s in srcs], op, divisor)
+
     def _do_wait(self, flag: Flag, value: int, tag: Any) -> None:
         self._jitter()
         self._device.wait_flag(flag, value, tag)
@@ -191,6 +199,22 @@ class _StreamBase(Stream):
     def _do_write(self, flag: Flag, value: int) -> None:
         self._jitter()
         flag.mem.i64[flag.offset >> 3] = value  # type: ignore[attr-defined]
+
+
+def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: int) -> None:
+    """d = xs[0] op xs[1] op ... op xs[-1], each step one binary reduce into d (rounded to the
+    dtype), the divisor at the last step only: exactly the chain d = xs[0] op xs[1], d = d op
+    xs[2], ... d may be xs[0] but must not overlap a later operand."""
+    if len(xs) < 2:
+        raise ValueError(f"a fold needs at least two operands, not {len(xs)}")
+    ufunc = _UFUNCS[op]
+    acc = xs[0]
+    for k in range(1, len(xs)):
+        if k == len(xs) - 1 and divisor != 1:
+            _average_into(d, acc, xs[k], divisor)
+        else:
+            ufunc(acc, xs[k], out=d)
+        acc = d
 
 
 def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
@@ -225,6 +249,10 @@ class _InlineStream(_StreamBase):
     def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
                divisor: int = 1) -> None:
         self._do_reduce(dst, a, b, dtype, op, divisor)
+
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        self._do_reduce_n(dst, srcs, dtype, op, divisor)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
         _check_local(flag)
@@ -290,6 +318,10 @@ class _ThreadStream(_StreamBase):
     def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
                divisor: int = 1) -> None:
         self._put(self._do_reduce, dst, a, b, dtype, op, divisor)
+
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        self._put(self._do_reduce_n, dst, tuple(srcs), dtype, op, divisor)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
         _check_local(flag)
@@ -457,6 +489,9 @@ class HostDevice(Device):
                     _average_into(d(mems), a(mems), b(mems), divisor)
 
             return reduce
+        if isinstance(ins, ReduceNI):
+            return self._fold_step(ins, view(ins.dst), [view(o) for o in ins.srcs], op,
+                                   jitter)
         words = ins.flag.mem.i64  # type: ignore[attr-defined]
         index, rel, shift = ins.flag.offset >> 3, ins.rel, ins.shift
         if isinstance(ins, WaitI):
@@ -476,6 +511,19 @@ class HostDevice(Device):
             words[index] = rel + (seq << shift)
 
         return write
+
+    @staticmethod
+    def _fold_step(ins: ReduceNI, d: Callable[[tuple[Any, Any]], np.ndarray],
+                   srcs: list[Callable[[tuple[Any, Any]], np.ndarray]], op: ReduceOp,
+                   jitter: Callable[[], None]) -> Callable[[tuple[Any, Any], int], None]:
+        """The inline step of an n-input reduce (views bound by `_step`)."""
+        divisor = ins.divisor
+
+        def reduce_n(mems: tuple[Any, Any], seq: int) -> None:
+            jitter()
+            _fold_into(d(mems), [src(mems) for src in srcs], op, divisor)
+
+        return reduce_n
 
     # -- streams and flags ------------------------------------------------------------------
     def create_stream(self, *, inline: bool = False) -> Stream:

@@ -35,10 +35,19 @@ inline unsigned long long gpuring_host_globaltimer() {
         .count();
 }
 
+// The vector width the element-wise driver chose in the calling thread's last launch (0:
+// scalar, -1: none chosen), so that tests can check which path a placement takes.
+static thread_local int emu_vector_width = -1;
+#define GPURING_VECTOR_WIDTH(W) (emu_vector_width = (W))
+extern "C" int emu_last_vector_width() { return emu_vector_width; }
+
 // Launchers: the kernel is passed by address, with the parameters of its family.
 typedef unsigned long long emu_u64;
 typedef void (*emu_reduce_fn)(void*, const void*, const void*, emu_u64, long long,
                               const volatile int*);
+typedef void (*emu_reduce_n_fn)(void*, const void*, const void*, const void*, const void*,
+                                const void*, const void*, const void*, const void*, int,
+                                emu_u64, long long, const volatile int*);
 typedef void (*emu_copy_fn)(void*, const void*, emu_u64, const volatile int*);
 typedef void (*emu_wait_fn)(volatile emu_u64*, emu_u64, emu_u64, volatile int*, volatile int*);
 typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, const volatile int*);
@@ -46,6 +55,7 @@ typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, const volatile int*);
 #define EMU_GRID(grid, block, CALL)                    \
     do {                                               \
         gridDim = dim3(grid);                          \
+        emu_vector_width = -1;                         \
         blockDim = dim3(block);                        \
         for (unsigned b_ = 0; b_ < (grid); ++b_) {     \
             for (unsigned t_ = 0; t_ < (block); ++t_) { \
@@ -63,6 +73,16 @@ extern "C" void emu_launch_reduce(void* kernel, unsigned grid, unsigned block, v
                                   const void* abort) {
     EMU_GRID(grid, block,
              ((emu_reduce_fn)kernel)(dst, a, b, n, divisor, (const volatile int*)abort));
+}
+
+extern "C" void emu_launch_reduce_n(void* kernel, unsigned grid, unsigned block, void* dst,
+                                    const void* s0, const void* s1, const void* s2,
+                                    const void* s3, const void* s4, const void* s5,
+                                    const void* s6, const void* s7, int nsrc, emu_u64 n,
+                                    long long divisor, const void* abort) {
+    EMU_GRID(grid, block,
+             ((emu_reduce_n_fn)kernel)(dst, s0, s1, s2, s3, s4, s5, s6, s7, nsrc, n, divisor,
+                                       (const volatile int*)abort));
 }
 
 extern "C" void emu_launch_copy(void* kernel, unsigned grid, unsigned block, void* dst,

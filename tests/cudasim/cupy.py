@@ -14,6 +14,9 @@ What it models, and how:
   (kernels_host_build.py), launched with the grid they are given;
 - `cuda.bindings.driver`'s stream memory operations (`cuStreamWaitValue64`,
   `cuStreamWriteValue64`) are simulated too when GPURING_CUDASIM_MEMOPS=1;
+- occupancy (`cuOccupancyMaxActiveBlocksPerMultiprocessor` in that driver, and CuPy's
+  `cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor`) answers from the registers of the
+  kernel in the CUBIN that was loaded (cubin.py), by the rules of sm_80 and sm_90;
 - arrays (`ndarray`) hold their data in host memory; every operation on them first waits for
   the current stream, as reading a result on the GPU would.
 - GPURING_CUDASIM_JITTER=1 delays stream operations at random, to expose missing ordering.
@@ -577,10 +580,15 @@ def _device_stack() -> list[int]:
 
 # ------------------------------------------------------------------------------ kernels
 
-_FAMILIES = {"gpuring_reduce_": ("reduce", 6), "gpuring_copy_bytes": ("copy", 4),
-             "gpuring_wait_flag": ("wait", 5), "gpuring_write_flag": ("write", 3)}
+# kernel name prefix: (launcher family, argument count); the first matching prefix wins
+_FAMILIES = {"gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
+             "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
+             "gpuring_write_flag": ("write", 3)}
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
+#: every kernel handed out, by its CUfunction handle (`RawKernel.ptr`)
+_functions: dict[int, RawKernel] = {}
+_function_handles = itertools.count(0xF000)
 
 
 def _kernel_library() -> ctypes.CDLL:
@@ -599,15 +607,23 @@ def _kernel_library() -> ctypes.CDLL:
 
 
 class RawKernel:
-    def __init__(self, name: str):
+    """A kernel (cupy.cuda.function.Function): `ptr` is its CUfunction handle, `registers`
+    what a thread uses in the CUBIN it came from (None: no CUBIN, a RawModule's), which is
+    what the occupancy calls answer from. `last_grid` is the grid of its latest launch."""
+
+    def __init__(self, name: str, registers: int | None = None):
         family = next((f for prefix, f in _FAMILIES.items() if name.startswith(prefix)), None)
         if family is None:
             raise CUDARuntimeError("CUDA_ERROR_NOT_FOUND", f"no kernel {name!r}")
         self.name = name
+        self.registers = registers
+        self.last_grid: int | None = None
         self._family, self._arity = family
         lib = _kernel_library()
         self._address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
         self._launch = getattr(lib, f"emu_launch_{self._family}")
+        self.ptr = next(_function_handles)
+        _functions[self.ptr] = self
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
                  stream: Stream | None = None, shared_mem: int = 0) -> None:
@@ -620,6 +636,7 @@ class RawKernel:
         if not (1 <= blocks < 2**31 and 1 <= threads <= 1024):
             raise CUDARuntimeError("cudaErrorInvalidConfiguration", f"{grid} x {block}")
         _context()
+        self.last_grid = blocks
         values = [int(a) for a in args]
         launch, address = self._launch, self._address
         _stream(stream)._put(lambda: launch(address, blocks, threads, *values))
@@ -631,9 +648,33 @@ class Module:
     def load(self, cubin: bytes) -> None:
         if not isinstance(cubin, bytes) or not cubin.startswith(b"\x7fELF"):
             raise CUDARuntimeError("CUDA_ERROR_INVALID_IMAGE", "not a CUBIN")
+        self._registers = _cubin().registers(cubin)
 
     def get_function(self, name: str) -> RawKernel:
-        return RawKernel(name)
+        return RawKernel(name, getattr(self, "_registers", {}).get(name))
+
+
+def _cubin() -> Any:
+    """tests/cudasim/cubin.py (register counts of a CUBIN, CUDA's occupancy rules)."""
+    if str(_HERE) not in sys.path:
+        sys.path.insert(0, str(_HERE))
+    import cubin
+
+    return cubin
+
+
+def _occupancy(handle: int, block_size: int, dynamic_shared: int) -> tuple[str, int]:
+    """cuOccupancyMaxActiveBlocksPerMultiprocessor: (CUresult name, blocks of `block_size`
+    threads of the kernel `handle` that fit on one SM), from the registers of its CUBIN. A
+    driver call: it needs a current context and creates none."""
+    kernel = _functions.get(int(handle))
+    if getattr(_current, "context", None) is None:
+        return "CUDA_ERROR_INVALID_CONTEXT", 0
+    if kernel is None:
+        return "CUDA_ERROR_INVALID_HANDLE", 0
+    if not 1 <= block_size <= 1024 or dynamic_shared:
+        return "CUDA_ERROR_INVALID_VALUE", 0
+    return "CUDA_SUCCESS", _cubin().blocks_per_sm(kernel.registers, block_size)
 
 
 class RawModule:
@@ -931,7 +972,21 @@ def _ctx_get_current() -> int:
     return 0 if context is None else 0x7000 + context
 
 
+class CUDADriverError(RuntimeError):
+    """cupy.cuda.driver.CUDADriverError."""
+
+
+def _cupy_occupancy(func: int, block_size: int, dynamic_shared: int) -> int:
+    """cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor."""
+    status, blocks = _occupancy(func, block_size, dynamic_shared)
+    if status != "CUDA_SUCCESS":
+        raise CUDADriverError(status)
+    return blocks
+
+
 driver.ctxGetCurrent = _ctx_get_current  # type: ignore[attr-defined]
+driver.CUDADriverError = CUDADriverError  # type: ignore[attr-defined]
+driver.occupancyMaxActiveBlocksPerMultiprocessor = _cupy_occupancy  # type: ignore[attr-defined]
 function.Module = Module  # type: ignore[attr-defined]
 for _name, _value in {"runtime": runtime, "function": function, "driver": driver,
                       "Stream": Stream, "ExternalStream": ExternalStream,
@@ -964,6 +1019,8 @@ def _install_driver() -> None:
     class CUresult(enum.IntEnum):
         CUDA_SUCCESS = 0
         CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_INVALID_CONTEXT = 201
+        CUDA_ERROR_INVALID_HANDLE = 400
 
     class CUdevice_attribute(enum.IntEnum):
         CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 119
@@ -988,6 +1045,9 @@ def _install_driver() -> None:
         pass
 
     class cuuint64_t(_Handle):
+        pass
+
+    class CUfunction(_Handle):
         pass
 
     def cuInit(flags: int) -> tuple[CUresult]:
@@ -1020,6 +1080,13 @@ def _install_driver() -> None:
 
     def _write(word: ctypes.c_uint64, target: int) -> None:
         word.value = target
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            func: CUfunction, blockSize: int, dynamicSMemSize: int) -> tuple[CUresult, int]:
+        if not isinstance(func, CUfunction):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, 0)
+        status, blocks = _occupancy(int(func), blockSize, dynamicSMemSize)
+        return (CUresult[status], blocks)
 
     def cuStreamWaitValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
                             flags: int) -> tuple[CUresult]:

@@ -74,7 +74,11 @@ def load(path: Path | str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     u64, i64, vp, uint = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint
     lib.emu_launch_reduce.argtypes = [vp, uint, uint, vp, vp, vp, u64, i64, vp]
+    lib.emu_launch_reduce_n.argtypes = [vp, uint, uint, vp, *[vp] * 8, ctypes.c_int, u64, i64,
+                                        vp]
     lib.emu_launch_copy.argtypes = [vp, uint, uint, vp, vp, u64, vp]
     lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp, vp]
     lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
+    lib.emu_last_vector_width.argtypes = []
+    lib.emu_last_vector_width.restype = ctypes.c_int
     return lib

@@ -204,6 +204,69 @@ def test_reduce_in_place(device: CudaDevice) -> None:
     np.testing.assert_array_equal(cp.asnumpy(a), np.arange(10000, dtype=np.int32) + 7)
 
 
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_reduce_n_gives_the_bits_of_the_binary_chain(device: CudaDevice, dtype: str) -> None:
+    """reduce_n (one launch up to 8 sources, several beyond) gives bit for bit what the chain
+    reduce(dst, s0, s1), reduce(dst, dst, s2), ... gives on the same GPU, the divisor at the
+    last step; sources at offsets that share no 16-byte alignment with dst."""
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(5)
+    item = np.dtype(dtype).itemsize
+    n = 1003
+    for op in _ops_for(dtype):
+        divisor = 7 if op is ReduceOp.AVG else 1
+        for nsrc in (3, 11):
+            offsets = [(k % 3) * max(1, 4 // item) for k in range(nsrc)]
+            srcs = [device.wrap(cp.asarray(_random(dtype, n + 4, rng))) for _ in range(nsrc)]
+            spans = [_span(m, o * item, n * item) for m, o in zip(srcs, offsets, strict=True)]
+            chain, fold = cp.zeros(n, dtype), cp.zeros(n + 1, dtype)
+            mc, mf = device.wrap(chain), device.wrap(fold)
+            stream = _ready_stream(device)
+            acc = _span(mc, 0, n * item)
+            for k in range(1, nsrc):
+                stream.reduce(acc, spans[0] if k == 1 else acc, spans[k], dtype, op,
+                              divisor if k == nsrc - 1 else 1)
+            stream.reduce_n(_span(mf, item, n * item), spans, dtype, op, divisor)
+            stream.synchronize()
+            got = cp.asnumpy(fold)
+            assert got[1:].tobytes() == cp.asnumpy(chain).tobytes(), (op, nsrc)
+            assert not got[0], (op, nsrc)  # nothing written before dst
+
+
+def test_grids_are_at_most_one_wave_of_each_kernel(device: CudaDevice) -> None:
+    """A grid-stride kernel's grid is capped at the blocks of that kernel that fit on all
+    SMs at once, as the driver reports for it (kernels differ: their registers decide), so a
+    large reduce runs one whole wave. On the simulator the driver's answer comes from the
+    registers of the NVRTC build that was loaded, and the launch itself is checked."""
+    from gpuring.devices import _kernels
+
+    sms = int(device.gpu.attributes["MultiProcessorCount"])
+    kernels = [device.reduce_kernel("float16", ReduceOp.SUM)[0],
+               device.reduce_n_kernel("int8", ReduceOp.MAX)[0],
+               _kernels.get_function(_kernels.COPY_KERNEL, device.device_id)]
+    for kernel in kernels:
+        per_sm = device.blocks_per_sm(kernel)
+        assert 1 <= per_sm <= 2048 // 256
+        assert device.grid_for(kernel, 1 << 40, 1) == sms * per_sm
+        assert device.grid_for(kernel, 300, 1) == 2
+        if hasattr(kernel, "registers"):  # the simulator
+            from cubin import blocks_per_sm
+
+            assert kernel.registers, "no register count from the loaded CUBIN"
+            assert per_sm == blocks_per_sm(kernel.registers, 256)
+    n = sms * 8 * 256 * 8 + 1  # float16: 8 elements a thread; more than one wave at most
+    a = cp.ones(n, cp.float16)
+    ma = device.wrap(a)
+    stream = _ready_stream(device)
+    stream.reduce(_span(ma, 0, 2 * n), _span(ma, 0, 2 * n), _span(ma, 0, 2 * n), "float16",
+                  ReduceOp.SUM)
+    stream.synchronize()
+    assert bool((a == 2).all())
+    if hasattr(kernels[0], "last_grid"):  # the simulator
+        assert kernels[0].last_grid == sms * device.blocks_per_sm(kernels[0])
+
+
 # ------------------------------------------------------------------------------ copy
 
 @pytest.mark.parametrize("copy_mode", ["memcpy", "kernel"])
@@ -316,8 +379,9 @@ def test_abort_releases_every_wait_and_the_gpu_stays_usable() -> None:
 
 
 def test_work_queued_behind_a_released_wait_touches_nothing() -> None:
-    """Once aborted, the reduce, the copy from a peer and the flag write queued behind a
-    released wait run as no-ops: no garbage is computed into buffers or published to peers."""
+    """Once aborted, the reduce, the copy from a peer, the n-input reduce of peers' data and
+    the flag write queued behind a released wait run as no-ops: no garbage is computed into
+    buffers or published to peers."""
     for mode in FLAG_MODES:
         dev = CudaDevice(0, timeout=300.0, flags=mode)
         flags = dev.alloc(16)
@@ -331,6 +395,8 @@ def test_work_queued_behind_a_released_wait_touches_nothing() -> None:
         stream.reduce(_span(mout, 0, 4 * n), _span(mx, 0, 4 * n), _span(mx, 0, 4 * n),
                       "float32", ReduceOp.SUM)
         stream.copy(_span(mout, 0, 4 * n), _span(as_peer, 0, 4 * n))
+        stream.reduce_n(_span(mout, 0, 4 * n), [_span(as_peer, 0, 4 * n)] * 9, "float32",
+                        ReduceOp.SUM)
         stream.write_flag(Flag(flags, 8), 7)
         dev.abort("test")
         assert _returns_within(60, cp.cuda.Device(0).synchronize), mode

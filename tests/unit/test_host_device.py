@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpuring._ops import ReduceOp
-from gpuring.devices.base import Flag, FlagWaitAborted, FlagWaitTimeout, Span
+from gpuring.devices.base import Arg, Flag, FlagWaitAborted, FlagWaitTimeout, ReduceNI, Span
 from gpuring.devices.host import HostDevice, _average_into
 
 
@@ -132,3 +132,77 @@ def test_close_removes_files_and_is_idempotent():
 def test_wrap_refuses_non_contiguous(device):
     with pytest.raises(TypeError):
         device.wrap(np.ones((4, 4))[:, ::2])
+
+
+def _fold_inputs(dtype: str, nsrc: int, n: int, op: ReduceOp) -> list[np.ndarray]:
+    """`nsrc` random arrays of `n` elements for a fold with `op`."""
+    rng = np.random.default_rng([nsrc, n, len(dtype)])
+    if np.dtype(dtype).kind in "iu":
+        return [rng.integers(-100 if dtype[0] == "i" else 0, 100, n).astype(dtype)
+                for _ in range(nsrc)]
+    # products of factors near 1 stay finite, so every step's rounding counts
+    center, scale = (1.0, 0.01) if op is ReduceOp.PROD else (0.0, 10.0)
+    return [(center + scale * rng.standard_normal(n)).astype(dtype) for _ in range(nsrc)]
+
+
+def _chained(device, stream, srcs, dtype, op, divisor):
+    """The reference: today's chain of binary reduces on the same stream."""
+    nbytes = srcs[0].nbytes
+    out = device.alloc(nbytes)
+    stream.reduce(span(out, 0, nbytes), span(srcs[0], 0, nbytes), span(srcs[1], 0, nbytes),
+                  dtype, op, divisor if len(srcs) == 2 else 1)
+    for k in range(2, len(srcs)):
+        stream.reduce(span(out, 0, nbytes), span(out, 0, nbytes), span(srcs[k], 0, nbytes),
+                      dtype, op, divisor if k == len(srcs) - 1 else 1)
+    stream.synchronize()
+    return out.view(0, nbytes, dtype).copy()
+
+
+FOLD_CASES = [(dtype, op) for dtype in ("float16", "int8", "uint32", "float32", "complex64")
+              for op in ReduceOp if not (dtype == "complex64" and op in (ReduceOp.MIN,
+                                                                           ReduceOp.MAX))]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("dtype,op", FOLD_CASES)
+def test_reduce_n_gives_the_bits_of_the_binary_chain(device, inline, dtype, op):
+    """Stream.reduce_n folds in source order, rounding every step, dividing at the last:
+    bit for bit what reduce, then reduce into dst, ... gives, for 2 to 9 sources, also in
+    place over the first source."""
+    divisor = 3 if op is ReduceOp.AVG else 1
+    stream = device.create_stream(inline=inline)
+    for nsrc in (2, 3, 9):
+        arrays = _fold_inputs(dtype, nsrc, 37, op)
+        srcs = [device.wrap(a.copy()) for a in arrays]
+        want = _chained(device, stream, srcs, dtype, op, divisor)
+        nbytes = arrays[0].nbytes
+        out = device.alloc(nbytes)
+        stream.reduce_n(span(out, 0, nbytes), [span(m, 0, nbytes) for m in srcs], dtype, op,
+                        divisor)
+        stream.synchronize()
+        assert out.view(0, nbytes, dtype).tobytes() == want.tobytes(), nsrc
+        stream.reduce_n(span(srcs[0], 0, nbytes), [span(m, 0, nbytes) for m in srcs], dtype,
+                        op, divisor)
+        stream.synchronize()
+        assert srcs[0].view(0, nbytes, dtype).tobytes() == want.tobytes(), nsrc
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_compiled_reduce_n_instruction(device, inline):
+    """Both interpreters of a program (the generic one, and the inline stream's bound
+    steps) run ReduceNI with buffer and argument operands, the divisor at the last step."""
+    dtype, op, nsrc, n = "float16", ReduceOp.AVG, 4, 29
+    arrays = _fold_inputs(dtype, nsrc, n, op)
+    nbytes = arrays[0].nbytes
+    buf = device.alloc(nsrc * nbytes)
+    for k, a in enumerate(arrays):
+        buf.view(k * nbytes, nbytes, dtype)[...] = a
+    inp = device.wrap(arrays[0].copy())
+    srcs = (Arg(0, 0, nbytes), *(Span(buf, k * nbytes, nbytes) for k in range(1, nsrc)))
+    program = (ReduceNI(Arg(1, 0, nbytes), srcs, nsrc),)
+    stream = device.create_stream(inline=inline)
+    want = _chained(device, stream, [device.wrap(a.copy()) for a in arrays], dtype, op, nsrc)
+    result = np.zeros(n, dtype)
+    device.compile(program, dtype, op, stream)(inp, device.wrap(result), 1)
+    stream.synchronize()
+    assert result.tobytes() == want.tobytes()

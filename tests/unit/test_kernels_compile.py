@@ -7,12 +7,37 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
-from gpuring.devices import _kernels
+from gpuring.devices import _kernels, cuda
+
+from ..cudasim import cubin
+
+ARCHS = ["sm_80", "sm_90"]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_kernel_compiles(arch: str) -> None:
-    _kernels.compile_all_with_nvrtc(arch)
+@pytest.fixture(scope="module")
+def cubins() -> dict[str, bytes]:
+    """reduce.cu built by NVRTC for every architecture we ship to, once (a build takes a
+    while): compile_all_with_nvrtc fails when a kernel is missing."""
+    return {arch: _kernels.compile_all_with_nvrtc(arch) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles(cubins: dict[str, bytes], arch: str) -> None:
+    assert set(cubin.registers(cubins[arch])) == set(_kernels.ALL_KERNEL_NAMES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_data_kernel_fits_the_fallback_occupancy(cubins: dict[str, bytes],
+                                                       arch: str) -> None:
+    """Where the driver cannot tell a kernel's occupancy, CudaDevice caps its grid at
+    _FALLBACK_BLOCKS_PER_SM blocks per SM: that is at most one wave only while every data
+    kernel (registers decide) fits that many blocks of _THREADS on one SM."""
+    data_kernels = (*_kernels.REDUCE_KERNEL_NAMES, *_kernels.REDUCE_N_KERNEL_NAMES,
+                    _kernels.COPY_KERNEL)
+    registers = cubin.registers(cubins[arch])
+    for name in data_kernels:
+        fit = cubin.blocks_per_sm(registers[name], cuda._THREADS)
+        assert fit >= cuda._FALLBACK_BLOCKS_PER_SM, (name, registers[name], fit)
 
 
 def test_every_op_dtype_pair_has_a_kernel() -> None:
@@ -25,12 +50,31 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
                 continue
             name = _kernels.reduce_kernel_name(dtype, op)
             assert name in _kernels.REDUCE_KERNEL_NAMES
+            assert _kernels.reduce_n_kernel_name(dtype, op) in _kernels.REDUCE_N_KERNEL_NAMES
             assert f"GPURING_REDUCE_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
                 f"({dtype}," in source
     assert _kernels.reduce_kernel_name("float32", "avg") == "gpuring_reduce_float32_sum"
+    assert _kernels.reduce_n_kernel_name("float16", "avg") == "gpuring_reduce_n_float16_sum"
     reduce_kernels = sum(2 if d in COMPLEX_DTYPES else 4 for d in SUPPORTED_DTYPES)
     assert len(set(_kernels.ALL_KERNEL_NAMES)) == len(_kernels.ALL_KERNEL_NAMES) == (
-        reduce_kernels + 3)
+        2 * reduce_kernels + 3)
+    assert f"#define GPURING_MAX_SOURCES {_kernels.MAX_SOURCES}\n" in source
+
+
+def test_fold_launches_take_every_source_once_in_order() -> None:
+    """The first launch folds up to 8 sources; each later one starts from dst (the fold so
+    far) and adds up to 7 more; only the last applies the divisor."""
+    dst = 1000
+    for count in range(2, 30):
+        srcs = list(range(count))
+        launches = _kernels.fold_launches(dst, srcs)
+        assert [last for _, last in launches] == [False] * (len(launches) - 1) + [True]
+        assert all(2 <= len(s) <= _kernels.MAX_SOURCES for s, _ in launches[1:])
+        assert all(s[0] == dst for s, _ in launches[1:])
+        assert launches[0][0] == tuple(srcs[:_kernels.MAX_SOURCES])
+        assert [a for s, _ in launches for a in s if a != dst] == srcs
+    with pytest.raises(ValueError):
+        _kernels.fold_launches(dst, [1])
 
 
 def test_compile_error_carries_the_nvrtc_log() -> None:
@@ -43,3 +87,15 @@ def test_source_is_found_next_to_the_package() -> None:
     path = _kernels.kernel_source_path()
     assert path.name == "reduce.cu"
     assert path.parent.name == "kernels"
+
+
+def test_occupancy_rules_of_sm80_and_sm90() -> None:
+    """The simulator's occupancy (tests/cudasim/cubin.py), against values worked out by hand
+    from CUDA's rules: registers are given to a warp in units of 256 from 4 partitions of
+    16384, at most 64 warps and 32 blocks an SM."""
+    by_registers = {None: 8, 32: 8, 33: 6, 40: 6, 41: 5, 48: 5, 49: 4, 64: 4, 65: 3, 72: 3,
+                    128: 2, 255: 1}
+    for registers, blocks in by_registers.items():
+        assert cubin.blocks_per_sm(registers, 256) == blocks, registers
+    assert cubin.blocks_per_sm(8, 32) == 32  # the block limit
+    assert cubin.blocks_per_sm(None, 1024) == 2  # the warp limit

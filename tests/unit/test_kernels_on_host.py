@@ -2,7 +2,8 @@
 
 `tests/cudasim/cuda_host_emulation.h` stands in for the CUDA built-ins (thread and block
 indices, rounded float operations, the global timer), so the kernel source itself, unchanged,
-runs here: every (dtype, op), alignments that take the vectorised and the scalar paths,
+runs here: every (dtype, op), alignments that take each vector width (16, 8, 4 bytes, with
+and without a scalar head) and the scalar path,
 grid-stride loops of several shapes, in-place operands. Each result must equal, bit for bit,
 what the host device computes, and no byte outside the destination may change. The flag
 kernels are checked for their wait, timeout, abort and publish rules. No GPU needed: this is
@@ -88,7 +89,7 @@ def _host_reduce(x: np.ndarray, y: np.ndarray, op: ReduceOp, divisor: int) -> np
         out.real = x.real * y.real - x.imag * y.imag
         out.imag = x.real * y.imag + x.imag * y.real
         return out
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         if divisor == 1:
             _UFUNCS[op](x, y, out=out)
         else:
@@ -117,18 +118,32 @@ def _ops_of(dtype: str) -> list[ReduceOp]:
     return list(ReduceOp)
 
 
+def _placements(size: int) -> list[tuple[tuple[int, int, int], int]]:
+    """Offsets (dst, a, b) modulo 16 of operands of `size`-byte elements, each with the
+    vector width (bytes; 0: scalar) the kernels must take there: the widest of 16, 8 and 4
+    bytes (at least one element) at which all three share their offset. Every width the
+    element size allows, each with and without a scalar head, and the scalar path."""
+    out = [((0, 0, 0), 16), ((size % 16,) * 3, 16)]
+    if size <= 8:  # 16-byte offsets differ, 8-byte ones agree
+        out += [((0, 8, 0), 8), (((size % 8) + 8, size % 8, size % 8), 8)]
+    if size <= 4:  # 8-byte offsets differ, 4-byte ones agree
+        out += [((0, 4, 8), 4), ((size % 4, (size % 4) + 4, (size % 4) + 8), 4)]
+    if size <= 2:  # no 4-byte offset in common
+        out += [((0, size, 0), 0), ((3 * size % 16, 0, 5 * size % 16), 0)]
+    return out
+
+
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
 def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> None:
+    """Every op, at every placement of `_placements` (each checked to take its vector
+    width), sizes that leave a head, packs and a tail or only some of them, several grids."""
     dt = _np_dtype(dtype)
     rng = np.random.default_rng(sum(map(ord, dtype)))
     size = dt.itemsize
-    # alignments (dst, a, b) modulo 16: all aligned, a shared odd offset (vector body after
-    # a scalar head), and mismatched ones (scalar only)
-    aligns = [(0, 0, 0), (size, size, size), (0, size, 0), (3 * size % 16, 0, 5 * size % 16)]
     for op in _ops_of(dtype):
         kernel = _kernel(lib, _kernels.reduce_kernel_name(dtype, op))
         for n in (0, 1, 3, 17, 64, 257):
-            for aligned in aligns:
+            for aligned, width in _placements(size):
                 for blocks, threads in GRIDS:
                     for divisor in ((3, 5) if op is ReduceOp.AVG else (1,)):
                         x, y = _random(rng, dt, n), _random(rng, dt, n)
@@ -144,10 +159,93 @@ def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> Non
                         got = arena.raw[idst:idst + n * size].view(dt)
                         where = f"{dtype} {op.value} n={n} align={aligned} " \
                             f"grid={blocks}x{threads} divisor={divisor}"
+                        assert lib.emu_last_vector_width() == width, where
                         assert _same(got, expected), where
                         outside = np.ones(arena.raw.size, bool)
                         outside[idst:idst + n * size] = False
                         assert np.array_equal(arena.raw[outside], before[outside]), where
+
+
+def _chain(xs: list[np.ndarray], op: ReduceOp, divisor: int) -> np.ndarray:
+    """What the chain of binary reduces computes: xs[0] op xs[1], then op xs[2], ... in that
+    order, each step rounded to the dtype, the divisor at the last step only."""
+    acc = xs[0]
+    for k in range(1, len(xs)):
+        acc = _host_reduce(acc, xs[k], op, divisor if k == len(xs) - 1 else 1)
+    return acc
+
+
+def _operand(rng: np.random.Generator, dt: np.dtype, n: int, op: ReduceOp) -> np.ndarray:
+    """`_random`, with floating-point factors of a product near 1, so that a long chain
+    stays finite and every step's rounding counts."""
+    x = _random(rng, dt, n)
+    if op is ReduceOp.PROD and dt.kind in "fcV":
+        x = (1 + x.astype(np.complex128 if dt.kind == "c" else np.float64) / 500).astype(dt)
+    return x
+
+
+def _fold(lib: ctypes.CDLL, kernel: int, grid: tuple[int, int], dst: int, srcs: list[int],
+          n: int, divisor: int, abort: int = CLEAR) -> None:
+    """Launch the n-input kernel as CudaDevice does: one launch per `fold_launches` entry."""
+    for sources, last in _kernels.fold_launches(dst, srcs):
+        pointers = [*sources, *[0] * (_kernels.MAX_SOURCES - len(sources))]
+        lib.emu_launch_reduce_n(kernel, *grid, dst, *pointers, len(sources), n,
+                                divisor if last else 1, abort)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_reduce_n_matches_the_chain_of_binary_reduces_bitwise(lib: ctypes.CDLL,
+                                                              dtype: str) -> None:
+    """The n-input kernel gives the bits of the binary chain for every op, 2 to 17 sources
+    (one launch up to 8, then several), at every placement of `_placements` (dst at its
+    first offset, the last source at its second, the other sources at its third; the last
+    launch checked to take the width), sizes with and without packs, several grids."""
+    dt = _np_dtype(dtype)
+    rng = np.random.default_rng(sum(map(ord, dtype)) + 1)
+    size = dt.itemsize
+    cases = 0
+    for op in _ops_of(dtype):
+        kernel = _kernel(lib, _kernels.reduce_n_kernel_name(dtype, op))
+        divisor = 3 if op is ReduceOp.AVG else 1
+        for nsrc in (2, 3, 8, 9, 17):
+            for (o_dst, o_last, o_rest), width in _placements(size):
+                for n in (1, 67):
+                    grid = GRIDS[cases % len(GRIDS)]
+                    cases += 1
+                    xs = [_operand(rng, dt, n, op) for _ in range(nsrc)]
+                    arena = _Arena(rng, (nsrc + 1) * (n * size + 32))
+                    addrs = [arena.place(x, o_rest)[0] for x in xs[:-1]]
+                    addrs.append(arena.place(xs[-1], o_last)[0])
+                    idst, _ = arena.place(np.zeros(n, dt), o_dst)
+                    before = arena.raw.copy()
+                    data = arena.raw.ctypes.data
+                    _fold(lib, kernel, grid, data + idst, [data + a for a in addrs], n, divisor)
+                    where = f"{dtype} {op.value} nsrc={nsrc} n={n} " \
+                        f"align={(o_dst, o_last, o_rest)} grid={grid}"
+                    assert lib.emu_last_vector_width() == width, where
+                    got = arena.raw[idst:idst + n * size].view(dt)
+                    assert _same(got, _chain(xs, op, divisor)), where
+                    outside = np.ones(arena.raw.size, bool)
+                    outside[idst:idst + n * size] = False
+                    assert np.array_equal(arena.raw[outside], before[outside]), where
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "complex64"])
+def test_reduce_n_in_place(lib: ctypes.CDLL, dtype: str) -> None:
+    """One launch may write over any of its sources; a longer fold may write over the
+    first (each later launch starts from dst)."""
+    dt = _np_dtype(dtype)
+    rng = np.random.default_rng(11)
+    n = 301
+    kernel = _kernel(lib, _kernels.reduce_n_kernel_name(dtype, "sum"))
+    for nsrc, into in ((5, 0), (5, 2), (5, 4), (12, 0)):
+        xs = [_random(rng, dt, n) for _ in range(nsrc)]
+        want = _chain(xs, ReduceOp.SUM, 1)
+        arena = _Arena(rng, nsrc * (n * dt.itemsize + 32))
+        placed = [arena.place(x, 0) for x in xs]
+        data = arena.raw.ctypes.data
+        _fold(lib, kernel, (2, 32), data + placed[into][0], [data + a for a, _ in placed], n, 1)
+        assert _same(placed[into][1], want), (nsrc, into)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int32", "complex128"])
@@ -187,8 +285,11 @@ def test_integer_sum_wraps_and_average_truncates_toward_zero(lib: ctypes.CDLL) -
 def test_copy_bytes(lib: ctypes.CDLL) -> None:
     rng = np.random.default_rng(3)
     kernel = _kernel(lib, _kernels.COPY_KERNEL)
+    # (dst, src) offsets modulo 16 and the vector width each takes
+    placements = (((0, 0), 16), ((5, 5), 16), ((8, 0), 8), ((3, 11), 8), ((4, 0), 4),
+                  ((1, 5), 4), ((3, 9), 0), ((2, 0), 0))
     for nbytes in (0, 1, 15, 16, 17, 100, 1000):
-        for dst_mis, src_mis in ((0, 0), (5, 5), (3, 9)):
+        for (dst_mis, src_mis), width in placements:
             for blocks, threads in GRIDS:
                 src = rng.integers(0, 256, nbytes, dtype=np.uint8)
                 arena = _Arena(rng, 2 * nbytes + 64)
@@ -198,14 +299,16 @@ def test_copy_bytes(lib: ctypes.CDLL) -> None:
                 data = arena.raw.ctypes.data
                 lib.emu_launch_copy(kernel, blocks, threads, data + idst, data + isrc, nbytes,
                                     CLEAR)
+                assert lib.emu_last_vector_width() == width
                 assert np.array_equal(arena.raw[idst:idst + nbytes], src)
                 before[idst:idst + nbytes] = src
                 assert np.array_equal(arena.raw, before)
 
 
 def test_data_kernels_do_nothing_once_aborted(lib: ctypes.CDLL) -> None:
-    """After an abort, queued reduces and copies run without reading or writing anything:
-    a dead peer's memory may be gone, and a result computed then is garbage."""
+    """After an abort, queued reduces (binary and n-input) and copies run without reading or
+    writing anything: a dead peer's memory may be gone, and a result computed then is
+    garbage. An n-input launch with a source count outside 1..8 does nothing either."""
     aborted = np.ones(1, np.int32)
     x = np.arange(1, 65, dtype=np.float32)
     out = np.full(64, -1.0, np.float32)
@@ -215,6 +318,10 @@ def test_data_kernels_do_nothing_once_aborted(lib: ctypes.CDLL) -> None:
                           aborted.ctypes.data)
     lib.emu_launch_copy(_kernel(lib, _kernels.COPY_KERNEL), 2, 32, out.ctypes.data, bad,
                         out.nbytes, aborted.ctypes.data)
+    fold = _kernel(lib, _kernels.reduce_n_kernel_name("float32", "sum"))
+    for count, abort in ((3, aborted.ctypes.data), (0, CLEAR), (9, CLEAR)):  # or a bad count
+        lib.emu_launch_reduce_n(fold, 2, 32, out.ctypes.data, x.ctypes.data, bad, bad,
+                                *[bad] * 5, count, 64, 1, abort)
     assert np.all(out == -1.0)
     lib.emu_launch_reduce(reduce, 2, 32, out.ctypes.data, x.ctypes.data, x.ctypes.data, 64, 1,
                           CLEAR)

@@ -16,7 +16,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuring.algorithms.collectives import plan_collective
-from gpuring.algorithms.plan import BUF, IN, OUT, Copy, Reduce, Signal, Wait, split_even
+from gpuring.algorithms.plan import (
+    BUF,
+    IN,
+    OUT,
+    RS,
+    Copy,
+    Loc,
+    Reduce,
+    ReduceN,
+    Signal,
+    Wait,
+    split_even,
+)
 from gpuring.algorithms.ring import piece_ranges
 
 
@@ -86,6 +98,11 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
             elif type(op) is Reduce:
                 a, b = read(r, op.a, op.length), read(r, op.b, op.length)
                 write(r, op.dst, [x + y for x, y in zip(a, b, strict=True)])
+            elif type(op) is ReduceN:
+                if len(op.srcs) < 2:
+                    raise Violation(f"rank {r} folds {len(op.srcs)} sources")
+                columns = zip(*(read(r, s, op.length) for s in op.srcs), strict=True)
+                write(r, op.dst, [sum(col) for col in columns])
             elif type(op) is Signal:
                 if r in op.readers or len(set(op.readers)) != len(op.readers):
                     raise Violation(f"rank {r} signals {op.readers}")
@@ -152,6 +169,22 @@ def test_several_rounds(kind):
 def test_one_shot_all_reduce(n):
     for count in (1, 2, 7):
         check("all_reduce", n, count, one_shot=count, seed=count)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_one_shot_reads_every_rank_once_in_rank_order(n):
+    """Two ranks: one binary reduce. More: one n-input reduce over the staged inputs of ranks
+    0, 1, ..., n-1 in that order (the order every rank reduces in, for the same bits), not a
+    chain of n-1 reduces through the output."""
+    for rank in range(n):
+        (rnd,) = plan_collective("all_reduce", n, rank, 5, itemsize=4, capacity_bytes=1 << 20,
+                                 chunk_bytes=4, channels=1, one_shot_bytes=1 << 10)
+        reduces = [op for op in rnd.channels[0] if type(op) in (Reduce, ReduceN)]
+        staged = [Loc(BUF, 0, peer, RS) for peer in range(n)]
+        if n == 2:
+            assert reduces == [Reduce(Loc(OUT, 0), staged[0], staged[1], 5, True)]
+        else:
+            assert reduces == [ReduceN(Loc(OUT, 0), tuple(staged), 5, True)]
 
 
 def test_one_shot_only_when_small():
