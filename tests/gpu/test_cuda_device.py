@@ -293,20 +293,29 @@ def test_copy(copy_mode: str, offsets: tuple[int, int], n: int) -> None:
 # ------------------------------------------------------------------------------ flags
 
 def test_flag_orders_two_streams(device: CudaDevice) -> None:
+    """The reader's copy runs after the writer's flag, not merely later: the test raises the
+    flag only once the reader has reached its wait (a marker written just before it is
+    visible) and the copy has not run; the copy's source holds -1 until the writer's reduce,
+    so a copy that ran before the flag leaves -1 behind."""
     flags = device.alloc(64)
-    flag = Flag(flags, 8)
+    flag, marker = Flag(flags, 8), Flag(flags, 16)
     n = 1 << 20
     x, y = cp.arange(n, dtype=cp.float32), cp.ones(n, dtype=cp.float32)
-    src, dst = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
+    src, dst = cp.full(n, -1, cp.float32), cp.zeros(n, cp.float32)
     mx, my, ms, md = (device.wrap(v) for v in (x, y, src, dst))
     nbytes = n * 4
     reader, writer = _ready_stream(device), _ready_stream(device)
 
+    reader.write_flag(marker, 1)
     reader.wait_flag(flag, 5, tag="test-wait")
     reader.copy(_span(md, 0, nbytes), _span(ms, 0, nbytes))
-    time.sleep(0.2)
-    assert not reader.record().query()  # held by the flag
-    assert not cp.asnumpy(dst).any()
+    copied = reader.record()
+    deadline = time.monotonic() + 60  # only so that a broken device fails instead of hanging
+    while device.read_u64(flags.ptr + 16) != 1:
+        assert time.monotonic() < deadline, "the reader never reached its wait"
+        time.sleep(1e-3)
+    assert not copied.query(), "the copy ran before the flag it waits for"
+    assert not cp.asnumpy(dst).any(), "the copy ran before the flag it waits for"
 
     writer.reduce(_span(ms, 0, nbytes), _span(mx, 0, nbytes), _span(my, 0, nbytes),
                   "float32", ReduceOp.SUM)

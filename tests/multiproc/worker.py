@@ -7,6 +7,7 @@ OUTDIR/CASE-RANK.txt; the test compares those files across ranks (bitwise identi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -26,6 +27,86 @@ except ImportError:
 COMPLEX = ["complex64", "complex128"]
 DTYPES = INTS + FLOATS + COMPLEX
 OPS = ["sum", "prod", "min", "max", "avg"]
+
+
+#: unit roundoff of each float dtype (of the real parts for complex)
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24,
+                 "float64": 2.0 ** -53, "complex64": 2.0 ** -24, "complex128": 2.0 ** -53}
+#: spacing of the subnormals: the most one rounding can lose near zero, whatever the value
+SUBNORMAL = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133, "float32": 2.0 ** -149,
+             "float64": 2.0 ** -1074, "complex64": 2.0 ** -149, "complex128": 2.0 ** -1074}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The exact result of a reduction (`value`, float64/complex128 for floats), the error
+    allowed on each element (`bound`) and the dtype of the result."""
+
+    value: np.ndarray
+    bound: np.ndarray
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
+
+    def reshape(self, *shape: int) -> Reference:
+        return Reference(self.value.reshape(*shape), self.bound.reshape(*shape), self.dtype)
+
+    def __getitem__(self, key) -> Reference:
+        return Reference(self.value[key], self.bound[key], self.dtype)
+
+
+def rounding_bound(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    """Per element, the most by which a float reduction of `arrays` (one per rank) may differ
+    from reduce_reference's value, from the rounding model: every step rounds once, with unit
+    roundoff u (float16 and bfloat16: reduced in float32, then rounded to 16 bits, so u is
+    that of both roundings together), in whatever order the algorithm takes (a ring's chain, the
+    one-shot's rank order, MPI's tree). n ranks take n-1 steps.
+
+    - sum: step k rounds a partial sum of k+1 of the ranks' values, at most the sum of the k+1
+      largest |x_r| (M_{k+1}); rounding errors grow the partials by at most (1+u)^n. So the
+      error is at most u·(1+u)^n·(M_2 + ... + M_n).
+    - avg: that sum's error over n, plus two more roundings of the quotient (the division, and
+      the cast to 16 bits; or the reciprocal and the product): 2·u·(1+u)^n·M_n/n.
+    - prod: each step multiplies the result by at most (1+c·u) (c = 1; complex: c = sqrt(5),
+      the bound of a complex product): ((1+c·u)^(n-1) - 1)·prod|x_r|.
+    - min, max: no rounding at all, 0.
+
+    Values that reach the subnormals lose up to the subnormal spacing per rounding, absolutely.
+    The reference, computed in float64 in rank order, has an error of its own, bounded the
+    same way with float64's u; both are added."""
+    dtype = arrays[0].dtype
+    n = len(arrays)
+    bound = np.zeros(arrays[0].shape)
+    if op in ("min", "max") or dtype.kind in "iu" or bound.size == 0:
+        return bound
+    u = UNIT_ROUNDOFF[dtype.name]
+    if dtype.name in ("float16", "bfloat16"):
+        u = (1 + u) * (1 + UNIT_ROUNDOFF["float32"]) - 1
+    c = np.sqrt(5.0) if dtype.kind == "c" else 1.0
+    flat = [a.reshape(-1) for a in arrays]
+    out = bound.reshape(-1)
+    for lo in range(0, out.size, 1 << 20):  # in pieces: a 64 MiB result needs no more memory
+        mags = np.stack([np.abs(a[lo:lo + (1 << 20)].astype(
+            np.complex128 if dtype.kind == "c" else np.float64)) for a in flat])
+        piece = out[lo:lo + mags.shape[1]]
+        for step_u in (u, UNIT_ROUNDOFF["float64"]):  # the library's, then the reference's
+            grow = (1 + step_u) ** n
+            if op == "prod":
+                growth = np.expm1((n - 1) * np.log1p(c * step_u))  # (1+c·u)^(n-1) - 1
+                piece += growth * np.prod(mags, axis=0)
+                continue
+            mags.sort(axis=0)  # ascending: M_j sums the last j rows
+            largest = np.cumsum(mags[::-1], axis=0)
+            partials = largest[1:].sum(axis=0)  # M_2 + ... + M_n
+            if op == "avg":
+                piece += step_u * grow * (partials + 2 * largest[-1]) / n
+            else:
+                piece += step_u * grow * partials
+        spread = np.maximum(mags.max(axis=0), 1.0) ** n if op == "prod" else 1.0
+        piece += (n + 1) * SUBNORMAL[dtype.name] * spread
+    return bound
 
 
 class Checker:
@@ -55,7 +136,10 @@ class Checker:
             out.append(a)
         return out
 
-    def reduce_reference(self, arrays: list[np.ndarray], op: str) -> np.ndarray:
+    def reduce_reference(self, arrays: list[np.ndarray], op: str) -> Reference:
+        """The reduction of every rank's array (list indexed by rank): its exact value for
+        integers (avg rounded toward zero), and for floats its float64/complex128 value with
+        the error the library may make on each element (see `rounding_bound`)."""
         dtype = arrays[0].dtype
         exact = dtype.kind in "iu"
         wide = [a if exact else a.astype(np.complex128 if dtype.kind == "c" else np.float64)
@@ -77,23 +161,34 @@ class Checker:
                 acc = (np.sign(acc) * q).astype(dtype) if dtype.kind == "i" else q.astype(dtype)
             else:
                 acc = acc / n
-        return acc.astype(dtype) if exact else acc
+        if exact:
+            return Reference(acc.astype(dtype), np.zeros(acc.shape), dtype)
+        return Reference(acc, rounding_bound(arrays, op), dtype)
 
-    def expect(self, got, want: np.ndarray, what: str, *, copy: bool = False,
+    def expect(self, got, want: np.ndarray | Reference, what: str, *, copy: bool = False,
                shared: bool = True) -> None:
-        """Compare with the reference: exact for integers and for copies of the inputs
-        (`copy`), within rounding for reduced floats (the reference is float64). Results
-        every rank holds (`shared`) go into the digest file."""
+        """Compare a result with what it must be: a Reference (a reduction) within its
+        per-element rounding bound (exactly for integers, min and max), a plain array
+        (a copy of inputs, `copy`, or any exact value) bit for bit; the dtype must match.
+        Results every rank holds (`shared`) go into the digest file."""
         got = host(got)
         assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-        if got.dtype.kind in "iu" or copy:
-            assert np.array_equal(got, want), f"{what}: wrong values"
+        if isinstance(want, Reference):
+            assert not copy, f"{what}: a copy is compared with a plain array"
+            assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+            if got.dtype.kind in "iu":
+                assert np.array_equal(got, want.value), f"{what}: wrong values"
+            else:
+                err = np.abs(got.astype(want.value.dtype) - want.value)
+                bad = ~(err <= want.bound)  # NaN too
+                assert not bad.any(), (
+                    f"{what}: {int(bad.sum())} of {got.size} elements beyond the rounding "
+                    f"bound, first at {np.argwhere(bad)[0].tolist()}: got "
+                    f"{got[bad][0]!r}, exact {want.value[bad][0]!r}, error "
+                    f"{err[bad][0]:.3g} > bound {want.bound[bad][0]:.3g}")
         else:
-            tol = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12,
-                   "complex64": 1e-5, "complex128": 1e-12}[got.dtype.name]
-            scale = np.abs(want).max() if want.size else 1.0
-            err = np.abs(got.astype(want.dtype) - want).max() if want.size else 0.0
-            assert err <= tol * max(scale, 1.0) * self.comm.size, f"{what}: error {err}"
+            assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+            assert np.array_equal(got, want), f"{what}: wrong values"
         if shared:
             self.digests.append(f"{what} {hashlib.sha256(got.tobytes()).hexdigest()}")
         self.checked += 1
@@ -265,7 +360,7 @@ def case_module_api(c: Checker) -> None:
     comm = c.comm
     assert gpuring.init() is comm
     x = np.arange(6, dtype=np.float64) + comm.rank
-    want = sum(np.arange(6, dtype=np.float64) + r for r in range(comm.size))
+    want = c.reduce_reference([np.arange(6.0) + r for r in range(comm.size)], "sum")
     c.expect(gpuring.all_reduce(x, op=gpuring.ReduceOp.SUM), want, "module all_reduce")
     c.expect(gpuring.all_gather(x), np.stack([np.arange(6.0) + r for r in range(comm.size)]),
              "module all_gather", copy=True)

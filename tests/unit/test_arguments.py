@@ -1,8 +1,13 @@
-"""Bad arguments give a clear TypeError or ValueError (or a correct result), never anything
-else. Runs on a world of one: argument checks happen before any rank talks to another."""
+"""Arguments of every collective, in a world of one: a call that README.md ("API", "Arrays")
+allows must succeed and give the result a NumPy reference computes; any other call must raise
+TypeError or ValueError saying what is wrong. The argument checks run before any rank talks to
+another, so one rank sees them all."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,10 +17,19 @@ import gpuring
 from gpuring.communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 
-DTYPES = ["int8", "uint16", "int64", "float16", "float32", "float64", "complex64", "bool",
-          "object", "datetime64[s]", "U3"]
-OPS = ["sum", "prod", "min", "max", "avg", "SUM", "mean", "", None, 3, gpuring.ReduceOp.MAX]
-ROOTS = [0, 1, -1, "0", 1.5, True, None]
+# README "Dtypes", written out here rather than taken from the library
+SUPPORTED = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+             "float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+UNSUPPORTED = ("bool", "object", "datetime64[s]", "U3", "longdouble")
+OP_NAMES = ("sum", "prod", "min", "max", "avg")  # "SUM" too: ReduceOp.parse takes any case
+OPS: list[Any] = [*OP_NAMES, "SUM", gpuring.ReduceOp.MAX, gpuring.ReduceOp.AVG,
+                  "mean", "", None, 3]
+ROOTS: list[Any] = [0, 1, -1, "0", 1.5, True, None]
+SIZE = 1  # the world of these tests
+
+
+def dtype_of(name: str) -> np.dtype[Any]:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 @pytest.fixture(scope="module")
@@ -24,52 +38,212 @@ def comm():
         yield c
 
 
-def make_array(dtype: str, shape: tuple[int, ...], contiguous: bool):
-    a = np.zeros(shape, dtype=dtype) if dtype != "object" else np.empty(shape, dtype=object)
-    if dtype not in ("object", "U3", "bool", "datetime64[s]"):
-        a[...] = np.arange(a.size).reshape(shape).astype(dtype) + 1 if a.size else a
+def make_array(dtype: str, shape: tuple[int, ...], contiguous: bool) -> np.ndarray:
+    a = np.zeros(shape, dtype=dtype_of(dtype)) if dtype != "object" else np.empty(shape, object)
+    if dtype in SUPPORTED and a.size:
+        a[...] = (np.arange(a.size).reshape(shape) % 100 + 1).astype(a.dtype)
     if not contiguous and a.ndim and a.shape[-1] > 1:
         a = a[..., ::2]
     return a
 
 
-arrays = st.builds(make_array, st.sampled_from(DTYPES),
+arrays = st.builds(make_array, st.sampled_from(SUPPORTED + UNSUPPORTED),
                    st.lists(st.integers(0, 4), max_size=3).map(tuple), st.booleans())
-inputs = st.one_of(arrays, st.sampled_from([None, 3, "x", [1, 2, 3], (1.0,)]))
-outs = st.one_of(st.none(), arrays, st.just("same"))
+inputs = st.one_of(arrays, arrays, st.sampled_from([None, 3, "x", [1, 2, 3], (1.0,)]))
+ops = st.one_of(st.sampled_from(OP_NAMES), st.sampled_from(OPS))
+roots = st.one_of(st.just(0), st.sampled_from(ROOTS))
+# "fit": a fresh C-contiguous array of the shape and dtype the call needs; "same": x itself
+outs = st.one_of(st.sampled_from([None, "fit", "fit", "same"]), arrays)
 
 
-def check(call, expect):
-    try:
-        got = call()
-    except (TypeError, ValueError) as exc:
-        assert str(exc), "errors must say what is wrong"
+# ------------------------------------------------------------------------ the documented rules
+
+def op_name(op: Any) -> str | None:
+    """The op's name if `op` names one ("sum", "SUM" or a gpuring.ReduceOp), else None."""
+    if isinstance(op, str) and op.lower() in OP_NAMES:
+        return op.lower()
+    return None
+
+
+def out_shape(name: str, x: np.ndarray) -> tuple[int, ...]:
+    if name == "all_gather":
+        return (SIZE, *x.shape)
+    if name == "reduce_scatter":
+        return (x.size // SIZE,)
+    return tuple(x.shape)
+
+
+def problem(name: str, x: Any, *, op: Any = "sum", out: Any = None, root: Any = 0) -> str | None:
+    """Why the call is invalid by README's rules, or None when it is valid."""
+    if not isinstance(x, np.ndarray):
+        return "x is not an array"
+    if x.dtype.name not in SUPPORTED:
+        return f"dtype {x.dtype} is not supported"
+    if name in ("all_reduce", "reduce", "reduce_scatter"):
+        if op_name(op) is None:
+            return f"op {op!r} is not an op"
+        if x.dtype.kind == "c" and op_name(op) in ("min", "max"):
+            return "min and max are not defined for complex numbers"
+    if name in ("broadcast", "reduce"):
+        if isinstance(root, bool) or not isinstance(root, int):
+            return f"root {root!r} is not an int"
+        if not 0 <= root < SIZE:
+            return f"root {root} is not a rank"
+    if name == "broadcast" and not x.flags.c_contiguous:
+        return "broadcast needs a C-contiguous array"
+    if name == "reduce_scatter" and x.size % SIZE:
+        return "x.size is not a multiple of the number of ranks"
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            return "out is not an array"
+        if out.dtype != x.dtype:
+            return "out has another dtype"
+        if out.shape != out_shape(name, x):
+            return "out has the wrong shape"
+        if not out.flags.c_contiguous:
+            return "out is not C-contiguous"
+        if np.shares_memory(out, x) and not (out is x and name in ("all_reduce", "reduce")):
+            return "out overlaps x"
+    return None
+
+
+# ------------------------------------------------------------------------ the reference
+
+def reduce_ranks(per_rank: list[np.ndarray], op: str) -> np.ndarray:
+    """README's reduction of every rank's array, element by element, computed by NumPy in the
+    array's dtype (avg: the sum divided by the number of ranks, integers toward zero)."""
+    stack = np.stack(per_rank)
+    if op == "avg":
+        total = np.add.reduce(stack, axis=0, dtype=stack.dtype)
+        if stack.dtype.kind in "iu":
+            quotient = np.abs(total.astype(object)) // len(per_rank) * np.sign(total)
+            return np.asarray(quotient, dtype=stack.dtype).reshape(total.shape)
+        return np.asarray(total / len(per_rank)).astype(stack.dtype)
+    ufunc = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    return np.asarray(ufunc.reduce(stack, axis=0, dtype=stack.dtype))
+
+
+def expected(name: str, x: np.ndarray, op: Any) -> np.ndarray:
+    """The result of collective `name` on this rank, given every rank's x (here: one)."""
+    per_rank = [x]
+    if name == "all_gather":
+        return np.stack(per_rank)
+    if name == "broadcast":
+        return per_rank[0].copy()
+    total = reduce_ranks(per_rank, op_name(op) or "sum")
+    if name == "reduce_scatter":
+        return total.reshape(SIZE, -1)[0]
+    return total
+
+
+def same_bits(got: Any, want: np.ndarray) -> bool:
+    return (isinstance(got, np.ndarray) and got.dtype == want.dtype
+            and got.shape == want.shape and got.tobytes() == want.tobytes())
+
+
+def check(comm: Communicator, name: str, x: Any, **kwargs: Any) -> None:
+    """Call collective `name` with x and kwargs: an invalid call must raise TypeError or
+    ValueError with a message; a valid one must return README's result."""
+    out = kwargs.get("out")
+    why = problem(name, x, **kwargs)
+    before = x.copy() if isinstance(x, np.ndarray) else None
+    call = getattr(comm, name)
+    if why is not None:
+        if name == "reduce_scatter" and out is x:
+            # README allows out=x for all_reduce and reduce only; on one rank reduce_scatter's
+            # block is all of x, so the library may also compute it in place
+            try:
+                got = call(x, **kwargs)
+            except (TypeError, ValueError) as exc:
+                assert str(exc), "errors must say what is wrong"
+                return
+            assert got is x and same_bits(got, before), "reduce_scatter with out=x"
+            return
+        with pytest.raises((TypeError, ValueError)) as info:
+            call(x, **kwargs)
+        assert str(info.value), "errors must say what is wrong"
+        if before is not None:
+            assert same_bits(x, before), f"{name} changed its input, then raised"
         return
-    expect(got)
+    try:
+        got = call(x, **kwargs)
+    except Exception as exc:
+        raise AssertionError(f"{name}{kwargs} raised {exc!r} for valid arguments") from exc
+    want = expected(name, before, kwargs.get("op", "sum"))
+    assert same_bits(got, want), f"{name}{kwargs}: {got!r} != {want!r}"
+    if name == "broadcast":
+        assert got is x, "broadcast returns x itself, written in place"
+    elif out is not None:
+        assert got is out, f"{name} must return out"
+    else:
+        assert not np.shares_memory(got, x), f"{name} must return a new array"
+        assert same_bits(x, before), f"{name} changed its input"
+
+
+def resolve_out(out: Any, name: str, x: Any) -> Any:
+    if isinstance(out, str):
+        if out == "same":
+            return x
+        if isinstance(x, np.ndarray) and x.dtype.name in SUPPORTED:  # "fit"
+            return np.empty(out_shape(name, x), dtype=x.dtype)
+        return None
+    return out
+
+
+# ------------------------------------------------------------------------ tests
+
+@settings(max_examples=150, deadline=None)
+@given(x=inputs, op=ops, out=outs)
+def test_all_reduce_and_reduce(comm, x, op, out):
+    check(comm, "all_reduce", x, op=op, out=resolve_out(out, "all_reduce", x))
+    check(comm, "reduce", x, op=op, out=resolve_out(out, "reduce", x), root=0)
 
 
 @settings(max_examples=150, deadline=None)
-@given(x=inputs, op=st.sampled_from(OPS), out=outs)
-def test_all_reduce_and_reduce(comm, x, op, out):
-    out_arg = x if isinstance(out, str) else out
-
-    def ok(got):
-        assert isinstance(x, np.ndarray)
-        assert np.array_equal(np.asarray(got), x, equal_nan=False) or x.size == 0
-
-    check(lambda: comm.all_reduce(x, op=op, out=out_arg), ok)
-    check(lambda: comm.reduce(x, op=op, out=out_arg, root=0), ok)
+@given(x=inputs, op=ops, out=outs, root=roots)
+def test_gather_scatter_broadcast(comm, x, op, out, root):
+    check(comm, "all_gather", x, out=resolve_out(out, "all_gather", x))
+    check(comm, "reduce_scatter", x, op=op, out=resolve_out(out, "reduce_scatter", x))
+    check(comm, "broadcast", x, root=root)
 
 
-@settings(max_examples=100, deadline=None)
-@given(x=inputs, out=outs, root=st.sampled_from(ROOTS))
-def test_gather_scatter_broadcast(comm, x, out, root):
-    out_arg = x if isinstance(out, str) else out
-    check(lambda: comm.all_gather(x, out=out_arg),
-          lambda got: np.array_equal(got[0], x))
-    check(lambda: comm.reduce_scatter(x, out=out_arg),
-          lambda got: np.array_equal(got, np.asarray(x).reshape(-1)))
-    check(lambda: comm.broadcast(x, root=root), lambda got: got is x)
+@pytest.mark.parametrize("dtype", SUPPORTED)
+def test_every_dtype_and_op_works(comm, dtype):
+    """Every supported dtype with every op it takes, each collective, in and out of place,
+    0-d to 3-d, contiguous or not: every valid call succeeds with the right result (and
+    out=x of a non-contiguous x, or broadcast of one, is refused)."""
+    for shape in ((), (6,), (2, 3, 4)):
+        for contiguous in (True, False):
+            x = make_array(dtype, shape, contiguous)
+            for op in OP_NAMES:
+                if x.dtype.kind == "c" and op in ("min", "max"):
+                    continue
+                for out in (None, "fit", "same"):
+                    check(comm, "all_reduce", x, op=op, out=resolve_out(out, "all_reduce", x))
+                    check(comm, "reduce", x, op=op, out=resolve_out(out, "reduce", x))
+                for out in (None, "fit"):
+                    check(comm, "reduce_scatter", x, op=op,
+                          out=resolve_out(out, "reduce_scatter", x))
+            for out in (None, "fit"):
+                check(comm, "all_gather", x, out=resolve_out(out, "all_gather", x))
+            check(comm, "broadcast", x, root=0)
+
+
+def test_the_rules_reject_what_they_should():
+    """The test's own model of README's rules, on cases whose verdict is known."""
+    x = np.ones(4, np.float32)
+    assert problem("all_reduce", x) is None
+    assert problem("all_reduce", x, out=x) is None
+    assert problem("reduce_scatter", x, out=x) is not None
+    assert problem("all_reduce", x[::2]) is None
+    assert problem("broadcast", x[::2]) is not None
+    assert problem("all_reduce", x.astype(np.complex64), op="max") is not None
+    assert problem("all_reduce", x, op="mean") is not None
+    assert problem("reduce", x, root=True) is not None
+    assert problem("all_gather", x, out=np.empty((1, 4), np.float32)) is None
+    assert problem("all_gather", x, out=np.empty(4, np.float32)) is not None
+    assert problem("all_reduce", x, out=np.empty((4, 2), np.float32)[:, 0]) is not None
+    assert problem("all_reduce", x.astype(bool)) is not None
 
 
 def test_messages_say_what_to_do(comm):

@@ -13,16 +13,24 @@ from gpuring.rendezvous.local import SingleProcess
 
 
 class _Event(Event):
-    def __init__(self, outcome: str):
+    """Work on a device that does not block the host: done, running or failed. `seen` is set
+    once the watchdog thread (not the test's) has queried it."""
+
+    def __init__(self, outcome: str, seen: threading.Event | None = None):
         self.outcome = outcome
+        self.seen = seen or threading.Event()
 
     def query(self) -> bool:
+        if threading.current_thread().name == "gpuring-watchdog":
+            self.seen.set()
         if self.outcome == "error":
             raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access")
         return self.outcome == "done"
 
 
 def _health(timeout: float) -> tuple[Health, list[GpuringError], threading.Event]:
+    """A watchdog over SingleProcess, the failures it reports, and an event set at the
+    first."""
     failures: list[GpuringError] = []
     failed = threading.Event()
 
@@ -61,11 +69,18 @@ def test_work_that_never_completes_times_out() -> None:
 
 
 def test_completed_work_is_not_busy() -> None:
-    health, failures, _ = _health(timeout=600)
+    health, failures, news = _health(timeout=600)
     try:
-        health.track(_Event("done"), "all_gather", 1)
+        done = _Event("done")
+        health.track(done, "all_gather", 1)
         assert not health.busy()
-        time.sleep(0.2)
-        assert failures == []
+        # the watchdog checks tracked work in order: once it queries this later work it has
+        # dealt with the completed one (so a failure it wrongly raised is already recorded)
+        later = _Event("running", seen=news)
+        health.track(later, "all_gather", 2)
+        assert news.wait(60), "the watchdog never checked the work"
+        assert failures == [], failures
+        assert done.seen.is_set() and later.seen.is_set()
+        assert health.busy()  # the later work is still running
     finally:
         health.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -23,6 +22,45 @@ def device():
 
 def span(mem, offset, nbytes):
     return Span(mem, offset, nbytes)
+
+
+class Words:
+    """Stands in for a mapping's 64-bit words (`HostMemory.i64`) and tells the test what the
+    streams do with them: how often a stream read word `watched` (a flag it waits on: a second
+    read means it is inside the wait and still waiting), and every write."""
+
+    def __init__(self, mem, watched: int):
+        self._words = mem.i64
+        self._watched = watched
+        self.reads = 0
+        self._news = threading.Condition()
+        mem.i64 = self
+
+    def __getitem__(self, index: int) -> int:
+        value = self._words[index]
+        if index == self._watched:
+            with self._news:
+                self.reads += 1
+                self._news.notify_all()
+        return value
+
+    def __setitem__(self, index: int, value: int) -> None:
+        self._words[index] = value
+        self.notify()
+
+    def notify(self) -> None:
+        """Have `wait_until` check its condition again (something else changed)."""
+        with self._news:
+            self._news.notify_all()
+
+    def __getattr__(self, name: str):  # release() at close
+        return getattr(self._words, name)
+
+    def wait_until(self, condition, what: str) -> None:
+        """Until `condition()` holds, re-checked at every read of the watched word and every
+        write. Bounded only so that a broken device fails instead of hanging."""
+        with self._news:
+            assert self._news.wait_for(condition, timeout=60), what
 
 
 def test_peer_mapping_sees_the_same_bytes(device):
@@ -54,14 +92,16 @@ def test_stream_runs_in_order(device, inline):
 
 def test_wait_holds_later_operations(device):
     mem = device.alloc(8192)
+    words = Words(mem, 0)
     stream = device.create_stream()
     stream.wait_flag(Flag(mem, 0), 5, "test")
     stream.write_flag(Flag(mem, 8), 1)
-    time.sleep(0.05)
-    assert mem.i64[1] == 0  # still held
-    mem.i64[0] = 5
+    # the flag stays 0 until the stream is seen inside its wait (or the write ran)
+    words.wait_until(lambda: words.reads >= 2 or words[1] != 0, "the stream never waited")
+    assert words[1] == 0, "the write ran before the flag it waits for"
+    words[0] = 5
     stream.synchronize()
-    assert mem.i64[1] == 1
+    assert words[1] == 1
 
 
 def test_wait_times_out_with_what_it_waited_for():
@@ -79,25 +119,42 @@ def test_wait_times_out_with_what_it_waited_for():
 
 def test_abort_unblocks_a_waiting_stream(device):
     mem = device.alloc(4096)
+    words = Words(mem, 0)
     stream = device.create_stream()
     stream.wait_flag(Flag(mem, 0), 1, "never")
-    threading.Timer(0.1, device.abort, ("stop",)).start()
+    stream.write_flag(Flag(mem, 8), 1)
+    words.wait_until(lambda: words.reads >= 2 or words[1] != 0, "the stream never waited")
+    device.abort("stop")  # while the stream is inside its wait, not before it got there
     with pytest.raises(FlagWaitAborted, match="stop"):
         stream.synchronize()
+    assert words[1] == 0, "an operation after the aborted wait ran"
 
 
 def test_events_order_two_streams(device):
     mem = device.alloc(4096)
+    words = Words(mem, 0)
+    polls = []  # an event wait polls the abort state each time it finds the event not set
+    check_aborted = device.check_aborted
+
+    def watched_check(tag):
+        check_aborted(tag)
+        polls.append(tag)
+        words.notify()
+
+    device.check_aborted = watched_check
     first, second = device.create_stream(), device.create_stream()
     first.wait_flag(Flag(mem, 0), 1, "gate")
     first.write_flag(Flag(mem, 8), 2)
     second.wait_event(first.record())
     second.write_flag(Flag(mem, 16), 3)
-    time.sleep(0.05)
-    assert mem.i64[2] == 0
-    mem.i64[0] = 1
+    # the gate opens only once the first stream is inside its flag wait and the second inside
+    # its event wait (it found the event not set), unless a write ran that must not have
+    words.wait_until(lambda: (words.reads >= 2 and ("event",) in polls)
+                     or words[1] != 0 or words[2] != 0, "a stream never waited")
+    assert words[1] == 0 and words[2] == 0, "a write ran before what it waits for"
+    words[0] = 1
     second.synchronize()
-    assert mem.i64[1] == 2 and mem.i64[2] == 3
+    assert words[1] == 2 and words[2] == 3
 
 
 def test_integer_average_rounds_toward_zero():
