@@ -70,6 +70,11 @@ class Health:
         (None: done), so a peer that closed before `seq` fails it too."""
         self._expecting = None if seq is None else (seq, name)
 
+    def check(self) -> None:
+        """Run the watchdog's check now, from the caller's thread: a failure the status board
+        shows reaches `on_failure` before the caller goes on."""
+        self._check()
+
     def busy(self) -> bool:
         """Whether this rank has a collective in flight: on the host, or queued on the GPU."""
         if self._current is not None:
@@ -139,13 +144,15 @@ class Health:
         trouble = self.board.troubled_peer()
         if trouble is not None:
             peer, state, reason, culprit = trouble
+            blamed = culprit if culprit >= 0 else None  # -1 on the board: it blames nobody
             error: GpuringError
             if state == MISMATCH:
                 error = CollectiveMismatchError(f"rank {peer} found a mismatch: {reason}")
             elif state == TIMED_OUT:
-                error = CollectiveTimeoutError(f"rank {peer} timed out: {reason}", peer=culprit)
-            else:
-                error = PeerFailureError(f"rank {peer} failed: {reason}", peer=culprit)
+                error = CollectiveTimeoutError(f"rank {peer} timed out: {reason}", peer=blamed)
+            else:  # a rank that failed on its own account is the one to name
+                error = PeerFailureError(f"rank {peer} failed: {reason}",
+                                         peer=peer if blamed is None else blamed)
             self._fail(error)
             return
         # the collective this rank waits for: the one its host is in or agrees on, else the

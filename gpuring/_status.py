@@ -140,6 +140,9 @@ class StatusBoard:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs. A zombie does not: it died and its parent has not
+    reaped it yet, which can last (mpiexec's proxy under -disable-auto-cleanup leaves a
+    SIGKILLed rank so until the job ends), and signal 0 still reaches a zombie."""
     if pid <= 0:
         return True  # not published yet
     try:
@@ -148,7 +151,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no procfs here, or it just went away (the next tick tells)
+        return True
+    # the state follows the command name in parentheses, which may itself hold ") "
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
 
 
 

@@ -24,10 +24,10 @@ from ._ops import ReduceOp, check_op_dtype
 from ._status import signature_hash
 from ._work import Executor, Work, public_verb
 from .algorithms.collectives import plan_collective
-from .devices.base import Device
+from .devices.base import Device, FlagWaitAborted, FlagWaitTimeout
 from .devices.host import SHM_PREFIX, HostDevice
 from .rendezvous.base import ControlPlane
-from .scheduler import Engine
+from .scheduler import MAX_CHANNELS, Engine
 from .timeline import Timeline, write_trace
 
 __all__ = ["Communicator"]
@@ -166,10 +166,11 @@ class Communicator:
         if self._failure is None and self._broken is None:
             try:
                 self._wait_engines("close")
-            except BaseException as exc:
+            except BaseException as exc:  # already says it comes from close
                 unraised = exc
         elif self._broken is None and not self._user_aborted and self._failure_hit_work:
-            unraised = self._failure
+            assert self._failure is not None
+            unraised = _in_context(self._failure, "close", self._seq, self.rank)
         self._closed = True
         self._state["orderly"] = self._failure is None and self._broken is None
         self._finalizer()
@@ -177,8 +178,6 @@ class Communicator:
 
         _world.forget(self)
         if report and unraised is not None:
-            if isinstance(unraised, GpuringError):
-                raise _in_context(unraised, "close", self._seq, self.rank)
             raise unraised
 
     def synchronize(self) -> None:
@@ -186,7 +185,7 @@ class Communicator:
         failure. CUDA collectives return once queued: their errors reach the host here, in the
         next call, or in `close()`; results read before then are not checked."""
         self._drain_async()
-        self._ensure_open("synchronize")
+        self._ensure_open("synchronize", starts=False)
         self._wait_engines("synchronize")
 
     def _wait_engines(self, name: str) -> None:
@@ -198,10 +197,50 @@ class Communicator:
                     error: BaseException = _in_context(self._failure, name, self._seq,
                                                        self.rank)
                 else:
-                    error = exc
-                    self._give_up(exc, name)
+                    error = self._streams_failure(engine, exc, name)
+                    culprit = (error.peer if isinstance(error, CollectiveTimeoutError)
+                               and error.peer is not None else None)
+                    self._give_up(error, name, culprit)
                 self._broken = error
                 raise error from None
+
+    def _streams_failure(self, engine: Engine, first: BaseException, name: str
+                         ) -> BaseException:
+        """The error of a failed `engine.synchronize()`: the root cause among the streams'
+        errors (a timeout before the aborts it caused, as `Engine._finish` picks for blocking
+        devices) as a gpuring error. `engine.synchronize()` raises one stream's error per
+        call, so call it again, with the device aborted so that nothing still waits, until
+        every stream has told."""
+        engine.device.abort(f"rank {self.rank} failed: {first!r}")
+        errors = [first]
+        for _ in range(MAX_CHANNELS + 1):
+            try:
+                engine.synchronize()
+                break
+            except BaseException as exc:
+                errors.append(exc)
+        timeouts = [e for e in errors if isinstance(e, (FlagWaitTimeout, CollectiveTimeoutError))]
+        cause = (timeouts or errors)[0]
+        collective, seq = self._last_collective, self._seq
+        error: BaseException = cause
+        if isinstance(cause, FlagWaitTimeout):
+            tag = cause.tag
+            peer, what = tag if isinstance(tag, tuple) and len(tag) == 2 else (None, tag)
+            timed_out = CollectiveTimeoutError(
+                f"collectives up to {collective} #{seq} did not complete on rank {self.rank}: "
+                f"timed out after {self.config.timeout} s waiting for rank {peer} ({what}); "
+                f"that rank is stalled, dead, or called a different collective",
+                collective=collective, seq=seq, peer=peer)
+            if self._health is not None:
+                timed_out, _ = self._blame(timed_out, self._health, collective, seq)
+            error = timed_out
+        elif isinstance(cause, FlagWaitAborted):
+            error = PeerFailureError(f"collectives up to {collective} #{seq} aborted on rank "
+                                     f"{self.rank}: {cause.reason}", collective=collective,
+                                     seq=seq)
+        if isinstance(error, GpuringError):
+            return _in_context(error, name, seq, self.rank)
+        return error
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
@@ -335,15 +374,16 @@ class Communicator:
                     raise
 
     # -- checks -------------------------------------------------------------------------
-    def _ensure_open(self, name: str = "") -> None:
+    def _ensure_open(self, name: str = "", starts: bool = True) -> None:
         """Raise if the communicator cannot run collective `name`: closed, or failed. A failure
-        that came in between calls (a peer died) is raised once as itself, naming this call;
+        that came in between calls (a peer died) is raised once as itself, naming this call
+        (numbered as the next collective if it `starts` one, else as the last one);
         later calls get CommunicatorClosedError."""
         if self._closed:
             raise CommunicatorClosedError("the communicator is closed; call gpuring.init() "
                                           "for a new one")
         if self._broken is None and self._failure is not None and name:
-            error = _in_context(self._failure, name, self._seq + 1, self.rank)
+            error = _in_context(self._failure, name, self._seq + (1 if starts else 0), self.rank)
             self._broken = error
             raise error
         broken = self._broken or self._failure
@@ -394,8 +434,20 @@ class Communicator:
         try:
             signatures = self._control.exchange("a collective", signature, self.config.timeout)
         except (PeerFailureError, CollectiveTimeoutError) as exc:
+            if self._failure is None and health is not None and isinstance(
+                    exc, PeerFailureError):
+                # the status board may know better: a peer that left the exchange after a
+                # failure published whom it blames before the control plane said it left
+                health.check()
             cause = self._failure if self._failure is not None else exc
             error = _in_context(cause, signature[0], self._seq + 1, self.rank)
+            if self._failure is None and isinstance(exc, CollectiveTimeoutError):
+                # say so on the status board (which rank is missing is unknown here): a late
+                # peer then fails at once, instead of completing the exchange this rank left
+                # and waiting its own timeout in a collective nobody else will run
+                self._give_up(error, signature[0], culprit=-1, seq=self._seq + 1)
+            elif health is not None:  # at close, tell the peers this rank failed (and why),
+                health.note_failure(error)  # not that it left without entering the call
             self._broken = error
             raise error from None
         finally:
@@ -519,16 +571,24 @@ class Communicator:
             else:
                 self._mpi.run(name, x, out, op, root)
         except BaseException as exc:
-            self._broken = exc
+            error: BaseException = exc
+            if isinstance(exc, GpuringError):  # which call, like the ring's errors
+                cause = self._failure if self._failure is not None else exc
+                error = _in_context(cause, name, self._seq, self.rank)
+            self._broken = error
             self._state["orderly"] = False
-            raise
+            if error is exc:
+                raise
+            raise error from None
 
-    def _give_up(self, error: BaseException, name: str, culprit: int | None = None) -> None:
+    def _give_up(self, error: BaseException, name: str, culprit: int | None = None,
+                 seq: int | None = None) -> None:
         """This rank cannot go on: mark the communicator broken and tell the peers."""
         self._broken = error
         self._state["orderly"] = False
         if self._health is not None:
-            self._health.give_up(f"{name} #{self._seq}: {error!r}", timed_out_on=culprit)
+            where = f"{name} #{self._seq if seq is None else seq}"
+            self._health.give_up(f"{where}: {error!r}", timed_out_on=culprit)
         if culprit is None:
             self._control.report_failure(f"rank {self.rank}: {error!r}")
         for engine in list(self._engines.values()):
@@ -569,6 +629,7 @@ class Communicator:
         health = self._health
         assert health is not None
         seq = self._seq
+        self._last_collective = name
         try:
             if self._failure is not None:
                 raise self._failure
@@ -619,6 +680,7 @@ class Communicator:
 
     # -- training features (async, fusion, compression, timeline, interop) --
     _executor: Executor | None = None  # the async thread, made by the first async verb
+    _last_collective = "collective"  # the name of the last collective this rank started
     _timeline: Timeline | None = None  # recording timeline; checked once per collective
 
     def all_reduce_async(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,

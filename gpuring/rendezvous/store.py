@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from multiprocessing.connection import (  # type: ignore[attr-defined]
@@ -129,6 +130,8 @@ class StoreServer:
                 self._send(r, ("left", step[1], missing[0], reason))
 
     def _disconnected(self, rank: int, conn: Connection) -> None:
+        if self._closed:  # close() ended every connection
+            return
         with self._lock:
             gone_cleanly = id(conn) in self._left
             self._left.discard(id(conn))
@@ -158,10 +161,17 @@ class StoreServer:
                     self._send(r, ("failure", rank, reason))
 
     def close(self) -> None:
+        """Stop serving; connected ranks see their connection end at once. (Closing alone
+        would not do: a thread blocked in recv() keeps the socket open, sending nothing.)"""
         self._closed = True
         self._listener.close()
         with self._lock:
             for conn in self._conns.values():
+                try:
+                    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 conn.close()
             self._conns.clear()
 
@@ -182,6 +192,8 @@ class StoreClient(ControlPlane):
         self._step = 0
         self._closed = False
         self.failure: tuple[int, str] | None = None
+        #: why the connection to the launcher is gone, once it is (no exchange can work then)
+        self.lost: str | None = None
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -218,7 +230,8 @@ class StoreClient(ControlPlane):
                 message = self._conn.recv()
             except Exception:
                 if not self._closed:
-                    self._replies.put(("lost", "the launcher's control connection closed"))
+                    self.lost = "the launcher's control connection closed"
+                    self._replies.put(("lost", self.lost))
                 return
             if message[0] == "failure":
                 if self.failure is None:
@@ -236,8 +249,14 @@ class StoreClient(ControlPlane):
         if self.failure is not None:
             rank, reason = self.failure
             raise PeerFailureError(reason, peer=rank)
+        if self.lost is not None:  # later exchanges too: the one "lost" notice is used up
+            raise PeerFailureError(self.lost)
         self._step += 1
-        self._send(("allgather", self._step, obj))
+        try:
+            self._send(("allgather", self._step, obj))
+        except OSError as exc:  # before the reader saw the end of the connection
+            raise PeerFailureError(f"the launcher's control connection failed ({exc!r})"
+                                   ) from None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import launch
+from ..conftest import launch, mpiexec
 
 WORKER = str(Path(__file__).parent / "worker_faults.py")
 
@@ -159,3 +159,267 @@ def test_sigterm_to_launcher_reaches_every_rank(tmp_path):
             time.sleep(0.05)
         else:
             pytest.fail(f"rank process {pid} survived SIGTERM to the launcher")
+
+
+# -- failures that come after the call returned, agreement, the launcher, MPI, channels ------
+
+MPIEXEC = pytest.param("mpiexec", marks=pytest.mark.mpi)
+
+
+def dir_results(directory: Path) -> dict[int, str]:
+    """rank -> the RESULT line it wrote to DIR/result-<rank>.txt."""
+    found = {}
+    for path in directory.glob("result-*.txt"):
+        found[int(path.stem.split("-")[1])] = path.read_text()
+    return found
+
+
+def remove_mpich_segments(directory: Path) -> None:
+    """Remove the shared memory MPICH made for a job that is over, which it leaves behind when
+    ranks are killed or skip MPI_Finalize (the ranks listed it in DIR/mpich-shm-<rank>.txt)."""
+    for listing in directory.glob("mpich-shm-*.txt"):
+        for name in listing.read_text().split():
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+
+
+def mpiexec_lazy(n: int, args: list[str], directory: Path, env: dict[str, str],
+                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`mpiexec -n N lazy_parent.py DIR python args...`: a rank a signal kills stays an
+    unreaped zombie, so hydra does not see it die (and kill the job) before the survivors
+    have reported; they can only learn of the death from its process id."""
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("mpiexec with mpi4py is not available")
+    lazy = str(Path(__file__).parent / "lazy_parent.py")
+    full_env = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
+    full_env.update(env)
+    try:
+        return subprocess.run([exe, "-n", str(n), sys.executable, lazy, str(directory),
+                               sys.executable, *args], env=full_env, capture_output=True,
+                              text=True, timeout=timeout)
+    finally:
+        remove_mpich_segments(directory)
+
+
+def after(line: str) -> float:
+    return float(re.search(r" after=([\d.]+) ", line).group(1))
+
+
+@pytest.mark.parametrize("when", ["during", "before"])
+@pytest.mark.parametrize("call", ["synchronize", "close"])
+@pytest.mark.parametrize("launcher", ["gpuring", MPIEXEC])
+def test_a_failure_after_the_call_returned_is_raised_later(launcher, call, when, tmp_path):
+    """Collectives that return before they complete (GPU-like): rank 1 gives up only once the
+    others' all_reduce returned, while they wait in synchronize() or close() or before they
+    call it (the failure then waits, recorded, for a call to raise it). That call raises it,
+    naming rank 1."""
+    proc = launch(launcher, 3, [WORKER, "late_failure", str(tmp_path)],
+                  env={"GPURING_TEST_NONBLOCKING": "1", "FAULT_CALL": call, "FAULT_WHEN": when,
+                       "GPURING_TIMEOUT": "60"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 2}, out
+    for rank, line in got.items():
+        assert f"RESULT {rank} PeerFailureError peer=1 " in line, out
+        assert after(line) < 30, out  # not at the timeout
+        assert f":: {call} #2 on rank {rank}: " in line, out  # said once, by that call
+        assert f"CLOSED {rank}" in proc.stdout, out  # and close() after it stayed quiet
+
+
+@pytest.mark.mpi
+def test_sigkill_under_mpiexec_ends_the_job(tmp_path):
+    """What plain mpiexec (MPICH's hydra) does when a rank is SIGKILLed: as soon as its proxy
+    reaps the rank it sends SIGUSR1 and then SIGKILL to every other rank (even with
+    -disable-auto-cleanup), so the job ends at once with the killed rank's status. A survivor
+    that reported first names rank 1; none may hang or see anything else."""
+    try:
+        proc = launch("mpiexec", 3, [WORKER, "kill", str(tmp_path)],
+                      env={"GPURING_TIMEOUT": "600", "GPURING_JITTER": "0"}, timeout=120)
+    finally:
+        remove_mpich_segments(tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9, out  # the status of the killed rank
+    assert "Killed (signal 9)" in out, out
+    for rank, (name, peer, after) in results(proc.stdout).items():
+        assert rank != 1 and name == "PeerFailureError" and peer == "1", out
+        assert after < 60, out
+    job = re.search(r"JOB (\w+)", proc.stdout).group(1)
+    assert glob.glob(f"/dev/shm/gpuring-{job}-*") == []
+
+
+@pytest.mark.mpi
+def test_sigkill_under_mpiexec_is_seen_in_the_process_id(tmp_path):
+    """Under mpiexec nothing but the status board tells the survivors a rank died, through
+    its process id, which must count a zombie (dead, not yet reaped) as dead. GPURING_TIMEOUT
+    is short so that a detection that fails ends as a CollectiveTimeoutError, not a hang."""
+    proc = mpiexec_lazy(3, [WORKER, "kill", str(tmp_path)], tmp_path,
+                        env={"GPURING_TIMEOUT": "20", "GPURING_JITTER": "0"})
+    out = proc.stdout + proc.stderr
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 2}, out
+    for rank, line in got.items():
+        assert f"RESULT {rank} PeerFailureError peer=1 " in line, out
+        assert re.search(r"rank 1 \(pid \d+\) is gone", line), out
+        assert after(line) < 10, out  # not at the timeout
+
+
+@pytest.mark.parametrize("how", ["abort", "kill"])
+@pytest.mark.parametrize("launcher", ["gpuring", MPIEXEC])
+def test_a_failure_while_ranks_agree_on_a_call(launcher, how, tmp_path):
+    """Rank 1 gives up or dies in the control-plane exchange of a signature not seen before
+    (rank 2 is in it too, rank 0 comes later): both raise PeerFailureError naming rank 1."""
+    env = {"FAULT_HOW": how, "GPURING_TIMEOUT": "30"}
+    args = [WORKER, "agree_failure", str(tmp_path)]
+    if launcher == "mpiexec" and how == "kill":
+        proc = mpiexec_lazy(3, args, tmp_path, env)
+    else:
+        proc = launch(launcher, 3, args, env=env, timeout=120)
+    out = proc.stdout + proc.stderr
+    got = dir_results(tmp_path)
+    assert set(got) == ({0, 2} if how == "kill" else {0, 1, 2}), out
+    for rank in (0, 2):
+        assert f"RESULT {rank} PeerFailureError peer=1 " in got[rank], out
+        assert f":: all_reduce #2 on rank {rank}: " in got[rank], out
+        assert after(got[rank]) < 15, out  # not at the timeout
+        assert re.search(r"rank 1 (failed|disconnected|\(pid \d+\) is gone)", got[rank]), out
+    if how == "abort":
+        assert "RESULT 1 CommunicatorClosedError" in got[1], out
+
+
+@pytest.mark.parametrize("launcher", ["gpuring", MPIEXEC])
+def test_a_control_plane_timeout_fails_the_late_rank_too(launcher, tmp_path):
+    """Rank 1 calls a new signature only after the others timed out agreeing on it. They
+    raise CollectiveTimeoutError; rank 1 must not complete the exchange they left (and then
+    wait out its own timeout in a collective nobody runs): it raises at once, saying that a
+    peer timed out."""
+    proc = launch(launcher, 3, [WORKER, "agree_timeout", str(tmp_path)],
+                  env={"GPURING_TIMEOUT": "2"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 1, 2}, out
+    exchange = "control-plane exchange" if launcher == "gpuring" else "MPI allgather"
+    for rank in (0, 2):  # its own timeout, or the other's if that one said so first
+        assert f"RESULT {rank} CollectiveTimeoutError " in got[rank], out
+        assert f":: all_reduce #2 on rank {rank}: {exchange} " in got[rank] or (
+            f":: all_reduce #2 on rank {rank}: rank {2 - rank} timed out: " in got[rank]), out
+    assert "RESULT 1 CollectiveTimeoutError " in got[1], out
+    assert re.search(r"all_reduce #2 on rank 1: rank [02] timed out: all_reduce #2: ", got[1]), out
+    assert after(got[1]) < 1.5, out  # told, not timed out itself (the timeout is 2 s)
+
+
+def test_a_lost_launcher_fails_the_exchanges(tmp_path):
+    """`gpuring run` is SIGKILLed while ranks 0 and 2 wait in a control-plane exchange; rank 1
+    starts one only once they raised. All three raise PeerFailureError saying the launcher's
+    connection is gone (not a timeout, not an OSError). The ranks outlive the launcher (their
+    own sessions): the test ends them if they do not end by themselves."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "gpuring", "run", "-n", "3", "--", sys.executable, WORKER,
+         "launcher_lost", str(tmp_path)], env=dict(os.environ, GPURING_TIMEOUT="20"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        def wait_for(*names: str) -> None:
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"{n}.txt").exists() for n in names):
+                assert launcher.poll() is None, "the launcher ended early"
+                assert time.monotonic() < deadline, f"no {names} after 60 s"
+                time.sleep(0.02)
+
+        wait_for("pid-0", "pid-1", "pid-2", "entering-0", "entering-2")
+        pids = [int((tmp_path / f"pid-{r}.txt").read_text().split()[0]) for r in range(3)]
+        job = (tmp_path / "pid-0.txt").read_text().split()[1]
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while len(dir_results(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (tmp_path / "launcher-killed.txt").write_text("")  # rank 1 starts its exchange now
+        while len(dir_results(tmp_path)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = dir_results(tmp_path)
+        assert set(got) == {0, 1, 2}, got
+        for rank, line in got.items():
+            assert f"RESULT {rank} PeerFailureError " in line, got
+            assert "the launcher's control connection" in line, got
+            assert after(line) < 10, got  # not at the timeout
+        for pid in pids:  # they end by themselves
+            deadline = time.monotonic() + 30
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _running(pid), f"rank process {pid} outlived its work"
+        assert glob.glob(f"/dev/shm/gpuring-{job}-*") == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("nonblocking", ["0", "1"])
+def test_the_root_cause_wins_over_the_aborts_it_caused(nonblocking, tmp_path):
+    """channels=2, rank 1 late: on the others, stream 1 times out waiting for it and aborts
+    the device, which fails stream 0 (held until then). The error raised, by the call or (a
+    device that does not block) by synchronize(), is the timeout naming rank 1, not the abort
+    and not an internal exception."""
+    proc = launch("gpuring", 3, [WORKER, "channels", str(tmp_path)],
+                  env={"GPURING_TIMEOUT": "2", "GPURING_TEST_NONBLOCKING": nonblocking},
+                  timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 1, 2}, out
+    # its own streams' timeout, or the other's, if that one timed out first and said so
+    said = ("synchronize #2 on rank {}: collectives up to all_reduce #2 did not complete"
+            if nonblocking == "1" else "all_reduce #2 timed out after 2.0 s on rank {}")
+    call = "synchronize" if nonblocking == "1" else "all_reduce"
+    for rank in (0, 2):
+        assert f"RESULT {rank} CollectiveTimeoutError peer=1 " in got[rank], out
+        assert f":: {said.format(rank)}" in got[rank] or (
+            f":: {call} #2 on rank {rank}: rank {2 - rank} timed out: " in got[rank]), out
+    assert "RESULT 1 CollectiveTimeoutError peer=1 " in got[1], out  # told by the others
+
+
+@pytest.mark.mpi
+def test_mpi_transport_a_late_rank_times_out_every_rank(tmp_path):
+    """GPURING_TRANSPORT=mpi: rank 1 enters an all_reduce only after the others timed out in
+    it. Every rank raises CollectiveTimeoutError naming the call; nothing hangs."""
+    proc = launch("mpiexec", 3, [WORKER, "mpi_sleep", str(tmp_path)],
+                  env={"GPURING_TRANSPORT": "mpi", "GPURING_TIMEOUT": "2"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 1, 2}, out
+    for rank, line in got.items():
+        assert f"RESULT {rank} CollectiveTimeoutError " in line, out
+        assert f":: all_reduce #2 on rank {rank}: MPI all_reduce timed out" in line, out
+
+
+@pytest.mark.mpi
+def test_mpi_transport_a_dead_peer_times_out_the_others(tmp_path):
+    """GPURING_TRANSPORT=mpi, rank 1 SIGKILLed mid all_reduce, its death hidden from hydra
+    (which would end the job at once, as test_sigkill_under_mpiexec_ends_the_job shows): the
+    MPI path has no status board and MPI does not notice, so the survivors' waits end at the
+    timeout, with CollectiveTimeoutError, not a hang."""
+    proc = mpiexec_lazy(3, [WORKER, "mpi_kill", str(tmp_path)], tmp_path,
+                        env={"GPURING_TRANSPORT": "mpi", "GPURING_TIMEOUT": "3"})
+    out = proc.stdout + proc.stderr
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 2}, out
+    for rank, line in got.items():
+        assert f"RESULT {rank} CollectiveTimeoutError " in line, out
+        assert re.search(rf":: all_reduce #\d+ on rank {rank}: MPI all_reduce timed out", line), out

@@ -1,6 +1,9 @@
-"""Ranks that fail on purpose: `worker_faults.py CASE`. Each survivor prints one line
+"""Ranks that fail on purpose: `worker_faults.py CASE [DIR]`. Each survivor prints one line
 `RESULT <rank> <ExceptionName> peer=<peer> after=<seconds>` and exits 0 when it saw the error
-the case expects; the test reads those lines."""
+the case expects; the test reads those lines. With DIR, the line also goes to
+DIR/result-<rank>.txt (for cases where stdout may be gone), and ranks that must act in a given
+order wait for each other's files there: no sleeps decide what happens, and every wait is
+bounded."""
 
 from __future__ import annotations
 
@@ -14,19 +17,58 @@ import numpy as np
 
 import gpuring
 
+DIR = sys.argv[2] if len(sys.argv) > 2 else None
+
 
 def report(comm: gpuring.Communicator, exc: BaseException, since: float) -> None:
     peer = getattr(exc, "peer", None)
     after = time.monotonic() - since
-    print(f"RESULT {comm.rank} {type(exc).__name__} peer={peer} after={after:.2f} :: {exc}",
-          flush=True)
+    line = f"RESULT {comm.rank} {type(exc).__name__} peer={peer} after={after:.2f} :: {exc}"
+    if DIR is not None:
+        mark(f"result-{comm.rank}", line)
+    try:
+        print(line, flush=True)
+    except OSError:  # the launcher (our stdout's reader) is gone
+        pass
+
+
+def mark(name: str, text: str = "") -> None:
+    """Create DIR/name.txt atomically (a rank waiting for it never reads half of it)."""
+    assert DIR is not None, "this case needs a directory argument"
+    path = os.path.join(DIR, f"{name}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def wait_for(*names: str, timeout: float = 60.0) -> None:
+    """Wait until DIR/name.txt exists for every name (bounded: a missing one fails the rank)."""
+    assert DIR is not None, "this case needs a directory argument"
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while not os.path.exists(os.path.join(DIR, f"{name}.txt")):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} never came (waited {timeout} s)")
+            time.sleep(0.01)
+
+
+def exit_when_survivors_reported(comm: gpuring.Communicator, dead: int) -> None:
+    """Under mpiexec, leave once every survivor has reported, without MPI_Finalize: hydra
+    kills the remaining ranks as soon as it reaps one that a signal killed (which the first
+    survivor's exit makes it do), and MPI_Finalize may wait for the dead rank."""
+    if os.environ.get("GPURING_STORE"):
+        return
+    wait_for(*(f"result-{r}" for r in range(comm.size) if r != dead))
+    mark("release")  # lazy_parent.py may reap the dead rank now
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def case_kill(comm: gpuring.Communicator) -> None:
     """Rank 1 is SIGKILLed while every rank is inside large all_reduces."""
     x = np.random.default_rng(comm.rank).standard_normal(8 << 20).astype(np.float32)  # 32 MiB
     comm.all_reduce(x)  # everyone set up
-    print(f"JOB {os.environ.get('GPURING_JOB_ID', '')}", flush=True)
+    print(f"JOB {comm._control.job_id}", flush=True)
     if comm.rank == 1:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
     since = time.monotonic()
@@ -35,6 +77,8 @@ def case_kill(comm: gpuring.Communicator) -> None:
             comm.all_reduce(x)
     except gpuring.GpuringError as exc:
         report(comm, exc, since)
+        if DIR is not None:
+            exit_when_survivors_reported(comm, dead=1)
         return
     raise AssertionError("no error although rank 1 was killed")
 
@@ -286,14 +330,219 @@ def case_fail_while_idle(comm: gpuring.Communicator) -> None:
     print(f"CLEAN {comm.rank}", flush=True)
 
 
+def case_late_failure(comm: gpuring.Communicator) -> None:
+    """GPURING_TEST_NONBLOCKING=1, FAULT_CALL=synchronize|close, FAULT_WHEN=during|before.
+    The survivors' all_reduce returns before it completes (it cannot: rank 1 never enters it);
+    only then, once every survivor said so, does rank 1 give up: while the survivors wait in
+    synchronize() or close() (during), or before they call it, once their watchdog recorded
+    the failure (before). That call must raise PeerFailureError naming rank 1; after
+    synchronize() raised, close() raises nothing more."""
+    call, when = os.environ["FAULT_CALL"], os.environ["FAULT_WHEN"]
+    x = np.ones(1000, np.float64)
+    comm.all_reduce(x)
+    comm.synchronize()
+    assert not comm._engines["cpu"].device.blocking
+    survivors = [r for r in range(comm.size) if r != 1]
+    if comm.rank == 1:
+        wait_for(*(f"returned-{r}" for r in survivors))
+        comm.abort("planted failure after the others' call returned")
+        mark("failed")
+        comm.close()
+        return
+    since = time.monotonic()
+    comm.all_reduce(x)  # returns at once: nothing has failed yet
+    mark(f"returned-{comm.rank}")
+    if when == "before":
+        wait_for("failed")
+        deadline = time.monotonic() + 30
+        while comm._failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert comm._failure is not None, "the watchdog did not see rank 1 give up"
+    try:
+        comm.synchronize() if call == "synchronize" else comm.close()
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+    else:
+        raise AssertionError(f"{call}() did not raise the failure of a collective in flight")
+    comm.close()  # the failure was raised once: close() stays quiet
+    print(f"CLOSED {comm.rank}", flush=True)
+
+
+def case_agree_failure(comm: gpuring.Communicator) -> None:
+    """FAULT_HOW=abort|kill. Ranks 1 and 2 agree on a signature not seen before (an exchange
+    on the control plane) while rank 1 gives up or dies; rank 0 calls only after that. Ranks 0
+    and 2 must raise PeerFailureError naming rank 1."""
+    how = os.environ["FAULT_HOW"]
+    comm.all_reduce(np.ones(1000, np.float64))  # everything set up, watchdog running
+    new = np.ones(1001, np.float64)  # a signature nobody agreed on yet
+    since = time.monotonic()
+    if comm.rank == 1:
+        def fail() -> None:
+            wait_for("entering-1", "entering-2")
+            mark("failing")
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.abort("planted failure while agreeing")
+
+        threading.Thread(target=fail, daemon=True).start()
+    if comm.rank == 0:
+        wait_for("failing")
+    else:
+        mark(f"entering-{comm.rank}")
+    try:
+        comm.all_reduce(new)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        if how == "kill":
+            exit_when_survivors_reported(comm, dead=1)
+        return
+    raise AssertionError("agreement succeeded although rank 1 failed")
+
+
+def case_agree_timeout(comm: gpuring.Communicator) -> None:
+    """Rank 1 calls a new signature only after the others gave up waiting for it in the
+    control-plane exchange (GPURING_TIMEOUT small). They raise CollectiveTimeoutError; rank 1
+    must raise too (not run a collective the others have left), and nobody may hang."""
+    x = np.ones(1000, np.float64)
+    comm.all_reduce(x)
+    new = np.ones(1001, np.float64)
+    if comm.rank == 1:
+        wait_for(*(f"result-{r}" for r in range(comm.size) if r != 1))
+    since = time.monotonic()
+    try:
+        got = comm.all_reduce(new)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+    else:
+        raise AssertionError(f"rank {comm.rank} got {got[:3]} from an exchange that timed out")
+    if comm.rank != 1:
+        wait_for("result-1")  # rank 1 must not need us gone to find out
+
+
+def case_launcher_lost(comm: gpuring.Communicator) -> None:
+    """The test SIGKILLs `gpuring run` while ranks 0 and 2 wait in a control-plane exchange
+    for rank 1, which calls only once they raised. Every rank must raise a clear error."""
+    mark(f"pid-{comm.rank}", f"{os.getpid()} {comm._control.job_id}")
+    comm.all_reduce(np.ones(1000, np.float64))
+    new = np.ones(1001, np.float64)
+    if comm.rank == 1:
+        wait_for("launcher-killed")
+    else:
+        mark(f"entering-{comm.rank}")
+    since = time.monotonic()
+    try:
+        comm.all_reduce(new)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        return
+    raise AssertionError("agreement succeeded without the launcher")
+
+
+def case_channels(comm: gpuring.Communicator) -> None:
+    """Two channels, two streams, both waiting for rank 1, which comes only after the others
+    gave up (GPURING_TIMEOUT small). On ranks 0 and 2, stream 0 is held until the device is
+    aborted, so it fails with that abort while stream 1 fails with the timeout that caused it:
+    the error raised must be the timeout naming rank 1. Blocking device: from the call;
+    GPURING_TEST_NONBLOCKING=1: from synchronize()."""
+    x = np.ones(1 << 20, np.float32)  # 4 MiB: several pieces on each channel
+    comm.all_reduce(x, channels=2)
+    comm.synchronize()
+    engine = comm._engines["cpu"]
+    if comm.rank == 1:
+        wait_for(*(f"result-{r}" for r in range(comm.size) if r != 1))
+    else:
+        stream0 = engine._streams[0]
+        assert len(engine._streams) == 2
+        if not engine.device.blocking:  # the streams' timeout, not the watchdog's, fires
+            comm._health._timeout = 3600.0
+        deadline = time.monotonic() + 10 * comm.config.timeout
+        original = stream0._jitter
+
+        def hold() -> None:
+            while engine.device.aborted is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            stream0._jitter = original
+
+        stream0._jitter = hold
+    since = time.monotonic()
+    try:
+        comm.all_reduce(x, channels=2)
+        comm.synchronize()
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        return
+    raise AssertionError("no error although rank 1 never came")
+
+
+def case_mpi_sleep(comm: gpuring.Communicator) -> None:
+    """GPURING_TRANSPORT=mpi: rank 1 enters an all_reduce only after the others timed out in
+    it (GPURING_TIMEOUT small)."""
+    x = np.ones(1000, np.float64)
+    comm.all_reduce(x)
+    if comm.rank == 1:
+        wait_for(*(f"result-{r}" for r in range(comm.size) if r != 1))
+    since = time.monotonic()
+    try:
+        got = comm.all_reduce(x)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        return
+    print(f"RESULT {comm.rank} returned peer=None after={time.monotonic() - since:.2f} :: "
+          f"{got[:3]}", flush=True)
+
+
+def case_mpi_kill(comm: gpuring.Communicator) -> None:
+    """GPURING_TRANSPORT=mpi: rank 1 is SIGKILLed while every rank is in MPI all_reduces."""
+    x = np.ones(1 << 20, np.float32)
+    comm.all_reduce(x)
+    if comm.rank == 1:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    since = time.monotonic()
+    try:
+        for _ in range(100_000):
+            comm.all_reduce(x)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        exit_when_survivors_reported(comm, dead=1)
+        return
+    raise AssertionError("no error although rank 1 was killed")
+
+
+def use_async_host_device() -> None:
+    """The non-blocking host device of worker.py (the scheduler's GPU path), with one change:
+    the caller does not wait for the collective's event either, as with CUDA, where the
+    caller's stream waits for it and the host goes on. So a collective returns before it
+    completes, and a failure that comes later is raised by synchronize(), the next call or
+    close(), never from inside the call that already returned."""
+    from worker import use_nonblocking_host_device
+
+    from gpuring import communicator
+
+    use_nonblocking_host_device()
+    make = communicator._make_device
+
+    def make_device(kind, control, config):
+        device = make(kind, control, config)
+        if kind == "cpu":
+            assert not device.blocking
+            device.order_caller_after = lambda event: None
+        return device
+
+    communicator._make_device = make_device
+
+
 def main() -> None:
     if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
-        from worker import use_nonblocking_host_device
-
-        use_nonblocking_host_device()
+        use_async_host_device()
     case = sys.argv[1]
     timeout = float(os.environ.get("GPURING_TIMEOUT", "600"))
     comm = gpuring.init(timeout=timeout)
+    if DIR is not None and not os.environ.get("GPURING_STORE"):
+        # MPICH's shared memory, which a killed job leaves behind: the test removes it
+        with open("/proc/self/maps") as f:
+            names = {line.split("/dev/shm/")[1].split()[0] for line in f
+                     if "/dev/shm/mpich_shm" in line}
+        mark(f"mpich-shm-{comm.rank}", "\n".join(sorted(names)))
     globals()[f"case_{case}"](comm)
 
 

@@ -3,13 +3,17 @@ releases an exchange that a closed rank will never join."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
 import pytest
 
-from gpuring import CollectiveMismatchError, PeerFailureError
+from gpuring import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
 from gpuring.rendezvous.base import ControlPlane
 from gpuring.rendezvous.store import StoreClient, StoreServer
 
@@ -75,3 +79,97 @@ def test_store_releases_an_exchange_a_closed_rank_never_joins(
         clients[0].close()
     finally:
         server.close()
+
+
+def _clients(address: tuple[str, int], key: bytes, n: int = 2) -> list[StoreClient]:
+    clients = []
+    for r in range(n):  # ranks of one generation (each would be its own process)
+        StoreClient._generation = 0
+        clients.append(StoreClient(r, n, r, n, address, key, "job"))
+    return clients
+
+
+def _exchange_in_thread(client: StoreClient, timeout: float) -> tuple[threading.Thread,
+                                                                       list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            client.exchange("y", 1, timeout=timeout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    return thread, errors
+
+
+def test_an_exchange_a_rank_never_joins_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StoreClient, "_generation", 0)
+    key = b"k" * 32
+    server = StoreServer(2, key)
+    try:
+        clients = _clients(server.address, key)
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=r"exchange #1 timed out after 0.3 s "
+                                                         r"on rank 0"):
+            clients[0].exchange("y", 1, timeout=0.3)
+        assert time.monotonic() - start < 10
+        for client in clients:
+            client.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("how", ["server killed", "server closed", "connection dropped"])
+def test_a_lost_launcher_connection_fails_this_and_every_later_exchange(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exchange waiting when the launcher's store goes away, or the connection drops,
+    raises PeerFailureError at once (not at its timeout); so does every later one (not an
+    OSError, not a wait for the timeout: the one notice of the loss is used up by then)."""
+    monkeypatch.setattr(StoreClient, "_generation", 0)
+    key = b"k" * 32
+    process = None
+    if how == "server killed":  # the launcher's process dies
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\n"
+             "from gpuring.rendezvous.store import StoreServer\n"
+             f"s = StoreServer(2, {key!r})\nprint(s.address[1], flush=True)\ntime.sleep(120)"],
+            stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        server = None
+        clients = _clients(("127.0.0.1", port), key)
+    else:
+        server = StoreServer(2, key)
+        clients = _clients(server.address, key)
+    try:
+        thread, errors = _exchange_in_thread(clients[0], timeout=60)
+        time.sleep(0.2)  # rank 0 waits in the exchange (if not yet, it fails when it does)
+        if process is not None:
+            process.kill()
+            process.wait()
+        elif how == "server closed":
+            assert server is not None
+            server.close()
+        else:
+            fd = os.dup(clients[0]._conn.fileno())
+            with socket.socket(fileno=fd) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], PeerFailureError), errors
+        assert "the launcher's control connection" in str(errors[0])
+        for _ in range(3):
+            start = time.monotonic()
+            with pytest.raises(PeerFailureError, match="the launcher's control connection"):
+                clients[0].exchange("z", 2, timeout=60)
+            assert time.monotonic() - start < 30
+        for client in clients:
+            client.close()  # no error either
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        if server is not None:
+            server.close()
