@@ -27,7 +27,7 @@ from .algorithms.collectives import plan_collective
 from .devices.base import Device, FlagWaitAborted, FlagWaitTimeout
 from .devices.host import SHM_PREFIX, HostDevice
 from .rendezvous.base import ControlPlane
-from .scheduler import MAX_CHANNELS, Engine
+from .scheduler import Engine
 from .timeline import Timeline, write_trace
 
 __all__ = ["Communicator"]
@@ -197,30 +197,18 @@ class Communicator:
                     error: BaseException = _in_context(self._failure, name, self._seq,
                                                        self.rank)
                 else:
-                    error = self._streams_failure(engine, exc, name)
+                    error = self._streams_failure(exc, name)
                     culprit = (error.peer if isinstance(error, CollectiveTimeoutError)
                                and error.peer is not None else None)
                     self._give_up(error, name, culprit)
                 self._broken = error
                 raise error from None
 
-    def _streams_failure(self, engine: Engine, first: BaseException, name: str
+    def _streams_failure(self, first: BaseException, name: str
                          ) -> BaseException:
-        """The error of a failed `engine.synchronize()`: the root cause among the streams'
-        errors (a timeout before the aborts it caused, as `Engine._finish` picks for blocking
-        devices) as a gpuring error. `engine.synchronize()` raises one stream's error per
-        call, so call it again, with the device aborted so that nothing still waits, until
-        every stream has told."""
-        engine.device.abort(f"rank {self.rank} failed: {first!r}")
-        errors = [first]
-        for _ in range(MAX_CHANNELS + 1):
-            try:
-                engine.synchronize()
-                break
-            except BaseException as exc:
-                errors.append(exc)
-        timeouts = [e for e in errors if isinstance(e, (FlagWaitTimeout, CollectiveTimeoutError))]
-        cause = (timeouts or errors)[0]
+        """The error of a failed `engine.synchronize()` (already the root cause among the
+        streams' errors) as a gpuring error naming the call."""
+        cause = first
         collective, seq = self._last_collective, self._seq
         error: BaseException = cause
         if isinstance(cause, FlagWaitTimeout):

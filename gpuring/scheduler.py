@@ -159,15 +159,7 @@ class Engine:
         """Blocking devices: wait for the streams (the first error wins, a timeout before an
         abort it caused). Others: one event for all of them, remembered for the next call."""
         if self.device.blocking:
-            errors: list[BaseException] = []
-            for stream in used:
-                try:
-                    stream.synchronize()
-                except BaseException as exc:
-                    errors.append(exc)
-            if errors:
-                timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
-                raise (timeouts or errors)[0]
+            self._wait_for(used)
             return None
         first = used[0]
         for other in used[1:]:
@@ -176,9 +168,25 @@ class Engine:
         return self._last
 
     def synchronize(self) -> None:
-        """Block the host until everything enqueued so far has completed."""
-        for stream in [self._inline, *self._streams]:
-            stream.synchronize()
+        """Block the host until everything enqueued so far has completed; raise the root
+        cause of a failure (see `_wait_for`)."""
+        self._wait_for([self._inline, *self._streams])
+
+    def _wait_for(self, streams: list[Stream]) -> None:
+        """Wait for every stream. Once one fails the device is aborted, so that the others
+        end at once instead of waiting out their own timeouts; then the root cause is raised:
+        a timeout before the aborts it caused, else the first error."""
+        errors: list[BaseException] = []
+        for stream in streams:
+            try:
+                stream.synchronize()
+            except BaseException as exc:
+                if not errors:
+                    self.device.abort(f"rank {self.rank}: {exc}")
+                errors.append(exc)
+        if errors:
+            timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
+            raise (timeouts or errors)[0]
 
     def _runner(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:

@@ -12,8 +12,9 @@ What it models, and how:
   `Stream.wait_event` holds a stream, with no timeout, like the GPU does;
 - `RawModule` kernels are those of kernels/reduce.cu built for the CPU
   (kernels_host_build.py), launched with the grid they are given;
-- `cuda.bindings.driver`'s stream memory operations (`cuStreamWaitValue64`,
-  `cuStreamWriteValue64`) are simulated too when GPURING_CUDASIM_MEMOPS=1;
+- `cuda.bindings.driver` is simulated: its stream memory operations (`cuStreamWaitValue64`,
+  `cuStreamWriteValue64`) work when GPURING_CUDASIM_MEMOPS=1, and otherwise the device reports
+  none and the calls fail with CUDA_ERROR_NOT_SUPPORTED, as on a device without them;
 - occupancy (`cuOccupancyMaxActiveBlocksPerMultiprocessor` in that driver, and CuPy's
   `cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor`) answers from the registers of the
   kernel in the CUBIN that was loaded (cubin.py), by the rules of sm_80 and sm_90;
@@ -1009,9 +1010,11 @@ def __getattr__(name: str) -> Any:
 
 # ------------------------------------------------------------------------------ driver memops
 
-def _install_driver() -> None:
-    """A `cuda.bindings.driver` with the calls CudaDevice makes, when GPURING_CUDASIM_MEMOPS=1.
-    Signatures and enum names follow cuda-bindings: each call returns (CUresult, ...)."""
+def _install_driver(memops: bool) -> None:
+    """A `cuda.bindings.driver` with the calls CudaDevice makes. Signatures and enum names
+    follow cuda-bindings: each call returns (CUresult, ...). With `memops` False the device
+    reports no 64-bit stream memory operations, and those calls fail as the driver fails
+    them then (CUDA_ERROR_NOT_SUPPORTED)."""
     import enum
 
     driver = types.ModuleType("cuda.bindings.driver")
@@ -1021,9 +1024,10 @@ def _install_driver() -> None:
         CUDA_ERROR_INVALID_VALUE = 1
         CUDA_ERROR_INVALID_CONTEXT = 201
         CUDA_ERROR_INVALID_HANDLE = 400
+        CUDA_ERROR_NOT_SUPPORTED = 801
 
     class CUdevice_attribute(enum.IntEnum):
-        CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 119
+        CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 122
 
     class CUstreamWaitValue_flags(enum.IntEnum):
         CU_STREAM_WAIT_VALUE_GEQ = 1
@@ -1058,13 +1062,15 @@ def _install_driver() -> None:
 
     def cuDeviceGetAttribute(attrib: CUdevice_attribute,
                              dev: int) -> tuple[CUresult, int]:
-        return (CUresult.CUDA_SUCCESS, 1)
+        return (CUresult.CUDA_SUCCESS, int(memops))
 
     def cuGetErrorName(error: CUresult) -> tuple[CUresult, bytes]:
         return (CUresult.CUDA_SUCCESS, CUresult(error).name.encode())
 
     def _memop(stream: Any, addr: Any, value: Any,
                op: Callable[[ctypes.c_uint64, int], None]) -> tuple[CUresult]:
+        if not memops:
+            return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
         if not isinstance(stream, CUstream) or not isinstance(addr, CUdeviceptr) or \
                 not isinstance(value, cuuint64_t):
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
@@ -1109,6 +1115,5 @@ def _install_driver() -> None:
     sys.modules["cuda.bindings"].driver = driver  # type: ignore[attr-defined]
 
 
-if os.environ.get("GPURING_CUDASIM_MEMOPS") == "1":
-    _install_driver()
+_install_driver(memops=os.environ.get("GPURING_CUDASIM_MEMOPS") == "1")
 sweep_dead_allocations()  # what killed processes left behind

@@ -517,3 +517,17 @@ def test_alloc_is_zeroed_and_close_frees() -> None:
     dev.close()  # idempotent
     assert cp.cuda.runtime.memGetInfo()[0] > free_before - (64 << 20)
     assert mem.ptr == 0
+
+
+def test_memops_asked_for_where_the_device_has_none_is_a_clear_error() -> None:
+    """GPURING_CUDA_FLAGS=memops works where the device has stream memory operations and is a
+    clear error naming the way out where it has none."""
+    reason = cuda_module._memops_support(0)
+    if reason is None:
+        dev = CudaDevice(0, flags="memops")
+        assert dev.flags_mode == "memops"
+        dev.close()
+        return
+    assert "CAN_USE_64_BIT_STREAM_MEM_OPS" in reason or "cuda-bindings" in reason
+    with pytest.raises(RuntimeError, match="GPURING_CUDA_FLAGS=kernel"):
+        CudaDevice(0, flags="memops")

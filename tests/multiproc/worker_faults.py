@@ -161,17 +161,39 @@ def case_order(comm: gpuring.Communicator) -> None:
 
 
 def case_abort(comm: gpuring.Communicator) -> None:
-    """Rank 0 aborts from another thread while waiting for rank 1; then everyone re-inits."""
+    """Rank 0 aborts from another thread while its all_reduce waits for rank 1, inside the
+    flag wait (a hook on the device shows it got there); rank 1 enters only once it has heard
+    of the abort. Then everyone re-inits."""
     x = np.ones(1000, np.float64)
     comm.all_reduce(x)
     since = time.monotonic()
+    ended: list[str] = []
     if comm.rank == 0:
-        threading.Timer(0.5, comm.abort, ("test abort",)).start()
+        device = comm._engines["cpu"].device
+        wait_flag = device.wait_flag
+        waiting = threading.Event()
+
+        def watched_wait(flag, value, tag):
+            waiting.set()
+            try:
+                wait_flag(flag, value, tag)
+            except BaseException as exc:
+                ended.append(type(exc).__name__)
+                raise
+
+        device.wait_flag = watched_wait  # type: ignore[method-assign]
+        threading.Thread(target=lambda: waiting.wait(60) and comm.abort("test abort"),
+                         daemon=True).start()
     else:
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60
+        while comm._failure is None:  # rank 0's abort, passed on by the launcher
+            assert time.monotonic() < deadline, "rank 0's abort never arrived"
+            time.sleep(0.01)
     try:
         comm.all_reduce(x)
     except gpuring.GpuringError as exc:
+        if comm.rank == 0:  # the abort ended the wait itself, not a later check
+            assert ended == ["FlagWaitAborted"], ended
         report(comm, exc, since)
     else:
         raise AssertionError("abort did not fail the collective")
