@@ -4,7 +4,9 @@ machine without a GPU. Put this directory first on PYTHONPATH; `import cupy` the
 What it models, and how:
 - device memory is host memory: `cuda.Memory` maps a /dev/shm file, so that CUDA IPC
   (`ipcGetMemHandle` / `ipcOpenMemHandle`) maps the same pages in a peer process; a device
-  pointer is a plain address, and a wrong one faults as it would on the GPU; freeing memory a
+  pointer is a plain address; a kernel given one outside every allocation, mapping, pinned
+  buffer and live array faults when it runs: the context's sticky cudaErrorIllegalAddress,
+  after which every call and event query fails, as on a GPU; freeing memory a
   peer still maps makes that peer's next access fault (SIGBUS), as undefined behaviour may.
   Files are named after the process (and the `gpuring run` job, whose launcher removes them);
   those of dead processes are removed when the simulator is next imported;
@@ -85,6 +87,19 @@ class _Marker:
         self.reached.set()
 
 
+#: the context's sticky error (an illegal address): once set, the process's CUDA is dead
+_sticky: list[CUDARuntimeError] = []
+
+
+def _fault(what: str) -> None:
+    """What a kernel touching memory that is not the device's does to the context."""
+    error = CUDARuntimeError("cudaErrorIllegalAddress",
+                             f"an illegal memory access was encountered ({what})")
+    if not _sticky:
+        _sticky.append(error)
+    raise error
+
+
 class _Worker(threading.Thread):
     def __init__(self, name: str):
         super().__init__(name=name, daemon=True)
@@ -95,6 +110,8 @@ class _Worker(threading.Thread):
         self.start()
 
     def put(self, op: Callable[[], None]) -> None:
+        if _sticky:  # the context is dead: every call fails with its error, as CUDA's do
+            raise _sticky[0]
         if self.error is not None:
             raise CUDARuntimeError("cudaErrorLaunchFailure", f"earlier failure: {self.error}")
         with self.cond:
@@ -513,6 +530,8 @@ class _Runtime(types.ModuleType):
     def eventQuery(ptr: int) -> int:
         _context()
         event = _events[ptr]
+        if _sticky:
+            return 700  # cudaErrorIllegalAddress: the context is dead
         if event._stream is not None and event._stream._worker.error is not None:
             return 719  # cudaErrorLaunchFailure: the stream's earlier operation failed
         return 0 if event.done else 600
@@ -585,6 +604,30 @@ def _device_stack() -> list[int]:
 _FAMILIES = {"gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
              "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
              "gpuring_write_flag": ("write", 3)}
+#: which arguments of each family are addresses (a null source of reduce_n is unused)
+_POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
+             "wait": (0, 3, 4), "write": (0, 2)}
+_array_ranges: dict[int, tuple[int, int]] = {}  # live array buffers: id -> (start, end)
+
+
+def _note_array(host: np.ndarray) -> None:
+    """Remember the buffer under `host` as device memory while it lives."""
+    root = host
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    key = id(root)
+    if key not in _array_ranges:
+        start = root.__array_interface__["data"][0]
+        _array_ranges[key] = (start, start + max(root.nbytes, 1))
+        weakref.finalize(root, _array_ranges.pop, key, None)
+
+
+def _is_device_address(address: int) -> bool:
+    """Inside an allocation, a peer's mapping, pinned host memory or a live array."""
+    ranges = [(a.ptr, a.ptr + a.size) for a in (*_allocated.values(), *_opened.values())]
+    ranges += [(p, p + ctypes.sizeof(b)) for p, b in _host_buffers.items()]
+    ranges += list(_array_ranges.values())
+    return builtins.any(lo <= address < hi for lo, hi in ranges)
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 #: every kernel handed out, by its CUfunction handle (`RawKernel.ptr`)
@@ -640,6 +683,12 @@ class RawKernel:
         self.last_grid = blocks
         values = [int(a) for a in args]
         launch, address = self._launch, self._address
+        bad = [values[i] for i in _POINTERS[self._family]
+               if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
+               and not _is_device_address(values[i])]
+        if bad:  # the launch succeeds; the kernel faults when it runs, killing the context
+            _stream(stream)._put(lambda: _fault(f"{self.name} read {bad[0]:#x}"))
+            return
         _stream(stream)._put(lambda: launch(address, blocks, threads, *values))
 
 
@@ -700,6 +749,7 @@ class ndarray:
     def __init__(self, host: np.ndarray):
         self._a = host
         self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
+        _note_array(host)
 
     def __del__(self) -> None:
         # On a GPU, freed device memory is never handed to the host's allocator, and CuPy's

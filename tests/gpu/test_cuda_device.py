@@ -531,3 +531,33 @@ def test_memops_asked_for_where_the_device_has_none_is_a_clear_error() -> None:
     assert "CAN_USE_64_BIT_STREAM_MEM_OPS" in reason or "cuda-bindings" in reason
     with pytest.raises(RuntimeError, match="GPURING_CUDA_FLAGS=kernel"):
         CudaDevice(0, flags="memops")
+
+
+_BAD_POINTER = r"""
+import cupy as cp
+from gpuring._ops import ReduceOp
+from gpuring.devices.base import Span
+from gpuring.devices.cuda import CudaDevice, CudaMemory
+dev = CudaDevice(0, timeout=30.0)
+x = cp.arange(1024, dtype=cp.float32)
+cp.cuda.get_current_stream().synchronize()
+mx = dev.wrap(x)
+nowhere = CudaMemory(0x10, 4096, "borrowed")  # no allocation there
+s = dev.create_stream()
+s.reduce(Span(nowhere, 0, 4096), Span(mx, 0, 4096), Span(mx, 0, 4096), "float32", ReduceOp.SUM)
+try:
+    s.synchronize()
+except Exception as exc:
+    print("RAISED", type(exc).__name__, exc)
+else:
+    print("NO ERROR")
+"""
+
+
+def test_a_kernel_fault_is_reported_as_a_cuda_error() -> None:
+    """A kernel that writes where no memory is faults the context: the host gets CUDA's
+    illegal-address error from the stream (not a crash, not a timeout)."""
+    done = subprocess.run([sys.executable, "-c", _BAD_POINTER], capture_output=True, text=True,
+                          timeout=120)
+    assert "RAISED" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "illegal" in done.stdout.lower() or "700" in done.stdout, done.stdout

@@ -23,6 +23,7 @@ from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _kernels
 from gpuring.devices.host import _UFUNCS, _average_into
 
+from .. import reference
 from ..cudasim import kernels_host_build
 
 # (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
@@ -164,6 +165,25 @@ def test_reduce_matches_host_device_bitwise(lib: ctypes.CDLL, dtype: str) -> Non
                         outside = np.ones(arena.raw.size, bool)
                         outside[idst:idst + n * size] = False
                         assert np.array_equal(arena.raw[outside], before[outside]), where
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_reduce_matches_an_independent_reference(lib: ctypes.CDLL, dtype: str) -> None:
+    """Against tests/reference.py, written from the documented rules and sharing no code with
+    gpuring, so a rule broken in both the kernels and the host device fails here."""
+    dt = _np_dtype(dtype)
+    rng = np.random.default_rng(97 + sum(map(ord, dtype)))
+    n = 515
+    for op in _ops_of(dtype):
+        kernel = _kernel(lib, _kernels.reduce_kernel_name(dtype, op))
+        for divisor in ((3, 7) if op is ReduceOp.AVG else (1,)):
+            x, y = _random(rng, dt, n), _random(rng, dt, n)
+            out = np.zeros(n, dt)
+            lib.emu_launch_reduce(kernel, 4, 64, out.ctypes.data, x.ctypes.data,
+                                  y.ctypes.data, n, divisor, CLEAR)
+            name = "sum" if op is ReduceOp.AVG else op.value
+            want = reference.pairwise(x, y, name, divisor)
+            assert _same(out, want), f"{dtype} {op.value} divisor={divisor}"
 
 
 def _chain(xs: list[np.ndarray], op: ReduceOp, divisor: int) -> np.ndarray:
