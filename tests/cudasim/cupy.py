@@ -5,13 +5,17 @@ What it models, and how:
 - device memory is host memory: `cuda.Memory` maps a /dev/shm file, so that CUDA IPC
   (`ipcGetMemHandle` / `ipcOpenMemHandle`) maps the same pages in a peer process; a device
   pointer is a plain address; a kernel given one outside every allocation, mapping, pinned
-  buffer and live array faults when it runs: the context's sticky cudaErrorIllegalAddress,
-  after which every call and event query fails, as on a GPU; freeing memory a
-  peer still maps makes that peer's next access fault (SIGBUS), as undefined behaviour may.
+  buffer and live array, or on another device's memory without peer access (IPC's lazy
+  flag or deviceEnablePeerAccess), faults when it runs: the context's sticky
+  cudaErrorIllegalAddress, after which every call and event query fails, as on a GPU;
+  freeing memory a peer still maps makes that peer's next access fault (SIGBUS), as
+  undefined behaviour may.
   Files are named after the process (and the `gpuring run` job, whose launcher removes them);
   those of dead processes are removed when the simulator is next imported;
 - every stream is a thread that runs its operations in order; events mark a point in a stream;
-  `Stream.wait_event` holds a stream, with no timeout, like the GPU does;
+  `Stream.wait_event` holds a stream, with no timeout, like the GPU does; a stream belongs to
+  the device current when it was made, and the legacy default stream synchronises implicitly
+  with the blocking streams of its device (non-blocking ones are independent);
 - `RawModule` kernels are those of kernels/reduce.cu built for the CPU
   (kernels_host_build.py), launched with the grid they are given;
 - `cuda.bindings.driver` is simulated: its stream memory operations (`cuStreamWaitValue64`,
@@ -133,6 +137,7 @@ class _Worker(threading.Thread):
 
 
 _streams: dict[int, Stream] = {}
+_legacy_lock = threading.Lock()
 _stream_ids = itertools.count(0x1000, 0x10)
 
 
@@ -152,7 +157,26 @@ class Stream:
         _streams[self.ptr] = self
 
     def _put(self, op: Callable[[], None]) -> None:
-        self._worker.put(op)
+        """Queue `op`. The legacy default stream and the blocking streams of its device
+        order each other implicitly (CUDA's legacy semantics): work on the legacy stream waits
+        for what every blocking stream has queued, and work on a blocking stream waits for
+        what the legacy stream has queued. Non-blocking streams are left alone."""
+        if self.ptr != 0 and self.non_blocking:
+            self._worker.put(op)
+            return
+        with _legacy_lock:
+            device = _Runtime.getDevice() if self.ptr == 0 else self.device_id
+            others = ([s for s in list(_streams.values()) if s.ptr != 0 and not s.non_blocking
+                       and s.device_id == device and s is not self and s._worker is not
+                       self._worker] if self.ptr == 0 else [Stream.null])
+            for other in others:
+                marker = _Marker()
+                try:
+                    other._worker.put(marker.reach)
+                except CUDARuntimeError:
+                    continue  # a failed stream never gets there; the error shows elsewhere
+                self._worker.put(marker.reached.wait)
+            self._worker.put(op)
 
     def record(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -321,6 +345,7 @@ class _Allocation:
     def __init__(self, size: int, name: str | None = None):
         self.size = size
         self.owner = name is None
+        self.device = _Runtime.getDevice()  # the owner's (a peer's handle says which)
         self.name = name or allocation_name()
         self.opens = 1
         path = f"/dev/shm/{self.name}"
@@ -341,8 +366,10 @@ class _Allocation:
             os.close(fd)
 
     def handle(self) -> bytes:
+        """64 bytes: magic, size with the owner's device in the top byte, name."""
         name = self.name.encode()
-        return (self.MAGIC + struct.pack("<qI", self.size, len(name)) + name).ljust(64, b"\0")
+        sized = self.size | self.device << 56
+        return (self.MAGIC + struct.pack("<qI", sized, len(name)) + name).ljust(64, b"\0")
 
     @classmethod
     def name_in(cls, handle: bytes) -> str:
@@ -354,8 +381,10 @@ class _Allocation:
 
     @classmethod
     def from_handle(cls, handle: bytes) -> _Allocation:
-        size, _length = struct.unpack_from("<qI", handle, len(cls.MAGIC))
-        return cls(size, cls.name_in(handle))
+        sized, _length = struct.unpack_from("<qI", handle, len(cls.MAGIC))
+        alloc = cls(sized & ((1 << 56) - 1), cls.name_in(handle))
+        alloc.device = sized >> 56
+        return alloc
 
     def map_in_peer(self) -> None:
         """Record that this process maps a peer's allocation (its owner checks at free)."""
@@ -401,7 +430,7 @@ class Memory:
         _used[0] += self._alloc.size
         self.ptr = self._alloc.ptr
         self.size = int(size)
-        self.device_id = 0
+        self.device_id = self._alloc.device
 
     def __del__(self) -> None:
         alloc = getattr(self, "_alloc", None)
@@ -454,6 +483,15 @@ class _Runtime(types.ModuleType):
         _current.device = device
         _current.context = device
         _contexts.add(device)
+
+    @staticmethod
+    def deviceCanAccessPeer(device: int, peer: int) -> int:
+        return 1
+
+    @staticmethod
+    def deviceEnablePeerAccess(peer: int) -> None:
+        _context()
+        _peer_access.add((_Runtime.getDevice(), peer))
 
     @staticmethod
     def memGetInfo() -> tuple[int, int]:
@@ -512,6 +550,8 @@ class _Runtime(types.ModuleType):
                 alloc.opens += 1
                 return alloc.ptr
         alloc = _Allocation.from_handle(handle)
+        if flags & 1:  # cudaIpcMemLazyEnablePeerAccess: this device may reach the owner's
+            _peer_access.add((_Runtime.getDevice(), alloc.device))
         alloc.map_in_peer()
         _opened[alloc.ptr] = alloc
         return alloc.ptr
@@ -607,27 +647,42 @@ _FAMILIES = {"gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce"
 #: which arguments of each family are addresses (a null source of reduce_n is unused)
 _POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
              "wait": (0, 3, 4), "write": (0, 2)}
-_array_ranges: dict[int, tuple[int, int]] = {}  # live array buffers: id -> (start, end)
+#: live array buffers: id -> (start, end, device)
+_array_ranges: dict[int, tuple[int, int, int]] = {}
+#: (device, peer device): kernels on the first may reach the second's memory
+_peer_access: set[tuple[int, int]] = set()
 
 
-def _note_array(host: np.ndarray) -> None:
-    """Remember the buffer under `host` as device memory while it lives."""
+def _note_array(host: np.ndarray, device: int) -> None:
+    """Remember the buffer under `host` as memory of `device` while it lives."""
     root = host
     while isinstance(root.base, np.ndarray):
         root = root.base
     key = id(root)
     if key not in _array_ranges:
         start = root.__array_interface__["data"][0]
-        _array_ranges[key] = (start, start + max(root.nbytes, 1))
+        _array_ranges[key] = (start, start + max(root.nbytes, 1), device)
         weakref.finalize(root, _array_ranges.pop, key, None)
 
 
-def _is_device_address(address: int) -> bool:
-    """Inside an allocation, a peer's mapping, pinned host memory or a live array."""
-    ranges = [(a.ptr, a.ptr + a.size) for a in (*_allocated.values(), *_opened.values())]
-    ranges += [(p, p + ctypes.sizeof(b)) for p, b in _host_buffers.items()]
+def _device_of(address: int) -> int | None:
+    """The device whose memory holds `address` (-1: pinned host memory, which every device
+    reaches), or None when it is nobody's."""
+    ranges = [(a.ptr, a.ptr + a.size, a.device)
+              for a in (*_allocated.values(), *_opened.values())]
+    ranges += [(p, p + ctypes.sizeof(b), -1) for p, b in _host_buffers.items()]
     ranges += list(_array_ranges.values())
-    return builtins.any(lo <= address < hi for lo, hi in ranges)
+    return next((dev for lo, hi, dev in ranges if lo <= address < hi), None)
+
+
+def _bad_address(address: int, device: int) -> str | None:
+    """Why a kernel on `device` may not touch `address`; None when it may."""
+    owner = _device_of(address)
+    if owner is None:
+        return f"{address:#x} is no memory"
+    if owner not in (-1, device) and (device, owner) not in _peer_access:
+        return f"{address:#x} is memory of device {owner}, without peer access from {device}"
+    return None
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 #: every kernel handed out, by its CUfunction handle (`RawKernel.ptr`)
@@ -683,11 +738,13 @@ class RawKernel:
         self.last_grid = blocks
         values = [int(a) for a in args]
         launch, address = self._launch, self._address
-        bad = [values[i] for i in _POINTERS[self._family]
+        target = _stream(stream)
+        device = target.device_id if target.device_id >= 0 else _Runtime.getDevice()
+        bad = [why for i in _POINTERS[self._family]
                if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
-               and not _is_device_address(values[i])]
+               and (why := _bad_address(values[i], device))]
         if bad:  # the launch succeeds; the kernel faults when it runs, killing the context
-            _stream(stream)._put(lambda: _fault(f"{self.name} read {bad[0]:#x}"))
+            target._put(lambda: _fault(f"{self.name}: {bad[0]}"))
             return
         _stream(stream)._put(lambda: launch(address, blocks, threads, *values))
 
@@ -749,7 +806,7 @@ class ndarray:
     def __init__(self, host: np.ndarray):
         self._a = host
         self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
-        _note_array(host)
+        _note_array(host, self._device_id)
 
     def __del__(self) -> None:
         # On a GPU, freed device memory is never handed to the host's allocator, and CuPy's

@@ -561,3 +561,31 @@ def test_a_kernel_fault_is_reported_as_a_cuda_error() -> None:
                           timeout=120)
     assert "RAISED" in done.stdout, done.stdout + done.stderr[-2000:]
     assert "illegal" in done.stdout.lower() or "700" in done.stdout, done.stdout
+
+
+def test_the_legacy_stream_waits_for_blocking_streams_only() -> None:
+    """CUDA's legacy default stream is ordered after the work of the device's blocking
+    streams, never after non-blocking ones (which is why CudaDevice uses only those)."""
+    from gpuring.devices import _kernels
+
+    dev = CudaDevice(0, timeout=60.0)
+    words = dev.alloc(16)
+    wait = _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, 0)
+    release = np.array([1], np.uint64)
+    side = cp.cuda.Stream(non_blocking=True)
+    for blocking, offset in ((False, 0), (True, 8)):
+        held = cp.cuda.Stream(non_blocking=not blocking)
+        wait((1,), (1,), (np.uint64(words.ptr + offset), np.uint64(1), np.uint64(0),
+                          np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)), stream=held)
+        # `held` cannot pass its wait until the word is released below
+        assert not held.record().done
+        after = cp.cuda.Stream.null.record()
+        if blocking:  # the legacy stream waits behind the blocked stream, however long
+            assert not _returns_within(0.5, after.synchronize)
+        else:
+            after.synchronize()  # not held by a non-blocking stream
+        cp.cuda.runtime.memcpyAsync(words.ptr + offset, release.ctypes.data, 8, 4, side.ptr)
+        side.synchronize()
+        held.synchronize()
+        after.synchronize()
+    dev.close()

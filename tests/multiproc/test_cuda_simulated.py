@@ -18,6 +18,7 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not 
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "tests" / "cudasim"
+GPU_TESTS = ROOT / "tests" / "gpu"
 
 pytestmark = pytest.mark.slow
 
@@ -33,37 +34,39 @@ def sim_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                 GPURING_CUDASIM_JITTER="1")
 
 
-@pytest.mark.parametrize("flags", ["kernel", "memops"])
-def test_gpu_tests_pass_on_the_simulator(sim_env: dict[str, str], flags: str) -> None:
-    env = dict(sim_env, GPURING_CUDASIM_MEMOPS="1" if flags == "memops" else "0")
+def _run_gpu_tests(env: dict[str, str], *paths: str) -> str:
+    """Run tests/gpu paths in a pytest of their own on the simulator; its output."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         str(ROOT / "tests" / "gpu")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-n", "2",
+         *paths],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     summary = output.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary
     assert "instead of NVRTC" not in output, output[-3000:]  # our own kernel build was used
-    if flags == "memops":  # the device really used stream memory operations
-        assert "[memops-" in subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-             str(ROOT / "tests" / "gpu" / "test_cuda_device.py")],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout
+    return output
 
 
-def test_one_gpu_per_rank_on_the_simulator(sim_env: dict[str, str]) -> None:
-    """Two simulated GPUs: each rank uses GPU local_rank % 2, its arrays live there, and IPC
-    maps buffers across devices."""
-    env = dict(sim_env, GPURING_CUDASIM_DEVICES="2")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         str(ROOT / "tests" / "gpu" / "test_multiproc_cuda.py")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    summary = output.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, summary
+def test_gpu_tests_pass_on_the_simulator(sim_env: dict[str, str]) -> None:
+    """All of tests/gpu on one GPU with stream memory operations: the device tests run in
+    both flag modes (memops and spin kernels), the multi-process ones with memops."""
+    env = dict(sim_env, GPURING_CUDASIM_MEMOPS="1")
+    _run_gpu_tests(env, str(GPU_TESTS))
+    assert "[memops-" in subprocess.run(  # the device really used stream memory operations
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         str(GPU_TESTS / "test_cuda_device.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout
+
+
+def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> None:
+    """Two simulated GPUs whose driver has no stream memory operations: each rank uses GPU
+    local_rank % 2, its arrays live there, IPC maps buffers across devices (with peer
+    access), waits spin in kernels, and the device says why it fell back."""
+    env = dict(sim_env, GPURING_CUDASIM_DEVICES="2", GPURING_CUDASIM_MEMOPS="0")
+    _run_gpu_tests(env, str(GPU_TESTS / "test_multiproc_cuda.py"),
+                   str(GPU_TESTS / "test_cuda_device.py"), "-k",
+                   "multiproc or spin or clear_error or legacy or fault")
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])
