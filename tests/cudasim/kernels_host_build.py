@@ -69,6 +69,15 @@ def build(directory: Path) -> Path:
     return out
 
 
+def simulator_env(directory: Path, **extra: str) -> dict[str, str]:
+    """The environment of a process that runs on the CUDA simulator: this directory first on
+    PYTHONPATH (so `import cupy` finds the simulator) and the kernels' host build, made in
+    `directory`. Raises Unavailable as `build` does."""
+    lib = build(directory)
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, GPURING_CUDASIM_LIB=str(lib), **extra)
+
+
 def load(path: Path | str) -> ctypes.CDLL:
     """The built library, with the signatures of its launchers (cuda_host_emulation.h)."""
     lib = ctypes.CDLL(str(path))

@@ -5,7 +5,6 @@ path on every CI run; it says nothing of speed, and a real GPU still runs tests/
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from ..cudasim import kernels_host_build
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
-SIM = ROOT / "tests" / "cudasim"
 GPU_TESTS = ROOT / "tests" / "gpu"
 
 pytestmark = pytest.mark.slow
@@ -26,12 +24,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def sim_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     try:
-        lib = kernels_host_build.build(tmp_path_factory.mktemp("cudasim"))
+        return kernels_host_build.simulator_env(tmp_path_factory.mktemp("cudasim"),
+                                                GPURING_CUDASIM_JITTER="1")
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))
-    path = os.pathsep.join(p for p in (str(SIM), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, GPURING_CUDASIM_LIB=str(lib),
-                GPURING_CUDASIM_JITTER="1")
 
 
 def _run_gpu_tests(env: dict[str, str], *paths: str) -> str:

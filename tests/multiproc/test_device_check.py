@@ -30,7 +30,6 @@ from ..cudasim import kernels_host_build, shm_names
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
-SIM = ROOT / "tests" / "cudasim"
 CHECK = ROOT / "bench" / "device_check.sh"
 ROUND_TRIPS = 200
 
@@ -105,12 +104,10 @@ def _remove_leaked_memory(probe_json: Path) -> None:
 @pytest.fixture(scope="module")
 def check_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     try:
-        lib = kernels_host_build.build(tmp_path_factory.mktemp("cudasim"))
+        env = kernels_host_build.simulator_env(tmp_path_factory.mktemp("cudasim"),
+                                               PYTHON=sys.executable, **DRY_RUN)
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))
-    path = os.pathsep.join(p for p in (str(SIM), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, GPURING_CUDASIM_LIB=str(lib),
-               PYTHON=sys.executable, **DRY_RUN)
     env.pop("GPURING_CUDASIM_JITTER", None)
     return env
 
