@@ -1,72 +1,49 @@
-"""Tunables: defaults, environment variables and size strings."""
+"""A communicator's settings: the `Config` that `init()` builds from the GPURING_* settings
+(declared in `gpuring.settings`) and its own arguments."""
 
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from . import settings
+from .settings import parse_size
 
 __all__ = ["Config", "parse_size"]
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+#: the setting each Config field is read from
+_FROM = {"timeout": "GPURING_TIMEOUT", "chunk_bytes": "GPURING_CHUNK_BYTES",
+         "channels": "GPURING_CHANNELS", "buffer_bytes": "GPURING_BUFFER_BYTES",
+         "one_shot_bytes": "GPURING_ONE_SHOT_BYTES", "stall_warning_s": "GPURING_STALL_WARNING",
+         "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT"}
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from `8`, `4K`, `64M`, `1G` (binary units; a trailing B or iB is allowed)."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size must be non-negative, got {text}")
-        return text
-    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
-    if not match:
-        raise ValueError(f"cannot read {text!r} as a size; write it like 8, 4K, 64M or 1G")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+def _default(field: str) -> Any:
+    return settings.SETTINGS[_FROM[field]].default
 
-
-def _env_size(name: str) -> int | None:
-    value = os.environ.get(name)
-    return None if value in (None, "") else parse_size(value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
 class Config:
-    """Communicator settings. `None` means: the device's default."""
+    """Communicator settings: the GPURING_* setting of the same meaning, by default its
+    declared default (gpuring/settings.py, which also says what each means). `None` means:
+    the device's default."""
 
-    #: seconds any wait may take before the collective fails
-    timeout: float = 300.0
-    #: piece size of the pipeline (bytes)
-    chunk_bytes: int | None = None
-    #: parallel rings
-    channels: int | None = None
-    #: size of one buffer region; a collective larger than this runs in several rounds
-    buffer_bytes: int | None = None
-    #: all_reduce up to this size runs one-shot (one flag hop) instead of the ring
-    one_shot_bytes: int = 64 << 10
-    #: log which ranks are missing from a collective others have waited in this long
-    stall_warning_s: float = 60.0
-    #: compare a checksum of every all_reduce, all_gather and broadcast result across ranks
-    verify: bool = False
-    #: NumPy collectives: "auto" (shared memory on one node, MPI across nodes) or "mpi"
-    transport: str = "auto"
+    timeout: float = _default("timeout")
+    chunk_bytes: int | None = _default("chunk_bytes")
+    channels: int | None = _default("channels")
+    buffer_bytes: int | None = _default("buffer_bytes")
+    one_shot_bytes: int = _default("one_shot_bytes")
+    stall_warning_s: float = _default("stall_warning_s")
+    verify: bool = _default("verify")
+    transport: str = _default("transport")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
-        """Defaults, then GPURING_* variables, then explicit (non-None) overrides."""
+        """The GPURING_* settings (their declared defaults where unset), then explicit
+        (non-None) overrides."""
         config = cls()
-        env: dict[str, object] = {
-            "timeout": float(os.environ["GPURING_TIMEOUT"])
-            if os.environ.get("GPURING_TIMEOUT") else None,
-            "chunk_bytes": _env_size("GPURING_CHUNK_BYTES"),
-            "channels": int(os.environ["GPURING_CHANNELS"])
-            if os.environ.get("GPURING_CHANNELS") else None,
-            "buffer_bytes": _env_size("GPURING_BUFFER_BYTES"),
-            "one_shot_bytes": _env_size("GPURING_ONE_SHOT_BYTES"),
-            "stall_warning_s": float(os.environ["GPURING_STALL_WARNING"])
-            if os.environ.get("GPURING_STALL_WARNING") else None,
-            "verify": os.environ.get("GPURING_VERIFY", "0") not in ("", "0")
-            if "GPURING_VERIFY" in os.environ else None,
-            "transport": os.environ.get("GPURING_TRANSPORT") or None,
-        }
+        env: dict[str, object] = {f.name: settings.get(_FROM[f.name]) for f in fields(cls)}
         for source in (env, overrides):
             changes = {k: v for k, v in source.items() if v is not None}
             config = replace(config, **changes)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from . import settings
 from ._config import Config
 from ._errors import GpuringError
 from ._ops import ReduceOp
@@ -49,8 +50,8 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
             return _current
         config = Config.from_env(timeout=timeout, chunk_bytes=chunk_bytes, channels=channels,
                                  buffer_bytes=buffer_bytes)
-        _current = Communicator(_control_plane(), config)
-        trace = os.environ.get("GPURING_TIMELINE")
+        _current = Communicator(_control_plane(), config, on_close=forget)
+        trace = settings.get("GPURING_TIMELINE")
         if trace:
             _current.start_timeline(trace)
         return _current

@@ -7,7 +7,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _arrays, interop
@@ -97,9 +97,13 @@ class Communicator:
     NumPy arrays run on the host device and return when the result is complete.
     """
 
-    def __init__(self, control: ControlPlane, config: Config | None = None):
+    def __init__(self, control: ControlPlane, config: Config | None = None, *,
+                 on_close: Callable[[Communicator], None] | None = None):
+        """`on_close(comm)` runs once the communicator closed (gpuring.init uses it to forget
+        the job's communicator)."""
         self._control = control
         self.config = config or Config.from_env()
+        self._on_close = on_close
         self._engines: dict[str, Engine] = {}
         self._agreed: set[tuple[Any, ...]] = set()
         self._prepared: dict[tuple[Any, ...], Any] = {}
@@ -174,9 +178,8 @@ class Communicator:
         self._closed = True
         self._state["orderly"] = self._failure is None and self._broken is None
         self._finalizer()
-        from . import _world
-
-        _world.forget(self)
+        if self._on_close is not None:
+            self._on_close(self)
         if report and unraised is not None:
             raise unraised
 

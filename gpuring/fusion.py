@@ -12,19 +12,17 @@ order in which the ranks' values are added. Every rank still gets the same bits.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import _arrays, interop
-from ._config import parse_size
+from . import _arrays, interop, settings
 from ._ops import ReduceOp
 
 __all__ = [
     "DEFAULT_FUSION_BYTES", "Bucket", "default_fusion_bytes", "plan_buckets", "all_reduce_many",
 ]
 
-DEFAULT_FUSION_BYTES = 64 << 20
+DEFAULT_FUSION_BYTES: int = settings.SETTINGS["GPURING_FUSION_BYTES"].default
 
 
 class Bucket(NamedTuple):
@@ -36,10 +34,9 @@ class Bucket(NamedTuple):
 
 def default_fusion_bytes() -> int:
     """The fusion buffer size: GPURING_FUSION_BYTES (e.g. 16M), else 64 MiB."""
-    value = os.environ.get("GPURING_FUSION_BYTES")
-    size = DEFAULT_FUSION_BYTES if not value else parse_size(value)
+    size: int = settings.get("GPURING_FUSION_BYTES")
     if size <= 0:
-        raise ValueError(f"GPURING_FUSION_BYTES must be positive, got {value!r}")
+        raise ValueError(f"GPURING_FUSION_BYTES must be positive, got {size}")
     return size
 
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import settings
 from .._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_op_dtype
 
 __all__ = [
@@ -184,7 +185,7 @@ def _bundled_include_dirs() -> list[str]:
 @functools.cache
 def cuda_include_dirs() -> tuple[str, ...]:
     """Directories to pass with -I so that `<cuda_fp16.h>` resolves. Raises when none found."""
-    override = os.environ.get("GPURING_CUDA_INCLUDE")
+    override = settings.get("GPURING_CUDA_INCLUDE")
     if override:
         return tuple(d for d in override.split(os.pathsep) if d)
     toolkit = _toolkit_include_dir()

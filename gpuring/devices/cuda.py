@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
 from . import _kernels
@@ -465,7 +466,7 @@ class CudaDevice(Device):
         self.timeout = timeout
         self.timeout_ns = int(timeout * 1e9)
 
-        mode = (flags or os.environ.get(FLAGS_ENV) or "auto").lower()
+        mode = (flags or settings.get(FLAGS_ENV)).lower()
         if mode not in ("auto", "memops", "kernel"):
             raise ValueError(f"{FLAGS_ENV}={mode!r}: use memops, kernel or auto")
         why_not = _memops_support(device_id)
@@ -474,7 +475,7 @@ class CudaDevice(Device):
         if mode == "auto" and why_not is not None:
             _warn_spin_waits(why_not)
         self.flags_mode = "memops" if mode != "kernel" and why_not is None else "kernel"
-        self.copy_mode = (copy or os.environ.get(COPY_ENV) or "memcpy").lower()
+        self.copy_mode = (copy or settings.get(COPY_ENV)).lower()
         if self.copy_mode not in ("memcpy", "kernel"):
             raise ValueError(f"{COPY_ENV}={self.copy_mode!r}: use memcpy or kernel")
 

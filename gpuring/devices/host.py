@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from .._errors import GpuringError
 from .._ops import ReduceOp
 from .base import (
@@ -377,7 +378,7 @@ class HostDevice(Device):
                 f"{platform.machine()} machine, where its flags could publish data too early")
         self.name_prefix = name_prefix or f"{SHM_PREFIX}{secrets.token_hex(8)}-"
         self.timeout = timeout
-        self.jitter = bool(int(os.environ.get("GPURING_JITTER", "0"))) if jitter is None else jitter
+        self.jitter = bool(settings.get("GPURING_JITTER")) if jitter is None else jitter
         self._owned: list[HostMemory] = []
         self._opened: dict[str, HostMemory] = {}
         self._streams: list[_ThreadStream] = []

@@ -1,0 +1,118 @@
+"""Every GPURING_* setting, declared once: its variable, how it is read, its default and what
+it means. The rest of gpuring reads settings through `get`; README.md's settings table is
+`markdown_table()` (a test keeps the two equal).
+
+Not settings in this sense: the variables `gpuring run` hands its ranks (GPURING_RANK,
+GPURING_WORLD_SIZE, GPURING_LOCAL_RANK, GPURING_LOCAL_SIZE, GPURING_STORE, GPURING_JOB_KEY,
+GPURING_JOB_ID: the launcher's protocol, `gpuring.rendezvous.store`) and those of the
+benchmark and device-check tools (`gpuring.bench`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Setting", "SETTINGS", "get", "parse_size", "markdown_table"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `8`, `4K`, `64M`, `1G` (binary units; a trailing B or iB is allowed)."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be non-negative, got {text}")
+        return text
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size; write it like 8, 4K, 64M or 1G")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _flag(text: str) -> bool:
+    return text.strip() not in ("", "0")
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"use one of {', '.join(allowed)}")
+        return value
+    return parse
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable. `default` is what `get` returns when the variable is unset
+    or empty (None: decided elsewhere, e.g. per device); `shown` is that default as the README
+    writes it."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    shown: str
+    meaning: str
+
+    def read(self, environ: dict[str, str] | os._Environ[str] | None = None) -> Any:
+        """The parsed value from the environment, else the default; a value that cannot be
+        read is a ValueError naming the variable."""
+        text = (os.environ if environ is None else environ).get(self.name, "")
+        if text == "":
+            return self.default
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}={text!r}: {exc}") from None
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("GPURING_TIMEOUT", float, 300.0, "300",
+            "seconds any wait may take before the collective fails"),
+    Setting("GPURING_CHUNK_BYTES", parse_size, None, "1M (CPU), 8M (GPU)",
+            "piece size of the pipeline"),
+    Setting("GPURING_CHANNELS", int, None, "1 (CPU), 1 (GPU)",
+            "parallel rings, each on its own stream"),
+    Setting("GPURING_BUFFER_BYTES", parse_size, None, "16M (CPU), 64M (GPU)",
+            "size of one buffer region; larger collectives run in rounds"),
+    Setting("GPURING_ONE_SHOT_BYTES", parse_size, 64 << 10, "64K",
+            "all_reduce up to this size runs one-shot (lowest latency)"),
+    Setting("GPURING_STALL_WARNING", float, 60.0, "60",
+            "seconds in a collective before missing ranks are logged"),
+    Setting("GPURING_VERIFY", _flag, False, "0",
+            "1: compare result checksums across ranks after each collective"),
+    Setting("GPURING_TRANSPORT", _choice("auto", "mpi"), "auto", "auto",
+            "NumPy collectives: `auto` (shared memory on one node, MPI across nodes) or `mpi` "
+            "(MPI always; needs `mpiexec`)"),
+    Setting("GPURING_FUSION_BYTES", parse_size, 64 << 20, "64M",
+            "largest fusion buffer of `all_reduce_many`"),
+    Setting("GPURING_TIMELINE", str, None, "unset",
+            "a path: record a Chrome trace of every collective from `init()` to `close()` there"),
+    Setting("GPURING_CUDA_FLAGS", _choice("auto", "memops", "kernel"), "auto", "auto",
+            "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
+            "`auto` (memops where available, else kernel with a warning)"),
+    Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",
+            "GPU copies of this rank's own memory: `memcpy` (cudaMemcpyAsync) or `kernel`; "
+            "copies from a peer are always a kernel"),
+    Setting("GPURING_CUDA_INCLUDE", str, None, "auto-detected",
+            "directories (separated by `:`) with `cuda_fp16.h`/`cuda_bf16.h` for runtime "
+            "kernel compilation"),
+    Setting("GPURING_JITTER", _flag, False, "0",
+            "1: random short delays in the host device (tests)"),
+)}
+
+
+def get(name: str) -> Any:
+    """The value of setting `name` now (the environment is read at each call)."""
+    return SETTINGS[name].read()
+
+
+def markdown_table() -> str:
+    """README.md's settings table."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.shown} | {s.meaning} |" for s in SETTINGS.values()]
+    return "\n".join(rows)
