@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from . import _arrays, interop
@@ -24,6 +26,7 @@ from ._ops import ReduceOp, check_op_dtype
 from ._status import signature_hash
 from ._work import Executor, Work, public_verb
 from .algorithms.collectives import plan_collective
+from .algorithms.plan import RoundPlan
 from .devices.base import Device, FlagWaitAborted, FlagWaitTimeout
 from .devices.host import SHM_PREFIX, HostDevice
 from .rendezvous.base import ControlPlane
@@ -34,8 +37,31 @@ __all__ = ["Communicator"]
 
 _SIGNATURE_FIELDS = ("collective", "device", "shape", "dtype", "op", "root", "chunk_bytes",
                      "channels", "one_shot_bytes", "buffer_bytes", "verify")
-_ALONE = object()  # prepared call of a world of one: nothing to plan
-_VIA_MPI = object()  # prepared call that MPI carries (NumPy arrays across nodes)
+class Route(enum.Enum):
+    """Who runs an agreed collective."""
+
+    ALONE = "alone"  #: a world of one: nothing moves
+    MPI = "mpi"  #: MPI's own collectives (NumPy arrays across nodes)
+    ENGINE = "engine"  #: a device engine of this communicator
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A collective every rank agreed on, ready to run again: its route and, for the engine,
+    the engine, its rounds, the dtype, whether it runs inline, and its signature text and
+    digest (what the status board compares)."""
+
+    route: Route
+    engine: Engine | None = None
+    rounds: tuple[RoundPlan, ...] = ()
+    dtype: str = ""
+    inline: bool = False
+    text: str = ""
+    digest: int = 0
+
+
+_ALONE = PreparedCall(Route.ALONE)
+_VIA_MPI = PreparedCall(Route.MPI)
 
 
 def _device_class(kind: str) -> type[Device]:
@@ -106,7 +132,7 @@ class Communicator:
         self._on_close = on_close
         self._engines: dict[str, Engine] = {}
         self._agreed: set[tuple[Any, ...]] = set()
-        self._prepared: dict[tuple[Any, ...], Any] = {}
+        self._prepared: dict[tuple[Any, ...], PreparedCall] = {}
         self._seq = 0
         self._lock = threading.RLock()
         self._broken: BaseException | None = None
@@ -353,13 +379,14 @@ class Communicator:
                 rounds = plan_collective("barrier", self.size, self.rank, 0, itemsize=1,
                                          capacity_bytes=engine.capacity,
                                          chunk_bytes=1, channels=1)
-                prepared = self._prepared[key] = (engine, rounds, "uint8", True, text,
-                                                  signature_hash(text))
+                prepared = self._prepared[key] = PreparedCall(
+                    Route.ENGINE, engine, rounds, "uint8", True, text, signature_hash(text))
             self._seq += 1
             self._execute(prepared, "barrier", None, None, 1, ReduceOp.SUM)
-            if not prepared[0].device.blocking:  # a barrier holds the host too
+            assert prepared.engine is not None
+            if not prepared.engine.device.blocking:  # a barrier holds the host too
                 try:
-                    prepared[0].synchronize()
+                    prepared.engine.synchronize()
                 except BaseException as exc:
                     self._give_up(exc, "barrier")
                     raise
@@ -490,7 +517,8 @@ class Communicator:
             if prepared is _VIA_MPI:
                 self._run_via_mpi(name, x, out, op, root)
                 return out
-            device = prepared[0].device
+            assert prepared.engine is not None
+            device = prepared.engine.device
             try:
                 in_mem = device.wrap(x) if count else None
                 out_mem = device.wrap(out) if out is not None and count else None
@@ -506,7 +534,7 @@ class Communicator:
         return out
 
     def _prepare(self, name: str, x: Any, count: int, op: ReduceOp, root: int,
-                 chunk_bytes: int | None, channels: int | None) -> Any:
+                 chunk_bytes: int | None, channels: int | None) -> PreparedCall:
         """Agree with the peers on this call's signature (including every setting that shapes
         the plan), then pick engine and plan."""
         kind = _arrays.device_kind(x)
@@ -536,7 +564,8 @@ class Communicator:
             raise
         text = (f"{name}(shape={tuple(x.shape)}, dtype={dtype}, op={op.value}, root={root}, "
                 f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
-        return engine, rounds, dtype, nchannels == 1, text, signature_hash(text)
+        return PreparedCall(Route.ENGINE, engine, rounds, dtype, nchannels == 1, text,
+                            signature_hash(text))
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
@@ -611,11 +640,14 @@ class Communicator:
             self._broken = error
             raise error
 
-    def _execute(self, prepared: Any, name: str, in_mem: Any, out_mem: Any, itemsize: int,
-                 op: ReduceOp) -> None:
+    def _execute(self, prepared: PreparedCall, name: str, in_mem: Any, out_mem: Any,
+                 itemsize: int, op: ReduceOp) -> None:
         """Announce the collective on the status board, run it, and turn any failure into
         this call's error (the communicator is unusable afterwards)."""
-        engine, rounds, dtype, inline, text, digest = prepared
+        engine = prepared.engine
+        assert engine is not None
+        rounds, dtype, inline = prepared.rounds, prepared.dtype, prepared.inline
+        text, digest = prepared.text, prepared.digest
         device = engine.device
         health = self._health
         assert health is not None

@@ -12,6 +12,7 @@ When no timeline runs, a collective pays one attribute check.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -42,12 +43,12 @@ class Timeline:
         """`comm._execute` of one prepared collective, one round at a time, timed."""
         begin = self._now()
         seq = comm._seq
-        rounds = prepared[1]
+        rounds = prepared.rounds
         try:
             for i, plan in enumerate(rounds):
                 start = self._now()
-                comm._execute((prepared[0], (plan,), *prepared[2:]), name, in_mem, out_mem,
-                              x.dtype.itemsize, op)
+                comm._execute(dataclasses.replace(prepared, rounds=(plan,)), name, in_mem,
+                              out_mem, x.dtype.itemsize, op)
                 self._add(f"{name} round {i}", _ROUNDS, start,
                           {"seq": seq, "round": i, "channels": len(plan.channels)})
         finally:

@@ -21,7 +21,7 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]
     answer_challenge,
     deliver_challenge,
 )
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._errors import CollectiveTimeoutError, PeerFailureError
 from .base import ControlPlane
@@ -33,6 +33,60 @@ log = logging.getLogger("gpuring.rendezvous")
 ENV_ADDR = "GPURING_STORE"
 ENV_KEY = "GPURING_JOB_KEY"
 ENV_JOB = "GPURING_JOB_ID"
+
+
+# The messages, rank to server:
+class Hello(NamedTuple):
+    """The first message of a connection: which rank, which client generation."""
+
+    rank: int
+    generation: int
+
+
+class Post(NamedTuple):
+    """This rank's value for exchange `step`."""
+
+    step: int
+    value: Any
+
+
+class Bye(NamedTuple):
+    """The rank closed its client (orderly)."""
+
+
+class Abort(NamedTuple):
+    """The rank failed: tell the others."""
+
+    reason: str
+
+
+# ... and server to rank (`Lost` is the client's own note that the connection ended):
+class Gathered(NamedTuple):
+    """Every rank's value of exchange `step`, in rank order."""
+
+    step: int
+    values: list[Any]
+
+
+class Failure(NamedTuple):
+    """Rank `rank` failed (or died)."""
+
+    rank: int
+    reason: str
+
+
+class Left(NamedTuple):
+    """Exchange `step` cannot complete: rank `rank` closed without joining it."""
+
+    step: int
+    rank: int
+    reason: str
+
+
+class Lost(NamedTuple):
+    """No exchange can complete any more (the connection ended, or the rank interrupted)."""
+
+    reason: str
 
 
 class StoreServer:
@@ -67,9 +121,10 @@ class StoreServer:
         try:
             deliver_challenge(conn, self._key)
             answer_challenge(conn, self._key)
-            kind, rank, generation = conn.recv()
-            if kind != "hello" or not 0 <= rank < self.size:
-                raise ValueError(f"bad greeting {kind!r} {rank!r}")
+            hello = conn.recv()
+            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.size:
+                raise ValueError(f"bad greeting {hello!r}")
+            rank, generation = hello
         except Exception as exc:
             log.warning("gpuring: refused a control connection without the job key (%s)", exc)
             with self._lock:
@@ -79,23 +134,23 @@ class StoreServer:
         with self._lock:
             self._conns[rank] = conn
             if self.deaths:  # a peer already died: tell the newcomer at once
-                self._send(rank, ("failure", *self.deaths[0]))
+                self._send(rank, Failure(*self.deaths[0]))
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError, TypeError):  # TypeError: closed under our feet by close()
                 self._disconnected(rank, conn)
                 return
-            if message[0] == "allgather":
-                self._post(rank, (generation, message[1]), message[2])
-            elif message[0] == "bye":
+            if isinstance(message, Post):
+                self._post(rank, (generation, message.step), message.value)
+            elif isinstance(message, Bye):
                 with self._lock:
                     self._left.add(id(conn))
                     self._gone.setdefault(generation, set()).add(rank)
                     for step in [k for k in self._posted if k[0] == generation]:
                         self._release_if_stuck(step)
-            elif message[0] == "abort":
-                self._report_abort(rank, message[1])
+            elif isinstance(message, Abort):
+                self._report_abort(rank, message.reason)
 
     def _send(self, rank: int, message: Any) -> None:
         conn = self._conns.get(rank)
@@ -114,7 +169,7 @@ class StoreServer:
                 del self._posted[step]
                 values = [posted[r] for r in range(self.size)]
                 for r in range(self.size):
-                    self._send(r, ("allgather", step[1], values))
+                    self._send(r, Gathered(step[1], values))
             else:
                 self._release_if_stuck(step)
 
@@ -127,7 +182,7 @@ class StoreServer:
             del self._posted[step]
             reason = f"rank {missing[0]} closed its communicator without joining this exchange"
             for r in posted:
-                self._send(r, ("left", step[1], missing[0], reason))
+                self._send(r, Left(step[1], missing[0], reason))
 
     def _disconnected(self, rank: int, conn: Connection) -> None:
         if self._closed:  # close() ended every connection
@@ -152,13 +207,13 @@ class StoreServer:
             self.failures.append((rank, reason))
             for r in list(self._conns):
                 if r != rank:
-                    self._send(r, ("failure", rank, reason))
+                    self._send(r, Failure(rank, reason))
 
     def _report_abort(self, rank: int, reason: str) -> None:
         with self._lock:
             for r in list(self._conns):
                 if r != rank:
-                    self._send(r, ("failure", rank, reason))
+                    self._send(r, Failure(rank, reason))
 
     def close(self) -> None:
         """Stop serving; connected ranks see their connection end at once. (Closing alone
@@ -205,7 +260,7 @@ class StoreClient(ControlPlane):
                 time.sleep(0.05)
         self._send_lock = threading.Lock()
         StoreClient._generation += 1
-        self._conn.send(("hello", rank, StoreClient._generation))
+        self._conn.send(Hello(rank, StoreClient._generation))
         self._reader = threading.Thread(target=self._read_loop, name="gpuring-control",
                                         daemon=True)
         self._reader.start()
@@ -231,13 +286,13 @@ class StoreClient(ControlPlane):
             except Exception:
                 if not self._closed:
                     self.lost = "the launcher's control connection closed"
-                    self._replies.put(("lost", self.lost))
+                    self._replies.put(Lost(self.lost))
                 return
-            if message[0] == "failure":
+            if isinstance(message, Failure):
                 if self.failure is None:
-                    self.failure = (message[1], message[2])
+                    self.failure = (message.rank, message.reason)
                 self._replies.put(message)
-                self._peer_failed(message[1], message[2])
+                self._peer_failed(message.rank, message.reason)
             else:
                 self._replies.put(message)
 
@@ -253,7 +308,7 @@ class StoreClient(ControlPlane):
             raise PeerFailureError(self.lost)
         self._step += 1
         try:
-            self._send(("allgather", self._step, obj))
+            self._send(Post(self._step, obj))
         except OSError as exc:  # before the reader saw the end of the connection
             raise PeerFailureError(f"the launcher's control connection failed ({exc!r})"
                                    ) from None
@@ -266,21 +321,21 @@ class StoreClient(ControlPlane):
                 raise CollectiveTimeoutError(
                     f"control-plane exchange #{self._step} timed out after {timeout} s on rank "
                     f"{self.rank}: some rank did not take part") from None
-            if message[0] == "allgather" and message[1] == self._step:
-                return list(message[2])
-            if message[0] == "failure":
-                raise PeerFailureError(message[2], peer=message[1])
-            if message[0] == "lost":
-                raise PeerFailureError(message[1])
-            if message[0] == "left" and message[1] == self._step:
-                raise PeerFailureError(message[3], peer=message[2])
+            if isinstance(message, Gathered) and message.step == self._step:
+                return list(message.values)
+            if isinstance(message, Failure):
+                raise PeerFailureError(message.reason, peer=message.rank)
+            if isinstance(message, Lost):
+                raise PeerFailureError(message.reason)
+            if isinstance(message, Left) and message.step == self._step:
+                raise PeerFailureError(message.reason, peer=message.rank)
 
     def interrupt(self, reason: str) -> None:
-        self._replies.put(("lost", reason))
+        self._replies.put(Lost(reason))
 
     def report_failure(self, reason: str) -> None:
         try:
-            self._send(("abort", reason))
+            self._send(Abort(reason))
         except OSError:
             pass
 
@@ -289,7 +344,7 @@ class StoreClient(ControlPlane):
             return
         self._closed = True
         try:
-            self._send(("bye",))
+            self._send(Bye())
         except OSError:
             pass
         self._conn.close()

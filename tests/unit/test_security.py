@@ -11,7 +11,7 @@ from multiprocessing.connection import Client
 import pytest
 
 from gpuring.devices.host import HostDevice
-from gpuring.rendezvous.store import StoreClient, StoreServer
+from gpuring.rendezvous.store import Hello, StoreClient, StoreServer
 
 
 def test_connection_without_the_key_is_refused_and_logged(caplog):
@@ -20,7 +20,7 @@ def test_connection_without_the_key_is_refused_and_logged(caplog):
         with caplog.at_level(logging.WARNING, logger="gpuring.rendezvous"):
             with pytest.raises(Exception):  # noqa: B017 - refused in the handshake, any way
                 conn = Client(server.address, family="AF_INET", authkey=b"wrong key")
-                conn.send(("hello", 0, 1))
+                conn.send(Hello(0, 1))
                 conn.recv()
             deadline = time.monotonic() + 10
             while server.refused == 0 and time.monotonic() < deadline:

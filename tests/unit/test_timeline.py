@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 
-from gpuring.communicator import Communicator
+from gpuring.communicator import Communicator, PreparedCall, Route
 from gpuring.rendezvous.local import SingleProcess
 from gpuring.timeline import Timeline, write_trace
 
@@ -28,11 +29,13 @@ class Plan:
 def test_rounds_run_one_at_a_time_and_are_recorded(tmp_path):
     comm = FakeComm()
     timeline = Timeline(str(tmp_path / "t.json"), rank=1)
-    prepared = ("engine", (Plan(), Plan(), Plan()), "float32", True, "text", 123)
+    plans = (Plan(), Plan(), Plan())
+    prepared = PreparedCall(Route.ENGINE, None, plans, "float32", True, "text", 123)
     x = np.ones(10, np.float32)
     timeline.execute(comm, prepared, "all_reduce", None, None, x, "sum")
-    assert [len(call[0][1]) for call in comm.calls] == [1, 1, 1]
-    assert all(call[0][2:] == prepared[2:] and call[2] == 4 for call in comm.calls)
+    assert [call[0].rounds for call in comm.calls] == [(p,) for p in plans]
+    assert all(call[0] == dataclasses.replace(prepared, rounds=call[0].rounds)
+               and call[2] == 4 for call in comm.calls)
     rounds = [e for e in timeline.events if e["tid"] == 1]
     (collective,) = [e for e in timeline.events if e["tid"] == 0]
     assert [e["args"]["round"] for e in rounds] == [0, 1, 2]
