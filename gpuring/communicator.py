@@ -297,9 +297,15 @@ class Communicator:
         `compression="fp16"|"bf16"` sends float32/float64 through the ring in that format.
         """
         rop = ReduceOp.parse(op)
-        if compression is not None:
-            return self._all_reduce_compressed(x, rop, out, compression, chunk_bytes, channels)
         x = self._check_input(x)
+        if compression is not None:
+            from .compression import all_reduce_compressed, wire_dtype
+
+            wire_dtype(compression)  # a bad name is the first thing to hear of
+            if _arrays.dtype_name(x) in ("float32", "float64"):
+                out = self._check_out(out, x, x.shape, "all_reduce", may_alias=True)
+            return all_reduce_compressed(self, x, op=rop, out=out, compression=compression,
+                                         chunk_bytes=chunk_bytes, channels=channels)
         check_op_dtype(rop, _arrays.dtype_name(x))
         out = self._check_out(out, x, x.shape, "all_reduce", may_alias=True)
         return self._run("all_reduce", x, out, x.size, rop, 0, chunk_bytes, channels)
@@ -772,14 +778,6 @@ class Communicator:
             return None
         write_trace(timeline.path, per_rank)
         return timeline.path
-
-    def _all_reduce_compressed(self, x: Any, op: ReduceOp, out: Any, compression: str,
-                               chunk_bytes: int | None, channels: int | None) -> Any:
-        from .compression import all_reduce_compressed
-
-        x = self._check_input(x)
-        return all_reduce_compressed(self, x, op=op, out=out, compression=compression,
-                                     chunk_bytes=chunk_bytes, channels=channels)
 
     def _submit(self, name: str, verb: Any, x: Any, **kwargs: Any) -> Work:
         self._ensure_open(name)

@@ -11,12 +11,15 @@ about 3e-8 to zero; bf16 has float32's range.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _arrays
 from ._ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
 
 __all__ = ["COMPRESSIONS", "wire_dtype", "unit_roundoff", "all_reduce_compressed"]
 
@@ -45,19 +48,19 @@ def unit_roundoff(compression: str) -> float:
     return _ROUNDOFF[compression]
 
 
-def all_reduce_compressed(comm: Any, x: Any, *, op: ReduceOp, out: Any, compression: str,
-                          chunk_bytes: int | None, channels: int | None) -> Any:
-    """all_reduce of float32/float64 `x` through the `compression` wire format."""
+def all_reduce_compressed(comm: Communicator, x: Any, *, op: ReduceOp, out: Any,
+                          compression: str, chunk_bytes: int | None,
+                          channels: int | None) -> Any:
+    """all_reduce of float32/float64 `x` (C-contiguous) into `out` (checked by the caller:
+    `x`'s shape and dtype) through the `compression` wire format."""
     dtype = _arrays.dtype_name(x)
     if dtype not in ("float32", "float64"):
         raise TypeError(f"compression={compression!r} applies to float32 and float64 arrays, "
                         f"got {dtype}; call all_reduce without compression")
     wire = wire_dtype(compression)  # bf16 on CUDA: CuPy >= 14 with ml_dtypes
-    x = _arrays.contiguous(x)
-    out = comm._check_out(out, x, x.shape, "all_reduce", may_alias=True)
     ring_op = ReduceOp.SUM if op is ReduceOp.AVG else op
     low = x.astype(wire)
-    comm._run("all_reduce", low, low, low.size, ring_op, 0, chunk_bytes, channels)
+    comm.all_reduce(low, op=ring_op, out=low, chunk_bytes=chunk_bytes, channels=channels)
     out[...] = low
     if op is ReduceOp.AVG:
         out /= comm.size

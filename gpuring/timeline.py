@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .communicator import Communicator, PreparedCall
 
 __all__ = ["Timeline", "write_trace"]
 
@@ -38,8 +41,8 @@ class Timeline:
         self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
                             "ts": begin, "dur": self._now() - begin, "args": args})
 
-    def execute(self, comm: Any, prepared: Any, name: str, in_mem: Any, out_mem: Any, x: Any,
-                op: Any) -> None:
+    def execute(self, comm: Communicator, prepared: PreparedCall, name: str, in_mem: Any,
+                out_mem: Any, x: Any, op: Any) -> None:
         """`comm._execute` of one prepared collective, one round at a time, timed."""
         begin = self._now()
         seq = comm._seq
