@@ -49,6 +49,14 @@ from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
 from . import _kernels
+from ._cuda_driver import (
+    FLAGS_ENV,
+    Scope,
+    check_cu,
+    memops_support,
+    occupancy,
+    warn_spin_waits,
+)
 from .base import (
     Device,
     Event,
@@ -62,8 +70,6 @@ from .base import (
 
 __all__ = ["CudaDevice", "CudaMemory", "CudaHandle", "FLAGS_ENV"]
 
-#: environment variable that selects how flags are waited for and written
-FLAGS_ENV = "GPURING_CUDA_FLAGS"
 #: environment variable that selects how copies run: "memcpy" (default) or "kernel"
 COPY_ENV = "GPURING_CUDA_COPY"
 
@@ -76,7 +82,7 @@ _NOT_READY = 600  # cudaErrorNotReady
 
 _THREADS = 256
 #: blocks of _THREADS per SM assumed when the driver cannot say how many of a kernel fit
-#: (`_occupancy`): every data kernel of reduce.cu fits at least this many on sm_80 and sm_90
+#: (`occupancy`): every data kernel of reduce.cu fits at least this many on sm_80 and sm_90
 #: (tests/unit/test_kernels_compile.py checks their NVRTC builds' registers), so the grid is
 #: still at most one wave, at the cost of occupancy
 _FALLBACK_BLOCKS_PER_SM = 4
@@ -168,6 +174,13 @@ def _addr(span_or_flag: Span | Flag) -> int:
     return mem.ptr + span_or_flag.offset
 
 
+def _elements(span: Span, itemsize: int, dtype: str) -> int:
+    """How many `dtype` elements `span` holds (it must hold a whole number)."""
+    if span.nbytes % itemsize:
+        raise ValueError(f"{span.nbytes} bytes is not a whole number of {dtype}")
+    return span.nbytes // itemsize
+
+
 def _flag_addr(flag: Flag) -> int:
     if flag.offset % 8 or flag.offset + 8 > flag.mem.nbytes:
         raise ValueError(f"flag at offset {flag.offset} is not an aligned 8-byte word in "
@@ -222,9 +235,7 @@ class _CudaStream(Stream):
             raise ValueError(f"reduce of {a.nbytes} and {b.nbytes} bytes into {dst.nbytes}")
         dev = self._device
         kernel, itemsize = dev.reduce_kernel(dtype, op)
-        if dst.nbytes % itemsize:
-            raise ValueError(f"{dst.nbytes} bytes is not a whole number of {dtype}")
-        n = dst.nbytes // itemsize
+        n = _elements(dst, itemsize, dtype)
         if n == 0:
             return
         with dev.scope():
@@ -240,9 +251,7 @@ class _CudaStream(Stream):
             raise ValueError(f"reduce_n of {[s.nbytes for s in srcs]} bytes into {dst.nbytes}")
         dev = self._device
         kernel, itemsize = dev.reduce_n_kernel(dtype, op)
-        if dst.nbytes % itemsize:
-            raise ValueError(f"{dst.nbytes} bytes is not a whole number of {dtype}")
-        n = dst.nbytes // itemsize
+        n = _elements(dst, itemsize, dtype)
         if n == 0:
             return
         out = _addr(dst)
@@ -270,7 +279,7 @@ class _CudaStream(Stream):
             if dev.flags_mode == "memops":
                 driver, cu = self._driver_stream()
                 geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-                _check_cu(driver.cuStreamWaitValue64(
+                check_cu(driver.cuStreamWaitValue64(
                     cu, driver.CUdeviceptr(addr), driver.cuuint64_t(value), geq),
                     "cuStreamWaitValue64")
             else:
@@ -325,113 +334,6 @@ class _CudaStream(Stream):
         return self.waits[-1][2] if self.waits else None
 
 
-def _check_cu(result: tuple[Any, ...], what: str) -> None:
-    from cuda.bindings import driver
-
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
-
-
-def _memops_support(device_id: int) -> str | None:
-    """None when 64-bit stream memory operations work on the device, else why not."""
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        return f"cuda-bindings is not importable ({exc})"
-    try:
-        _check_cu(driver.cuInit(0), "cuInit")
-        err, dev = driver.cuDeviceGet(device_id)
-        _check_cu((err,), "cuDeviceGet")
-        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-        err, value = driver.cuDeviceGetAttribute(attr, dev)
-        _check_cu((err,), "cuDeviceGetAttribute")
-    except Exception as exc:  # no driver entry point, an old driver
-        return f"the driver refused: {exc}"
-    if not value:
-        return (f"device {device_id} reports no 64-bit stream memory operations "
-                "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0)")
-    return None
-
-
-def _occupancy(kernel: Any, threads: int) -> int | None:
-    """Blocks of `threads` threads of `kernel` that fit on one SM at once, as the driver
-    computes it from the kernel's registers and shared memory
-    (cuOccupancyMaxActiveBlocksPerMultiprocessor, through cuda-bindings, else through CuPy's
-    wrapper of the same call); None when neither can tell. Call it with the kernel's device
-    current."""
-    function = getattr(kernel, "kernel", kernel)  # a RawModule's RawKernel holds a Function
-    handle = int(getattr(function, "ptr", 0) or 0)  # the CUfunction
-    if not handle:
-        return None
-    try:
-        from cuda.bindings import driver
-
-        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            driver.CUfunction(handle), threads, 0)
-        if err == driver.CUresult.CUDA_SUCCESS and blocks > 0:
-            return int(blocks)
-    except Exception:  # no cuda-bindings, or no driver library behind it
-        pass
-    try:
-        blocks = _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            handle, threads, 0)
-    except Exception:  # an old CuPy, a driver error
-        return None
-    return int(blocks) if blocks > 0 else None
-
-
-_warned_spin = False
-
-
-def _warn_spin_waits(reason: str) -> None:
-    """Once per process: flag waits will spin on the GPU, and why, and what to do."""
-    global _warned_spin
-    if _warned_spin:
-        return
-    _warned_spin = True
-    warnings.warn(
-        f"gpuring: GPU flag waits fall back to spinning kernels because {reason.rstrip('.')}. "
-        "A spinning "
-        "kernel holds the GPU: where several processes share one GPU without MPS, each "
-        "hand-off can cost a whole time slice. Install cuda-bindings matching your CUDA "
-        "driver (pip install 'gpuring[cuda13]' or 'gpuring[cuda12]'), and start MPS "
-        f"(nvidia-cuda-mps-control -d) for shared GPUs; {FLAGS_ENV}=kernel silences this.",
-        RuntimeWarning, stacklevel=4)
-
-
-class _Scope:
-    """`with device.scope():` this device is current in the calling thread for the block.
-    The previous device is restored only if the thread had a CUDA context before: making a
-    device current creates its context (CUDA >= 12), so restoring a thread that had none (a
-    fresh watchdog thread reads device 0) would put a context on GPU 0 for every rank."""
-
-    def __init__(self, device_id: int):
-        self._id = device_id
-        self._local = threading.local()
-
-    def __enter__(self) -> None:
-        cuda = _cupy().cuda
-        runtime = cuda.runtime
-        restore = None
-        if runtime.getDevice() != self._id:
-            if cuda.driver.ctxGetCurrent() != 0:
-                restore = runtime.getDevice()
-            runtime.setDevice(self._id)
-        elif cuda.driver.ctxGetCurrent() == 0:
-            runtime.setDevice(self._id)  # a current context, for driver API calls
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        stack.append(restore)
-
-    def __exit__(self, *exc: object) -> None:
-        restore = self._local.stack.pop()
-        if restore is not None:
-            _cupy().cuda.runtime.setDevice(restore)
-
-
 class CudaDevice(Device):
     """CuPy arrays on one GPU, shared with peers through CUDA IPC.
 
@@ -462,18 +364,18 @@ class CudaDevice(Device):
             device_id = local_rank % count
         self.device_id = device_id
         self.gpu = cupy.cuda.Device(device_id)
-        self._scope = _Scope(device_id)
+        self._scope = Scope(device_id)
         self.timeout = timeout
         self.timeout_ns = int(timeout * 1e9)
 
         mode = (flags or settings.get(FLAGS_ENV)).lower()
         if mode not in ("auto", "memops", "kernel"):
             raise ValueError(f"{FLAGS_ENV}={mode!r}: use memops, kernel or auto")
-        why_not = _memops_support(device_id)
+        why_not = memops_support(device_id)
         if mode == "memops" and why_not is not None:
             raise RuntimeError(f"{FLAGS_ENV}=memops, but {why_not}; use {FLAGS_ENV}=kernel")
         if mode == "auto" and why_not is not None:
-            _warn_spin_waits(why_not)
+            warn_spin_waits(why_not)
         self.flags_mode = "memops" if mode != "kernel" and why_not is None else "kernel"
         self.copy_mode = (copy or settings.get(COPY_ENV)).lower()
         if self.copy_mode not in ("memcpy", "kernel"):
@@ -510,8 +412,8 @@ class CudaDevice(Device):
         self._blocks_per_sm: dict[Any, int] = {}  # kernel -> blocks that fit on one SM
 
     # -- helpers ------------------------------------------------------------------------------
-    def scope(self) -> _Scope:
-        """Context manager: this device current in the calling thread (see `_Scope`)."""
+    def scope(self) -> Scope:
+        """Context manager: this device current in the calling thread (see `Scope`)."""
         return self._scope
 
     def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
@@ -546,7 +448,7 @@ class CudaDevice(Device):
         found = self._blocks_per_sm.get(kernel)
         if found is None:
             with self.scope():
-                found = _occupancy(kernel, _THREADS) or _FALLBACK_BLOCKS_PER_SM
+                found = occupancy(kernel, _THREADS) or _FALLBACK_BLOCKS_PER_SM
             self._blocks_per_sm[kernel] = found
         return found
 

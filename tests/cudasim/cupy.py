@@ -26,7 +26,8 @@ What it models, and how:
   kernel in the CUBIN that was loaded (cubin.py), by the rules of sm_80 and sm_90;
 - arrays (`ndarray`) hold their data in host memory; every operation on them first waits for
   the current stream, as reading a result on the GPU would.
-- GPURING_CUDASIM_JITTER=1 delays stream operations at random, to expose missing ordering.
+- GPURING_CUDASIM_JITTER=1 delays stream operations at random, to expose missing ordering;
+- CUDA_DEVICE_MAX_CONNECTIONS=N makes the streams share N hardware queues in turn.
 - contexts: a thread has a current device (`setDevice`, default 0) and, once it made a call
   that needs one, a current context. As in CUDA >= 12, `setDevice` creates the device's
   primary context, and a runtime call in a thread with no current context creates the current
@@ -137,6 +138,22 @@ class _Worker(threading.Thread):
 
 
 _streams: dict[int, Stream] = {}
+#: CUDA_DEVICE_MAX_CONNECTIONS: how many hardware work queues the streams share (CUDA's
+#: default is 8). Streams beyond that share a queue in turn, and work on a shared queue runs
+#: in the order it was queued, whatever its stream: a stream blocked in a wait holds the
+#: others on its queue too. Unset here: a queue per stream (as while streams are few).
+_CONNECTIONS = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "0") or 0)
+_queues: list[_Worker] = []
+
+
+def _worker_for(null: bool) -> _Worker:
+    """The queue a new stream's work goes to."""
+    if null or _CONNECTIONS <= 0:
+        return _Worker(f"cudasim-stream-{len(_streams):#x}")
+    if len(_queues) < _CONNECTIONS:
+        _queues.append(_Worker(f"cudasim-queue-{len(_queues)}"))
+        return _queues[-1]
+    return _queues[(len(_streams) - 1) % _CONNECTIONS]
 _legacy_lock = threading.Lock()
 _stream_ids = itertools.count(0x1000, 0x10)
 
@@ -153,7 +170,7 @@ class Stream:
         self.non_blocking = non_blocking
         # the device current at creation (-1: the legacy stream, which every device has)
         self.device_id = -1 if null else _Runtime.getDevice()
-        self._worker = _Worker(f"cudasim-stream-{self.ptr:#x}")
+        self._worker = _worker_for(null)
         _streams[self.ptr] = self
 
     def _put(self, op: Callable[[], None]) -> None:

@@ -29,11 +29,12 @@ if _gpu_count() == 0:
 
 from gpuring._errors import GpuringError  # noqa: E402
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
+from gpuring.devices import _cuda_driver  # noqa: E402
 from gpuring.devices import cuda as cuda_module  # noqa: E402
 from gpuring.devices.base import Flag, FlagWaitAborted, FlagWaitTimeout, Span  # noqa: E402
 from gpuring.devices.cuda import RELEASED, CudaDevice, CudaMemory  # noqa: E402
 
-FLAG_MODES = ["kernel"] + (["memops"] if cuda_module._memops_support(0) is None else [])
+FLAG_MODES = ["kernel"] + (["memops"] if _cuda_driver.memops_support(0) is None else [])
 
 
 @pytest.fixture(params=FLAG_MODES)
@@ -425,8 +426,8 @@ def test_streams_wait_only_on_their_own_memory(device: CudaDevice) -> None:
 
 def test_spin_fallback_warns_once_with_cause_and_remedy(monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
-    monkeypatch.setattr(cuda_module, "_memops_support", lambda device_id: "a test reason")
-    monkeypatch.setattr(cuda_module, "_warned_spin", False)
+    monkeypatch.setattr(cuda_module, "memops_support", lambda device_id: "a test reason")
+    monkeypatch.setattr(_cuda_driver, "_warned_spin", False)
     monkeypatch.delenv(cuda_module.FLAGS_ENV, raising=False)
     with pytest.warns(RuntimeWarning, match="a test reason") as caught:
         dev = CudaDevice(0)
@@ -443,7 +444,7 @@ def test_spin_fallback_warns_once_with_cause_and_remedy(monkeypatch: pytest.Monk
 
 def test_missing_cuda_bindings_is_named_as_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    reason = cuda_module._memops_support(0)
+    reason = _cuda_driver.memops_support(0)
     assert reason is not None and "cuda-bindings is not importable" in reason
 
 
@@ -522,7 +523,7 @@ def test_alloc_is_zeroed_and_close_frees() -> None:
 def test_memops_asked_for_where_the_device_has_none_is_a_clear_error() -> None:
     """GPURING_CUDA_FLAGS=memops works where the device has stream memory operations and is a
     clear error naming the way out where it has none."""
-    reason = cuda_module._memops_support(0)
+    reason = _cuda_driver.memops_support(0)
     if reason is None:
         dev = CudaDevice(0, flags="memops")
         assert dev.flags_mode == "memops"

@@ -169,11 +169,15 @@ def test_probe_json_has_every_part(dry_run: Run) -> None:
         assert pp["status"] == "ok", pp
         assert pp["samples"] == ROUND_TRIPS and pp["values_ok"] is True, pp
         assert 0 < pp["median_us"] <= pp["p99_us"] <= pp["max_us"], pp
-    for name in ("abort_release", "abort_release_1conn"):
-        part = probe[name]
-        assert part["status"] == "ok" and part["released"] is True, part
-        assert part["blocked_before_abort"] == 12, part
-    assert probe["abort_release_1conn"]["max_connections"] == "1"
+    release = probe["abort_release"]
+    assert release["status"] == "ok" and release["released"] is True, release
+    assert release["blocked_before_abort"] == 12, release
+    # one hardware queue for every stream: the simulator runs it in queue order, so the side
+    # stream's release waits behind the blocked streams (what a GPU does there is the
+    # question this part asks of it)
+    one = probe["abort_release_1conn"]
+    assert one["max_connections"] == "1" and one["blocked_before_abort"] == 12, one
+    assert one.get("released") is not True, one
     dead = probe["dead_exporter"]
     assert dead["status"] == "ok" and dead["exporter_exit"] == -9, dead
     assert not _alive(dead["peer_pid"])

@@ -1,0 +1,127 @@
+"""The CUDA driver beside CuPy: driver-call results, whether stream memory operations work
+on a device (and the warning when they do not), a kernel's occupancy, and making a device
+current in any thread without leaving a context on another GPU (`Scope`)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+__all__ = ["FLAGS_ENV", "check_cu", "memops_support", "occupancy", "warn_spin_waits", "Scope"]
+
+#: the setting that selects how flags are waited for (gpuring.settings declares it)
+FLAGS_ENV = "GPURING_CUDA_FLAGS"
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+def check_cu(result: tuple[Any, ...], what: str) -> None:
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
+
+
+def memops_support(device_id: int) -> str | None:
+    """None when 64-bit stream memory operations work on the device, else why not."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        return f"cuda-bindings is not importable ({exc})"
+    try:
+        check_cu(driver.cuInit(0), "cuInit")
+        err, dev = driver.cuDeviceGet(device_id)
+        check_cu((err,), "cuDeviceGet")
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+        err, value = driver.cuDeviceGetAttribute(attr, dev)
+        check_cu((err,), "cuDeviceGetAttribute")
+    except Exception as exc:  # no driver entry point, an old driver
+        return f"the driver refused: {exc}"
+    if not value:
+        return (f"device {device_id} reports no 64-bit stream memory operations "
+                "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0)")
+    return None
+
+
+def occupancy(kernel: Any, threads: int) -> int | None:
+    """Blocks of `threads` threads of `kernel` that fit on one SM at once, as the driver
+    computes it from the kernel's registers and shared memory
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor, through cuda-bindings, else through CuPy's
+    wrapper of the same call); None when neither can tell. Call it with the kernel's device
+    current."""
+    function = getattr(kernel, "kernel", kernel)  # a RawModule's RawKernel holds a Function
+    handle = int(getattr(function, "ptr", 0) or 0)  # the CUfunction
+    if not handle:
+        return None
+    try:
+        from cuda.bindings import driver
+
+        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            driver.CUfunction(handle), threads, 0)
+        if err == driver.CUresult.CUDA_SUCCESS and blocks > 0:
+            return int(blocks)
+    except Exception:  # no cuda-bindings, or no driver library behind it
+        pass
+    try:
+        blocks = _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            handle, threads, 0)
+    except Exception:  # an old CuPy, a driver error
+        return None
+    return int(blocks) if blocks > 0 else None
+
+
+_warned_spin = False
+
+
+def warn_spin_waits(reason: str) -> None:
+    """Once per process: flag waits will spin on the GPU, and why, and what to do."""
+    global _warned_spin
+    if _warned_spin:
+        return
+    _warned_spin = True
+    warnings.warn(
+        f"gpuring: GPU flag waits fall back to spinning kernels because {reason.rstrip('.')}. "
+        "A spinning "
+        "kernel holds the GPU: where several processes share one GPU without MPS, each "
+        "hand-off can cost a whole time slice. Install cuda-bindings matching your CUDA "
+        "driver (pip install 'gpuring[cuda13]' or 'gpuring[cuda12]'), and start MPS "
+        f"(nvidia-cuda-mps-control -d) for shared GPUs; {FLAGS_ENV}=kernel silences this.",
+        RuntimeWarning, stacklevel=4)
+
+
+class Scope:
+    """`with device.scope():` this device is current in the calling thread for the block.
+    The previous device is restored only if the thread had a CUDA context before: making a
+    device current creates its context (CUDA >= 12), so restoring a thread that had none (a
+    fresh watchdog thread reads device 0) would put a context on GPU 0 for every rank."""
+
+    def __init__(self, device_id: int):
+        self._id = device_id
+        self._local = threading.local()
+
+    def __enter__(self) -> None:
+        cuda = _cupy().cuda
+        runtime = cuda.runtime
+        restore = None
+        if runtime.getDevice() != self._id:
+            if cuda.driver.ctxGetCurrent() != 0:
+                restore = runtime.getDevice()
+            runtime.setDevice(self._id)
+        elif cuda.driver.ctxGetCurrent() == 0:
+            runtime.setDevice(self._id)  # a current context, for driver API calls
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(restore)
+
+    def __exit__(self, *exc: object) -> None:
+        restore = self._local.stack.pop()
+        if restore is not None:
+            _cupy().cuda.runtime.setDevice(restore)
