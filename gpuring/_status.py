@@ -36,6 +36,8 @@ MISMATCH = 2  #: state: the rank found a mismatched collective
 LEFT = 3  #: state: the rank closed its communicator
 TIMED_OUT = 4  #: state: the rank gave up waiting for another rank (the culprit)
 
+_ROOT_CAUSE_ORDER = {MISMATCH: 0, TIMED_OUT: 1, GAVE_UP: 2}
+
 
 def signature_hash(text: str) -> int:
     return zlib.crc32(text.encode()) + 1  # never 0, so an unwritten slot never matches
@@ -111,7 +113,11 @@ class StatusBoard:
         return bytes(page.u8[at:at + n]).decode(errors="replace")
 
     def troubled_peer(self) -> tuple[int, int, str, int] | None:
-        """(peer, state, reason, culprit) of the first peer that died or gave up, if any."""
+        """(peer, state, reason, culprit) of a peer that died or gave up, if any. When several
+        did, the root cause wins: a mismatch, then a timeout, then a rank that failed or died
+        (a rank that gives up because of another's report says GAVE_UP, and that report is
+        already on the board when it does)."""
+        found: list[tuple[int, int, str, int]] = []
         for peer, page in enumerate(self._pages):
             if peer == self.rank:
                 continue
@@ -119,11 +125,14 @@ class StatusBoard:
             assert words is not None
             state = int(words[_STATE])
             if state in (GAVE_UP, MISMATCH, TIMED_OUT):
-                return peer, state, self._text(page, _REASON_AT, _REASON_LEN), int(
-                    words[_CULPRIT])
-            if state != LEFT and not _alive(int(words[_PID])):
-                return peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone", peer
-        return None
+                found.append((peer, state, self._text(page, _REASON_AT, _REASON_LEN),
+                              int(words[_CULPRIT])))
+            elif state != LEFT and not _alive(int(words[_PID])):
+                found.append((peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone",
+                              peer))
+        if not found:
+            return None
+        return min(found, key=lambda report: (_ROOT_CAUSE_ORDER[report[1]], report[0]))
 
     def entered(self) -> list[int]:
         """The collective sequence number each rank has entered last."""

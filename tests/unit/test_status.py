@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
-from gpuring._status import _alive
+from gpuring._status import GAVE_UP, MISMATCH, TIMED_OUT, StatusBoard, _alive
+from gpuring.devices.host import HostDevice
+from gpuring.rendezvous.base import ControlPlane
 
 
 def test_a_dead_process_is_dead_even_before_its_parent_reaps_it() -> None:
@@ -33,3 +37,64 @@ def test_a_live_process_is_alive() -> None:
     assert _alive(os.getpid())
     assert _alive(os.getppid())
     assert _alive(0)  # not published yet
+
+
+class _Threads(ControlPlane):
+    """Rank `rank` of a job whose ranks are threads of this process."""
+
+    local_size = 0
+    job_id = "threads"
+
+    def __init__(self, rank: int, size: int, shared: dict[int, Any], meet: threading.Barrier):
+        super().__init__()
+        self.rank = self.local_rank = rank
+        self.size = self.local_size = size
+        self._shared, self._meet = shared, meet
+
+    def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        self._meet.wait(timeout)
+        self._shared[self.rank] = obj
+        self._meet.wait(timeout)
+        gathered = [self._shared[r] for r in range(self.size)]
+        self._meet.wait(timeout)
+        return gathered
+
+    def close(self) -> None:
+        pass
+
+
+def _boards(size: int) -> list[StatusBoard]:
+    shared: dict[int, Any] = {}
+    meet = threading.Barrier(size)
+    boards: list[StatusBoard | None] = [None] * size
+
+    def make(rank: int) -> None:
+        control = _Threads(rank, size, shared, meet)
+        boards[rank] = StatusBoard(control, HostDevice(timeout=30, for_collectives=False), 30)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(b is not None for b in boards)
+    return boards  # type: ignore[return-value]
+
+
+def test_the_root_cause_is_reported_before_the_ranks_that_gave_up_because_of_it() -> None:
+    """Rank 2 timed out waiting for rank 1; rank 0 learned of it and closed after the failure
+    (GAVE_UP, blaming rank 1). Rank 1 must be told of the timeout, whichever rank it reads
+    first."""
+    boards = _boards(3)
+    try:
+        assert boards[1].troubled_peer() is None
+        boards[2].give_up(TIMED_OUT, "waited for rank 1", 1)
+        boards[0].give_up(GAVE_UP, "closed its communicator after a failure", 1)
+        assert boards[1].troubled_peer() == (2, TIMED_OUT, "waited for rank 1", 1)
+        boards[2].give_up(MISMATCH, "rank 2 called something else")
+        assert boards[1].troubled_peer() == (2, MISMATCH, "rank 2 called something else", -1)
+        assert boards[2].troubled_peer() == (0, GAVE_UP,
+                                             "closed its communicator after a failure", 1)
+    finally:
+        for board in boards:
+            board.close()
