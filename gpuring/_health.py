@@ -91,6 +91,17 @@ class Health:
         """Fail the communicator if `event` has not completed within the timeout."""
         self._pending.append((event, time.monotonic() + self._timeout, name, seq))
 
+    def blame(self, error: CollectiveTimeoutError, name: str,
+              seq: int) -> CollectiveTimeoutError:
+        """A timeout names the rank this one waited for; if some ranks never entered the
+        collective, name the first of those instead (the ring only shows the neighbour)."""
+        missing = [r for r, entered in enumerate(self.board.entered()) if entered < seq]
+        if not missing or missing[0] == error.peer:
+            return error
+        return CollectiveTimeoutError(
+            f"{error}; ranks {missing} have not entered {name} #{seq}", collective=name,
+            seq=seq, peer=missing[0])
+
     def give_up(self, reason: str, *, timed_out_on: int | None = None) -> None:
         """Tell peers this rank left (after a timeout waiting for `timed_out_on`, if given)."""
         self._failed = True

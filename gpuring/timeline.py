@@ -12,13 +12,13 @@ When no timeline runs, a collective pays one attribute check.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .communicator import Communicator, PreparedCall
+    from .algorithms.plan import RoundPlan
 
 __all__ = ["Timeline", "write_trace"]
 
@@ -41,22 +41,21 @@ class Timeline:
         self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
                             "ts": begin, "dur": self._now() - begin, "args": args})
 
-    def execute(self, comm: Communicator, prepared: PreparedCall, name: str, in_mem: Any,
-                out_mem: Any, x: Any, op: Any) -> None:
-        """`comm._execute` of one prepared collective, one round at a time, timed."""
+    def record(self, name: str, seq: int, x: Any, op: Any, rounds: tuple[RoundPlan, ...],
+               run: Callable[[tuple[RoundPlan, ...]], None]) -> None:
+        """Run collective `name` #`seq` (input `x`, None for a barrier) one round at a time,
+        `run((round,))` each, and record the collective and every round."""
         begin = self._now()
-        seq = comm._seq
-        rounds = prepared.rounds
         try:
             for i, plan in enumerate(rounds):
                 start = self._now()
-                comm._execute(dataclasses.replace(prepared, rounds=(plan,)), name, in_mem,
-                              out_mem, x.dtype.itemsize, op)
+                run((plan,))
                 self._add(f"{name} round {i}", _ROUNDS, start,
                           {"seq": seq, "round": i, "channels": len(plan.channels)})
         finally:
             self._add(name, _COLLECTIVES, begin,
-                      {"bytes": int(x.nbytes), "dtype": str(x.dtype), "seq": seq,
+                      {"bytes": 0 if x is None else int(x.nbytes),
+                       "dtype": "-" if x is None else str(x.dtype), "seq": seq,
                        "op": getattr(op, "value", str(op)), "rounds": len(rounds)})
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._errors import PeerFailureError
 from .._ops import ReduceOp
+
+if TYPE_CHECKING:
+    from ..rendezvous.base import ControlPlane
 
 __all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
@@ -184,6 +187,13 @@ class Device(abc.ABC):
     #: True when a collective must be complete before it returns (host memory); False when
     #: ordering the caller's stream after it is enough (GPU memory)
     blocking: bool
+
+    @classmethod
+    @abc.abstractmethod
+    def for_job(cls, control: ControlPlane, timeout: float) -> Device:
+        """This rank's device for collectives of the job `control` describes (flag waits
+        bounded by `timeout` seconds); GpuringError where the job is out of its reach (ranks on
+        other nodes)."""
 
     def caller_event(self) -> Event | None:
         """An event on the caller's current stream, so the collective starts after work the

@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -67,6 +67,9 @@ from .base import (
     Span,
     Stream,
 )
+
+if TYPE_CHECKING:
+    from ..rendezvous.base import ControlPlane
 
 __all__ = ["CudaDevice", "CudaMemory", "CudaHandle", "FLAGS_ENV"]
 
@@ -350,6 +353,14 @@ class CudaDevice(Device):
     default_channels = 1
     default_buffer_bytes = 64 << 20
     blocking = False
+
+    @classmethod
+    def for_job(cls, control: ControlPlane, timeout: float) -> CudaDevice:
+        if not control.single_node:
+            raise GpuringError(
+                "CuPy collectives across nodes are not supported yet: every rank of the job "
+                "must run on one node (the CUDA device maps peers' memory through CUDA IPC)")
+        return cls(local_rank=control.local_rank, timeout=timeout)
 
     def __init__(self, device_id: int | None = None, *, local_rank: int | None = None,
                  timeout: float = 300.0, flags: str | None = None, copy: str | None = None):

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,9 @@ from .base import (
     Stream,
     WaitI,
 )
+
+if TYPE_CHECKING:
+    from ..rendezvous.base import ControlPlane
 
 __all__ = ["HostDevice", "SHM_DIR", "SHM_PREFIX"]
 
@@ -384,6 +387,15 @@ class HostDevice(Device):
         self._streams: list[_ThreadStream] = []
         self._abort_reason: str | None = None
         self._closed = False
+
+    @classmethod
+    def for_job(cls, control: ControlPlane, timeout: float) -> HostDevice:
+        if not control.single_node:
+            raise GpuringError(
+                "NumPy collectives across nodes are not supported yet: every rank of the "
+                "job must run on one node (the host device maps peers' shared memory)")
+        return cls(name_prefix=f"{SHM_PREFIX}{control.job_id}-r{control.rank}-",
+                   timeout=timeout)
 
     # -- memory ---------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostMemory:

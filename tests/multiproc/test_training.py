@@ -68,7 +68,7 @@ def test_timeline(tmp_path):
     run_case("gpuring", 3, "timeline", tmp_path, env={"GPURING_BUFFER_BYTES": "64K"})
     events = _check_trace(tmp_path / "trace.json", 3, min_rounds=3)
     names = [e["name"] for e in events if e["pid"] == 0 and e["tid"] == 0]
-    assert names == ["all_reduce", "all_reduce", "all_gather", "all_reduce"]
+    assert names == ["all_reduce", "all_reduce", "all_gather", "all_reduce", "barrier"]
     big = [e for e in events if e["tid"] == 0 and e["args"]["bytes"] == 1_200_000]
     assert len(big) == 3 and all(e["args"]["dtype"] == "float32" for e in big)
 

@@ -377,7 +377,7 @@ def use_nonblocking_host_device() -> None:
     """Run NumPy collectives through the scheduler's non-blocking path (the one GPUs take):
     threaded streams only, completion by events, each collective ordered after the previous
     one by the engine; the caller waits for the final event, as a CUDA stream would."""
-    from gpuring import communicator
+    from gpuring import devices
     from gpuring.devices.host import HostDevice
 
     class NonBlockingHostDevice(HostDevice):
@@ -390,16 +390,7 @@ def use_nonblocking_host_device() -> None:
         def order_caller_after(self, event) -> None:
             event.wait(self)
 
-    make = communicator._make_device
-
-    def make_device(kind, control, config):
-        device = make(kind, control, config)
-        if kind == "cpu":
-            device.close()
-            return NonBlockingHostDevice(name_prefix=device.name_prefix, timeout=config.timeout)
-        return device
-
-    communicator._make_device = make_device
+    devices.KINDS["cpu"] = lambda: NonBlockingHostDevice
 
 
 def run_case(cases: dict) -> None:

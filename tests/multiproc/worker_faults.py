@@ -186,7 +186,7 @@ def case_abort(comm: gpuring.Communicator) -> None:
                          daemon=True).start()
     else:
         deadline = time.monotonic() + 60
-        while comm._failure is None:  # rank 0's abort, passed on by the launcher
+        while comm._life.cause is None:  # rank 0's abort, passed on by the launcher
             assert time.monotonic() < deadline, "rank 0's abort never arrived"
             time.sleep(0.01)
     try:
@@ -377,9 +377,9 @@ def case_late_failure(comm: gpuring.Communicator) -> None:
     if when == "before":
         wait_for("failed")
         deadline = time.monotonic() + 30
-        while comm._failure is None and time.monotonic() < deadline:
+        while comm._life.cause is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert comm._failure is not None, "the watchdog did not see rank 1 give up"
+        assert comm._life.cause is not None, "the watchdog did not see rank 1 give up"
     try:
         comm.synchronize() if call == "synchronize" else comm.close()
     except gpuring.GpuringError as exc:
@@ -538,19 +538,17 @@ def use_async_host_device() -> None:
     close(), never from inside the call that already returned."""
     from worker import use_nonblocking_host_device
 
-    from gpuring import communicator
+    from gpuring import devices
 
     use_nonblocking_host_device()
-    make = communicator._make_device
+    nonblocking = devices.KINDS["cpu"]()
+    assert not nonblocking.blocking
 
-    def make_device(kind, control, config):
-        device = make(kind, control, config)
-        if kind == "cpu":
-            assert not device.blocking
-            device.order_caller_after = lambda event: None
-        return device
+    class AsyncHostDevice(nonblocking):  # type: ignore[misc, valid-type]
+        def order_caller_after(self, event) -> None:
+            pass
 
-    communicator._make_device = make_device
+    devices.KINDS["cpu"] = lambda: AsyncHostDevice
 
 
 def main() -> None:

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
 
-from gpuring.communicator import Communicator, PreparedCall, Route
+from gpuring.communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 from gpuring.timeline import Timeline, write_trace
-
-
-class FakeComm:
-    _seq = 7
-
-    def __init__(self):
-        self.calls = []
-
-    def _execute(self, prepared, name, in_mem, out_mem, itemsize, op):
-        self.calls.append((prepared, name, itemsize))
 
 
 class Plan:
@@ -27,21 +16,34 @@ class Plan:
 
 
 def test_rounds_run_one_at_a_time_and_are_recorded(tmp_path):
-    comm = FakeComm()
+    ran = []
     timeline = Timeline(str(tmp_path / "t.json"), rank=1)
     plans = (Plan(), Plan(), Plan())
-    prepared = PreparedCall(Route.ENGINE, None, plans, "float32", True, "text", 123)
     x = np.ones(10, np.float32)
-    timeline.execute(comm, prepared, "all_reduce", None, None, x, "sum")
-    assert [call[0].rounds for call in comm.calls] == [(p,) for p in plans]
-    assert all(call[0] == dataclasses.replace(prepared, rounds=call[0].rounds)
-               and call[2] == 4 for call in comm.calls)
+    timeline.record("all_reduce", 7, x, "sum", plans, ran.append)
+    assert ran == [(p,) for p in plans]
     rounds = [e for e in timeline.events if e["tid"] == 1]
     (collective,) = [e for e in timeline.events if e["tid"] == 0]
     assert [e["args"]["round"] for e in rounds] == [0, 1, 2]
     assert collective["args"] == {"bytes": 40, "dtype": "float32", "seq": 7, "op": "sum",
                                   "rounds": 3}
     assert all(e["pid"] == 1 and e["ph"] == "X" and e["dur"] >= 0 for e in timeline.events)
+
+
+def test_a_failed_round_still_records_the_collective(tmp_path):
+    timeline = Timeline(str(tmp_path / "t.json"), rank=0)
+
+    def fail(rounds):
+        raise RuntimeError("round failed")
+
+    try:
+        timeline.record("barrier", 3, None, "sum", (Plan(),), fail)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the round's error was swallowed")
+    (collective,) = timeline.events
+    assert collective["args"] == {"bytes": 0, "dtype": "-", "seq": 3, "op": "sum", "rounds": 1}
 
 
 def test_trace_file_has_a_named_track_per_rank(tmp_path):

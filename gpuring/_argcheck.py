@@ -1,0 +1,96 @@
+"""Argument checks of the verbs: each turns a verb's arguments into a checked `Call` (or
+raises TypeError/ValueError naming the argument), before the communicator is involved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _arrays
+from ._call import Call
+from ._ops import ReduceOp, check_op_dtype
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "input_array",
+           "output_array"]
+
+
+def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
+               channels: int | None) -> Call:
+    rop = ReduceOp.parse(op)
+    x = input_array(x)
+    check_op_dtype(rop, _arrays.dtype_name(x))
+    out = output_array(out, x, x.shape, "all_reduce", may_alias=True)
+    return Call("all_reduce", x, out, rop, 0, chunk_bytes, channels)
+
+
+def reduce_scatter(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
+                   channels: int | None, size: int) -> Call:
+    rop = ReduceOp.parse(op)
+    x = input_array(x)
+    check_op_dtype(rop, _arrays.dtype_name(x))
+    if x.size % size:
+        raise ValueError(f"reduce_scatter needs x.size divisible by the {size} ranks, "
+                         f"got {x.size}; pad the array")
+    out = output_array(out, x, (x.size // size,), "reduce_scatter")
+    return Call("reduce_scatter", x, out, rop, 0, chunk_bytes, channels)
+
+
+def all_gather(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
+               size: int) -> Call:
+    x = input_array(x)
+    check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
+    out = output_array(out, x, (size, *x.shape), "all_gather")
+    return Call("all_gather", x, out, ReduceOp.SUM, 0, chunk_bytes, channels)
+
+
+def broadcast(x: Any, root: Any, chunk_bytes: int | None, channels: int | None,
+              size: int) -> Call:
+    root = _root(root, size)
+    if not _arrays.device_kind(x) or not x.flags.c_contiguous:
+        raise TypeError("broadcast works in place and needs a C-contiguous array; "
+                        "pass numpy.ascontiguousarray(x) and use the returned array")
+    check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
+    return Call("broadcast", x, x, ReduceOp.SUM, root, chunk_bytes, channels)
+
+
+def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | None,
+           channels: int | None, size: int, rank: int) -> Call:
+    rop = ReduceOp.parse(op)
+    root = _root(root, size)
+    x = input_array(x)
+    check_op_dtype(rop, _arrays.dtype_name(x))
+    out = output_array(out, x, x.shape, "reduce", may_alias=True) if rank == root else None
+    return Call("reduce", x, out, rop, root, chunk_bytes, channels)
+
+
+def input_array(x: Any) -> Any:
+    """`x` (a NumPy or CuPy array), C-contiguous."""
+    _arrays.device_kind(x)
+    return _arrays.contiguous(x)
+
+
+def _root(root: Any, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"root must be an int rank, got {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} is not a rank of this communicator (0..{size - 1})")
+    return root
+
+
+def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
+                 may_alias: bool = False) -> Any:
+    """`out` checked against `x` (device, dtype, shape, layout, overlap), or a new array."""
+    if out is None:
+        return _arrays.array_module(x).empty(shape, dtype=x.dtype)
+    if _arrays.device_kind(out) != _arrays.device_kind(x):
+        raise TypeError(f"{name}: out must live on the same device as x")
+    if out.dtype != x.dtype:
+        raise TypeError(f"{name}: out has dtype {out.dtype}, x has {x.dtype}; they must match")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{name}: out must be C-contiguous")
+    if out is not x and _arrays.array_module(x).may_share_memory(out, x):
+        if not (may_alias and _arrays.same_memory(out, x)):
+            raise ValueError(f"{name}: out overlaps x; pass out=x to work in place, or a "
+                             "separate array")
+    return out

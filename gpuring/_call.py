@@ -1,0 +1,80 @@
+"""What flows down the one call path: a call as a verb describes it, the signature ranks agree
+on, and the prepared call (its route, and for the engine its plan) that runs it again."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ._ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .algorithms.plan import RoundPlan
+    from .scheduler import Engine
+
+__all__ = ["Call", "Signature", "Route", "PreparedCall"]
+
+
+@dataclass(slots=True)
+class Call:
+    """One collective, its arguments already checked: `x` the input (None for a barrier),
+    `out` the output (allocated when the user gave none; None off the root of a reduce), and
+    the per-call tuning (None: the communicator's settings)."""
+
+    collective: str
+    x: Any = None
+    out: Any = None
+    op: ReduceOp = ReduceOp.SUM
+    root: int = 0
+    chunk_bytes: int | None = None
+    channels: int | None = None
+
+    def key(self) -> tuple[Any, ...]:
+        """What picks the prepared call: everything that shapes its plan."""
+        x = self.x
+        if x is None:
+            return (self.collective,)
+        return (self.collective, x.shape, x.dtype, type(x), self.op, self.root,
+                self.chunk_bytes, self.channels)
+
+
+class Signature(NamedTuple):
+    """What every rank must call alike, compared across ranks before a call first runs. The
+    tuning fields are None where the route has no plan (a world of one, MPI)."""
+
+    collective: str
+    device: str | None
+    shape: tuple[int, ...]
+    dtype: str | None
+    op: str | None
+    root: int
+    chunk_bytes: int | None = None
+    channels: int | None = None
+    one_shot_bytes: int | None = None
+    buffer_bytes: int | None = None
+    verify: bool | None = None
+
+
+class Route(enum.Enum):
+    """Who runs an agreed collective."""
+
+    ALONE = "alone"  #: a world of one: nothing moves
+    MPI = "mpi"  #: MPI's own collectives (NumPy arrays across nodes, or GPURING_TRANSPORT=mpi)
+    ENGINE = "engine"  #: a device engine of this communicator
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A collective every rank agreed on, ready to run again: its route and, for the engine,
+    the engine, its rounds, the dtype and its item size, whether it runs inline, and its
+    signature text and digest (what the status board compares)."""
+
+    route: Route
+    engine: Engine | None = None
+    rounds: tuple[RoundPlan, ...] = ()
+    dtype: str = ""
+    itemsize: int = 1
+    inline: bool = False
+    text: str = ""
+    digest: int = 0
