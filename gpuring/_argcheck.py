@@ -13,20 +13,45 @@ __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", 
            "output_array"]
 
 
+_CHECKED: dict[tuple[Any, Any], ReduceOp] = {}
+
+
+def _op(op: ReduceOp | str, x: Any) -> ReduceOp:
+    """`op` parsed and checked against x's dtype; remembered, as this is on every call's
+    path."""
+    key = (op, x.dtype)
+    try:
+        return _CHECKED[key]
+    except (KeyError, TypeError):  # new, or unhashable (ReduceOp.parse says what it wants)
+        pass
+    rop = ReduceOp.parse(op)
+    check_op_dtype(rop, _arrays.dtype_name(x))
+    if len(_CHECKED) < 1024:
+        _CHECKED[key] = rop
+    return rop
+
+
+def _input_and_op(x: Any, op: ReduceOp | str) -> tuple[Any, ReduceOp]:
+    """The input array and the op checked against its dtype (a bad op is the first thing to
+    hear of, then a bad array)."""
+    try:
+        x = input_array(x)
+    except TypeError:
+        ReduceOp.parse(op)
+        raise
+    return x, _op(op, x)
+
+
 def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
                channels: int | None) -> Call:
-    rop = ReduceOp.parse(op)
-    x = input_array(x)
-    check_op_dtype(rop, _arrays.dtype_name(x))
+    x, rop = _input_and_op(x, op)
     out = output_array(out, x, x.shape, "all_reduce", may_alias=True)
     return Call("all_reduce", x, out, rop, 0, chunk_bytes, channels)
 
 
 def reduce_scatter(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
                    channels: int | None, size: int) -> Call:
-    rop = ReduceOp.parse(op)
-    x = input_array(x)
-    check_op_dtype(rop, _arrays.dtype_name(x))
+    x, rop = _input_and_op(x, op)
     if x.size % size:
         raise ValueError(f"reduce_scatter needs x.size divisible by the {size} ranks, "
                          f"got {x.size}; pad the array")
@@ -54,10 +79,9 @@ def broadcast(x: Any, root: Any, chunk_bytes: int | None, channels: int | None,
 
 def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | None,
            channels: int | None, size: int, rank: int) -> Call:
-    rop = ReduceOp.parse(op)
+    ReduceOp.parse(op)  # a bad op, then a bad root, then a bad array
     root = _root(root, size)
-    x = input_array(x)
-    check_op_dtype(rop, _arrays.dtype_name(x))
+    x, rop = _input_and_op(x, op)
     out = output_array(out, x, x.shape, "reduce", may_alias=True) if rank == root else None
     return Call("reduce", x, out, rop, root, chunk_bytes, channels)
 
@@ -81,11 +105,11 @@ def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
     """`out` checked against `x` (device, dtype, shape, layout, overlap), or a new array."""
     if out is None:
         return _arrays.array_module(x).empty(shape, dtype=x.dtype)
-    if _arrays.device_kind(out) != _arrays.device_kind(x):
+    if type(out) is not type(x) and _arrays.device_kind(out) != _arrays.device_kind(x):
         raise TypeError(f"{name}: out must live on the same device as x")
     if out.dtype != x.dtype:
         raise TypeError(f"{name}: out has dtype {out.dtype}, x has {x.dtype}; they must match")
-    if tuple(out.shape) != tuple(shape):
+    if out.shape != shape and tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{name}: out must be C-contiguous")

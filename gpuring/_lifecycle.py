@@ -18,7 +18,7 @@ import threading
 
 from ._errors import CollectiveTimeoutError, CommunicatorClosedError, GpuringError, PeerFailureError
 
-__all__ = ["State", "Lifecycle", "in_context"]
+__all__ = ["State", "Lifecycle", "Outcome", "in_context"]
 
 
 class State(enum.Enum):
@@ -38,6 +38,16 @@ def in_context(failure: GpuringError, name: str, seq: int, rank: int) -> Gpuring
     return type(failure)(where)
 
 
+class Outcome:
+    """Whether the communicator closes orderly: no failure so far, so every buffer may be
+    freed (after a failure, GPU buffers a peer may still read are kept)."""
+
+    __slots__ = ("orderly",)
+
+    def __init__(self) -> None:
+        self.orderly = True
+
+
 class Lifecycle:
     """The state of one communicator. `cause` is the first failure that came from outside a
     call, `error` the failure a call raised; `fail` may be called from any thread."""
@@ -49,8 +59,14 @@ class Lifecycle:
         self.error: BaseException | None = None
         self.by_user = False  #: abort() was called: close() need not report the failure
         self.hit_work = False  #: the failure came while a collective was in flight
-        self.orderly = True  #: no failure so far: close() may free every buffer
+        #: what closing needs to know, apart from the rest (no error or traceback in it, so
+        #: the communicator's finalizer can hold it without holding the communicator)
+        self.outcome = Outcome()
         self._lock = threading.Lock()
+
+    @property
+    def orderly(self) -> bool:
+        return self.outcome.orderly
 
     @property
     def usable(self) -> bool:
@@ -65,7 +81,7 @@ class Lifecycle:
                 return False
             self.cause = cause
             self.hit_work = busy
-            self.orderly = False
+            self.outcome.orderly = False
             if self.state is State.OPEN:
                 self.state = State.FAILED
             return True
@@ -74,7 +90,7 @@ class Lifecycle:
         """A call raised `error`: the communicator cannot run collectives any more."""
         with self._lock:
             self.error = error
-            self.orderly = False
+            self.outcome.orderly = False
             if self.state is not State.CLOSED:
                 self.state = State.BROKEN
 

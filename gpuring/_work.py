@@ -195,6 +195,8 @@ def public_verb(method: F) -> F:
         if executor is not None and executor.busy():
             executor.drain()
         out = kwargs.get("out")
+        if args and type(args[0]) is np.ndarray and (out is None or type(out) is np.ndarray):
+            return method(self, *args, **kwargs)  # the common case, decided first
         if args and not (_native(args[0]) and (out is None or _native(out))):
             from . import interop
 

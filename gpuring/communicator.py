@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import threading
 import warnings
@@ -30,7 +31,7 @@ from ._errors import (
     PeerFailureError,
 )
 from ._health import Health
-from ._lifecycle import Lifecycle, State, in_context
+from ._lifecycle import Lifecycle, Outcome, State, in_context
 from ._ops import ReduceOp
 from ._status import signature_hash
 from ._work import Executor, Work, public_verb
@@ -53,7 +54,7 @@ _P = ParamSpec("_P")
 
 
 def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane,
-             life: Lifecycle) -> None:
+             outcome: Outcome) -> None:
     """Close in order: tell the peers this rank is leaving, the engines (the watchdog still
     watching, so a peer that fails meanwhile ends the close's wait at once), the watchdog, the
     status board's memory, the control plane. Runs once, from close() or when the
@@ -62,11 +63,25 @@ def _release(engines: dict[str, Engine], watch: list[Any], control: ControlPlane
         if isinstance(item, Health):
             item.leaving()
     for engine in engines.values():
-        engine.close(control, orderly=life.orderly)
+        engine.close(control, orderly=outcome.orderly)
     for item in watch:  # Health first, then the HostDevice that holds the board
         item.close()
     watch.clear()
     control.close()
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A callback that calls `method` while its object lives: what the control plane and the
+    watchdog hold must not keep the communicator alive (its finalizer closes it when the user
+    drops it)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, **kwargs)
+
+    return call
 
 
 def _in_background(verb: Callable[Concatenate[Communicator, _P], Any]
@@ -74,14 +89,18 @@ def _in_background(verb: Callable[Concatenate[Communicator, _P], Any]
     """The `*_async` twin of a verb: the same call, run by the communicator's background
     thread; returns a Work at once."""
     name = verb.__name__
+    checked = inspect.signature(verb)
 
     @functools.wraps(verb)
     def submit(self: Communicator, *args: _P.args, **kwargs: _P.kwargs) -> Work:
-        return self._submit(name, getattr(self, name), *args, **kwargs)
+        bound = checked.bind(self, *args, **kwargs)  # a wrong call fails here, not in wait()
+        return self._submit(name, getattr(self, name), *bound.args[1:], **bound.kwargs)
 
-    submit.__name__ = submit.__qualname__ = f"{name}_async"
+    submit.__name__ = f"{name}_async"
+    submit.__qualname__ = f"Communicator.{name}_async"
+    submit.__signature__ = checked.replace(return_annotation="Work")  # type: ignore[attr-defined]
     submit.__doc__ = (f"`{name}` in the background: returns a Work at once, whose `wait()` "
-                      f"gives what `{name}` returns.")
+                      f"gives what `{name}` returns (or raises what it raises).")
     return submit
 
 
@@ -112,8 +131,8 @@ class Communicator:
         self._executor: Executor | None = None  # the async thread, made by the first *_async
         self._timeline: Timeline | None = None  # recording timeline; checked once per call
         self._finalizer = weakref.finalize(self, _release, self._engines, self._watch, control,
-                                           self._life)
-        control.on_peer_failure(self._on_peer_failure)
+                                           self._life.outcome)
+        control.on_peer_failure(_weakly(self._on_peer_failure))
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -186,6 +205,9 @@ class Communicator:
     @public_verb
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
+        if self.size == 1:  # nothing to wait for, and no collective to count
+            self._life.check("barrier", self._seq + 1)
+            return
         self._call(Call("barrier"))
 
     all_reduce_async = _in_background(all_reduce)
@@ -459,7 +481,7 @@ class Communicator:
             try:
                 self._health = Health(self._control, host, timeout=self.config.timeout,
                                       stall_warning_s=self.config.stall_warning_s,
-                                      on_failure=self._fail)
+                                      on_failure=_weakly(self._fail))
             except BaseException:
                 host.close()
                 raise
@@ -480,6 +502,7 @@ class Communicator:
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
         are told, and later calls raise CommunicatorClosedError. Close it afterwards."""
+        self._life.by_user = True  # before anything a failure arriving meanwhile could race
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
         if self._health is not None:
             self._health.give_up(reason)
@@ -624,8 +647,6 @@ class Communicator:
 
     def _submit(self, name: str, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Work:
         self._life.check(name, self._seq + 1)
-        if "x" in kwargs:
-            args = (kwargs.pop("x"), *args)
         x = args[0]
         with self._lock:
             if self._executor is None:

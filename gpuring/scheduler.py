@@ -75,6 +75,7 @@ class Engine:
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
+        self._inline_programs: dict[tuple[Any, ...], tuple[tuple[RoundPlan, ...], Any]] = {}
         # the inbox: DONE per rank, READY per channel and rank; data starts on a new page
         self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
         local = device.alloc(self._flag_bytes + 4 * capacity_bytes)
@@ -109,20 +110,19 @@ class Engine:
                                "count; close it and call gpuring.init() again")
         # after the caller's queued work, and after this engine's previous collective (on
         # devices that do not block, streams of consecutive collectives are otherwise unordered)
-        before = [e for e in (after, self._last) if e is not None]
+        before = [e for e in (after, self._last) if e is not None] if (
+            after is not None or self._last is not None) else []
         try:
             if not rounds:  # an empty array: nothing to enqueue, the last event still stands
                 return None if self.device.blocking else self._last
             if inline:  # one stream (in this thread where the device can): the latency path
                 for event in before:
                     self._inline.wait_event(event)
-                for plan in rounds:
+                for by_parity in self._inline_program(rounds, dtype, itemsize, op, divisor):
                     self._seq += 1
                     seq = self._seq
-                    last = len(plan.channels) - 1
-                    for c in range(last + 1):
-                        self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor,
-                                     self._inline, c == last)(in_mem, out_mem, seq)
+                    for runner in by_parity[seq & 1]:
+                        runner(in_mem, out_mem, seq)
                 return self._finish([self._inline])
             used: list[Stream] = []
             for plan in rounds:
@@ -188,6 +188,31 @@ class Engine:
             timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
             raise (timeouts or errors)[0]
 
+    def _inline_program(self, rounds: tuple[RoundPlan, ...], dtype: str, itemsize: int,
+                        op: ReduceOp, divisor: int) -> tuple[tuple[tuple[Runner, ...], ...], ...]:
+        """The inline stream's runners of every round, for either buffer half: per round,
+        per parity, per channel. Compiled once per collective, so a repeated small collective
+        costs one lookup here."""
+        key = (id(rounds), dtype, op)
+        hit = self._inline_programs.get(key)
+        if hit is not None and hit[0] is rounds:
+            return hit[1]
+        program = tuple(
+            tuple(tuple(self._compile(plan, c, parity, dtype, itemsize, op, divisor,
+                                      self._inline, c == len(plan.channels) - 1)
+                        for c in range(len(plan.channels)))
+                  for parity in (0, 1))
+            for plan in rounds)
+        if len(self._inline_programs) >= _RUNNER_CACHE:
+            self._inline_programs.clear()
+        self._inline_programs[key] = (rounds, program)
+        return program
+
+    def _compile(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
+                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:
+        program = self._program(plan.channels[c], c, parity, itemsize, divisor, with_done)
+        return self.device.compile(program, dtype, op, stream)
+
     def _runner(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:
         key = (id(plan), c, parity, dtype, op, divisor, stream, with_done)
@@ -195,8 +220,7 @@ class Engine:
         if hit is not None and hit[0] is plan:
             self._runners.move_to_end(key)
             return hit[1]
-        program = self._program(plan.channels[c], c, parity, itemsize, divisor, with_done)
-        runner = self.device.compile(program, dtype, op, stream)
+        runner = self._compile(plan, c, parity, dtype, itemsize, op, divisor, stream, with_done)
         self._runners[key] = (plan, runner)
         if len(self._runners) > _RUNNER_CACHE:
             self._runners.popitem(last=False)

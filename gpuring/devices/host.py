@@ -468,16 +468,33 @@ class HostDevice(Device):
 
     def _step(self, ins: Instruction, dtype: str, op: ReduceOp,
               stream: _InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
+        step = self._bare_step(ins, dtype, op)
+        if not self.jitter:
+            return step
         jitter = stream._jitter
 
+        def jittered(mems: tuple[Any, Any], seq: int) -> Any:
+            jitter()
+            return step(mems, seq)
+
+        return jittered
+
+    def _bare_step(self, ins: Instruction, dtype: str,
+                   op: ReduceOp) -> Callable[[tuple[Any, Any], int], Any]:
         itemsize = np.dtype(dtype).itemsize
 
         def view(o: Span | Arg) -> Callable[[tuple[Any, Any]], np.ndarray]:
             """Every span of a collective holds its dtype: input and output arguments are
-            sliced in elements (HostArray.flat), buffers viewed once here."""
+            sliced in elements (HostArray.flat; the whole of it when the span starts at 0 and
+            covers it), buffers viewed once here."""
             if isinstance(o, Arg):
                 which, lo, hi = o.which, o.offset // itemsize, (o.offset + o.nbytes) // itemsize
-                return lambda mems: mems[which].flat[lo:hi]
+
+                def argument(mems: tuple[Any, Any]) -> np.ndarray:
+                    flat = mems[which].flat
+                    return flat if lo == 0 and hi == flat.size else flat[lo:hi]
+
+                return argument
             fixed = o.mem.view(o.offset, o.nbytes, dtype)  # type: ignore[attr-defined]
             return lambda mems: fixed
 
@@ -485,7 +502,6 @@ class HostDevice(Device):
             dst, src = view(ins.dst), view(ins.src)
 
             def copy(mems: tuple[Any, Any], seq: int) -> None:
-                jitter()
                 np.copyto(dst(mems), src(mems))
 
             return copy
@@ -495,7 +511,6 @@ class HostDevice(Device):
             ufunc = _UFUNCS[op]
 
             def reduce(mems: tuple[Any, Any], seq: int) -> None:
-                jitter()
                 if divisor == 1:
                     ufunc(a(mems), b(mems), out=d(mems))
                 else:
@@ -503,8 +518,7 @@ class HostDevice(Device):
 
             return reduce
         if isinstance(ins, ReduceNI):
-            return self._fold_step(ins, view(ins.dst), [view(o) for o in ins.srcs], op,
-                                   jitter)
+            return self._fold_step(ins, view(ins.dst), [view(o) for o in ins.srcs], op)
         words = ins.flag.mem.i64  # type: ignore[attr-defined]
         index, rel, shift = ins.flag.offset >> 3, ins.rel, ins.shift
         if isinstance(ins, WaitI):
@@ -512,7 +526,6 @@ class HostDevice(Device):
             _check_local(flag)
 
             def wait(mems: tuple[Any, Any], seq: int) -> None:
-                jitter()
                 value = rel + (seq << shift)
                 if words[index] < value:
                     self.wait_flag(flag, value, tag)
@@ -520,20 +533,18 @@ class HostDevice(Device):
             return wait
 
         def write(mems: tuple[Any, Any], seq: int) -> None:
-            jitter()
             words[index] = rel + (seq << shift)
 
         return write
 
     @staticmethod
     def _fold_step(ins: ReduceNI, d: Callable[[tuple[Any, Any]], np.ndarray],
-                   srcs: list[Callable[[tuple[Any, Any]], np.ndarray]], op: ReduceOp,
-                   jitter: Callable[[], None]) -> Callable[[tuple[Any, Any], int], None]:
-        """The inline step of an n-input reduce (views bound by `_step`)."""
+                   srcs: list[Callable[[tuple[Any, Any]], np.ndarray]],
+                   op: ReduceOp) -> Callable[[tuple[Any, Any], int], None]:
+        """The inline step of an n-input reduce (views bound by `_bare_step`)."""
         divisor = ins.divisor
 
         def reduce_n(mems: tuple[Any, Any], seq: int) -> None:
-            jitter()
             _fold_into(d(mems), [src(mems) for src in srcs], op, divisor)
 
         return reduce_n

@@ -213,8 +213,10 @@ def case_interrupt(comm: gpuring.Communicator) -> None:
     device's jitter hook); rank 1 catches it and carries on. Nobody may get stale data."""
     comm.barrier()
     x = np.full(16, comm.rank + 1.0, np.float32)
-    if comm.rank == 1:
-        stream = comm._engines["cpu"]._inline
+    if comm.rank == 1:  # the all_reduce, compiled after this, calls the hook between steps
+        engine = comm._engines["cpu"]
+        engine.device.jitter = True
+        stream = engine._inline
         calls = [0]
 
         def interrupt() -> None:

@@ -1,0 +1,55 @@
+"""The Communicator facade in a world of one: its lifetime and its async verbs."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+
+import numpy as np
+import pytest
+
+from gpuring import CommunicatorClosedError
+from gpuring.communicator import Communicator
+from gpuring.rendezvous.local import SingleProcess
+
+
+def test_a_dropped_communicator_is_closed_by_its_finalizer() -> None:
+    """Nothing the communicator registers elsewhere (control-plane and watchdog callbacks)
+    keeps it alive, so dropping it releases its resources; after a failure too."""
+    for fail in (False, True):
+        comm = Communicator(SingleProcess())
+        comm.all_reduce(np.ones(3))
+        if fail:
+            comm.abort("test")
+            with pytest.raises(CommunicatorClosedError):
+                comm.all_reduce(np.ones(3))
+        finalizer = comm._finalizer
+        del comm
+        gc.collect()
+        assert not finalizer.alive
+
+
+def test_async_verbs_check_their_call_at_once() -> None:
+    comm = Communicator(SingleProcess())
+    try:
+        signature = inspect.signature(comm.all_reduce_async)
+        assert signature.return_annotation == "Work"
+        assert list(signature.parameters) == list(inspect.signature(comm.all_reduce).parameters)
+        with pytest.raises(TypeError):
+            comm.all_reduce_async(np.ones(2), "max")  # op is keyword-only
+        with pytest.raises(TypeError):
+            comm.reduce_async()
+        x = np.arange(4.0)
+        assert np.array_equal(comm.all_reduce_async(x=x).wait(), x)
+        assert comm.reduce_async(x, root=0).wait() is not None
+    finally:
+        comm.close()
+
+
+def test_a_barrier_alone_counts_no_collective() -> None:
+    comm = Communicator(SingleProcess())
+    comm.barrier()
+    assert comm._seq == 0
+    comm.close()
+    with pytest.raises(CommunicatorClosedError):
+        comm.barrier()
