@@ -81,14 +81,20 @@ def floor(mpi: MPI.Comm, x: np.ndarray, out: np.ndarray) -> Callable[[], None]:
     return once
 
 
-def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int,
-            iters: int) -> dict[str, float]:
-    """Microseconds per call of each layer for one size."""
+def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int, iters: int,
+            layers: bool) -> dict[str, float]:
+    """Microseconds per call of each layer (only the public call and MPI's without
+    `layers`) for one size."""
     x = np.random.default_rng(mpi.rank).standard_normal(nbytes // 4).astype(np.float32)
     out, expected = np.empty_like(x), np.empty_like(x)
     comm.all_reduce(x, out=out)
     mpi.Allreduce(x, expected)
     assert np.array_equal(out, expected), "gpuring and MPI disagree"
+    nan = float("nan")
+    if not layers:
+        return {"floor": nan, "runners": nan, "engine": nan,
+                "all_reduce": per_call_us(mpi, lambda: comm.all_reduce(x, out=out), iters),
+                "mpi": per_call_us(mpi, lambda: mpi.Allreduce(x, expected), iters)}
     prepared = next(p for k, p in comm._prepared.items()
                     if k[0] == "all_reduce" and k[1] == x.shape)
     engine = prepared.engine
@@ -123,6 +129,9 @@ def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=5000)
+    parser.add_argument("--public-only", action="store_true",
+                        help="time only the public call and MPI's (for commits before the "
+                             "layers this script reaches into existed)")
     args = parser.parse_args()
     mpi = MPI.COMM_WORLD
     if mpi.size != 2:
@@ -136,7 +145,7 @@ def main() -> None:
         print(f"{'bytes':>6} {'floor':>7} {'runners':>8} {'engine':>7} {'all_reduce':>11} "
               f"{'MPI':>6} {'ratio':>6}   (us per call; ratio = all_reduce / MPI)")
     for nbytes in (8, 256, 4096):
-        times = measure(mpi, comm, nbytes, args.iters)
+        times = measure(mpi, comm, nbytes, args.iters, layers=not args.public_only)
         if mpi.rank == 0:
             print(f"{nbytes:6d} {times['floor']:7.2f} {times['runners']:8.2f} "
                   f"{times['engine']:7.2f} {times['all_reduce']:11.2f} {times['mpi']:6.2f} "
