@@ -17,6 +17,7 @@ two cores: the time of one call is the slower rank's path plus the hand-over bet
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
 import platform
@@ -28,7 +29,6 @@ import numpy as np
 from mpi4py import MPI
 
 import gpuring
-from gpuring import ReduceOp
 
 
 def per_call_us(mpi: MPI.Comm, fn: Callable[[], object], iters: int) -> float:
@@ -97,11 +97,14 @@ def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int, iters: int,
                 "mpi": per_call_us(mpi, lambda: mpi.Allreduce(x, expected), iters)}
     prepared = next(p for k, p in comm._prepared.items()
                     if k[0] == "all_reduce" and k[1] == x.shape)
-    engine = prepared.engine
-    assert engine is not None
+    launch = prepared.launch
+    assert launch is not None
+    engine = launch.engine
     in_mem, out_mem = engine.device.wrap(x), engine.device.wrap(out)
-    program = engine._inline_program(prepared.rounds, prepared.dtype, prepared.itemsize,
-                                     ReduceOp.SUM, 1)
+    engine_run = functools.partial(engine.run, launch, in_mem, out_mem, "all_reduce", 0)
+    engine_run()
+    program = launch.runners
+    assert program is not None
 
     def runners() -> None:
         for by_parity in program:
@@ -109,11 +112,6 @@ def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int, iters: int,
             seq = engine._seq
             for runner in by_parity[seq & 1]:
                 runner(in_mem, out_mem, seq)
-
-    def engine_run() -> None:
-        engine.run(prepared.rounds, name="all_reduce", collective_seq=comm._seq,
-                   in_mem=in_mem, out_mem=out_mem, dtype=prepared.dtype,
-                   itemsize=prepared.itemsize, op=ReduceOp.SUM, inline=True)
 
     times = {
         "floor": per_call_us(mpi, floor(mpi, x, out), iters),

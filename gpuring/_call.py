@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from .algorithms.plan import RoundPlan
-    from .scheduler import Engine
+    from .scheduler import Launch
 
 __all__ = ["Call", "Signature", "Route", "PreparedCall"]
 
@@ -67,14 +66,9 @@ class Route(enum.Enum):
 @dataclass(frozen=True)
 class PreparedCall:
     """A collective every rank agreed on, ready to run again: its route and, for the engine,
-    the engine, its rounds, the dtype and its item size, whether it runs inline, and its
-    signature text and digest (what the status board compares)."""
+    the engine's launch and the signature text and digest the status board compares."""
 
     route: Route
-    engine: Engine | None = None
-    rounds: tuple[RoundPlan, ...] = ()
-    dtype: str = ""
-    itemsize: int = 1
-    inline: bool = False
+    launch: Launch | None = None
     text: str = ""
     digest: int = 0

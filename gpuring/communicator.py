@@ -9,7 +9,6 @@ run by a background thread.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import os
@@ -40,7 +39,7 @@ from .devices import device_class
 from .devices.base import FlagWaitAborted, FlagWaitTimeout, Memory
 from .devices.host import SHM_PREFIX, HostDevice
 from .rendezvous.base import ControlPlane
-from .scheduler import Engine
+from .scheduler import Engine, Launch
 from .timeline import Timeline, write_trace
 
 if TYPE_CHECKING:
@@ -295,8 +294,9 @@ class Communicator:
         text = "barrier()" if x is None else (
             f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
             f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
-        return PreparedCall(Route.ENGINE, engine, rounds, dtype, itemsize, nchannels == 1,
-                            text, signature_hash(text))
+        launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
+                                inline=nchannels == 1)
+        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
         x, out = call.x, call.out
@@ -334,8 +334,9 @@ class Communicator:
         return call.out
 
     def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
-        engine = prepared.engine
-        assert engine is not None
+        launch = prepared.launch
+        assert launch is not None
+        engine = launch.engine
         device = engine.device
         name, x, out = call.collective, call.x, call.out
         in_mem = out_mem = None
@@ -348,11 +349,10 @@ class Communicator:
                 raise
         timeline = self._timeline
         if timeline is None:
-            self._execute(prepared, name, in_mem, out_mem, call.op)
+            self._execute(prepared, launch, name, in_mem, out_mem)
         else:
-            timeline.record(name, self._seq, x, call.op, prepared.rounds, lambda rounds: (
-                self._execute(dataclasses.replace(prepared, rounds=rounds), name, in_mem,
-                              out_mem, call.op)))
+            timeline.record(name, self._seq, x, call.op, launch.per_round(), lambda one: (
+                self._execute(prepared, one, name, in_mem, out_mem)))
         if x is None and not device.blocking:  # a barrier holds the host too
             try:
                 engine.synchronize()
@@ -363,12 +363,12 @@ class Communicator:
             self._verify(name, out)
         return out
 
-    def _execute(self, prepared: PreparedCall, name: str, in_mem: Memory | None,
-                 out_mem: Memory | None, op: ReduceOp) -> None:
-        """Announce the collective on the status board, run it, and turn any failure into
-        this call's error (the communicator is unusable afterwards)."""
-        engine = prepared.engine
-        assert engine is not None
+    def _execute(self, prepared: PreparedCall, launch: Launch, name: str,
+                 in_mem: Memory | None, out_mem: Memory | None) -> None:
+        """Announce the collective on the status board, run `launch` (the prepared call's, or
+        one round of it), and turn any failure into this call's error (the communicator is
+        unusable afterwards)."""
+        engine = launch.engine
         device = engine.device
         health = self._health
         assert health is not None
@@ -378,10 +378,7 @@ class Communicator:
             if self._life.cause is not None:
                 raise self._life.cause
             health.enter(seq, name, prepared.text, prepared.digest)
-            finished = engine.run(prepared.rounds, name=name, collective_seq=seq,
-                                  in_mem=in_mem, out_mem=out_mem, dtype=prepared.dtype,
-                                  itemsize=prepared.itemsize, op=op, inline=prepared.inline,
-                                  after=device.caller_event())
+            finished = engine.run(launch, in_mem, out_mem, name, seq, device.caller_event())
         except BaseException as exc:  # whatever it is, the round counters are now unusable
             error: BaseException = exc
             if self._life.cause is not None:

@@ -50,13 +50,42 @@ from .devices.base import (
 )
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Engine", "MAX_CHANNELS"]
+__all__ = ["Engine", "Launch", "MAX_CHANNELS"]
 
 MAX_CHANNELS = 32
 _PAGE = 4096
 _SEQ_SHIFT = 32
 _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
+
+
+class Launch:
+    """A collective prepared for one engine: its rounds, the dtype and op, whether it runs on
+    the inline stream, and (for that stream) its runners, compiled on the first run. Made by
+    `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
+
+    __slots__ = ("_per_round", "divisor", "dtype", "engine", "inline", "itemsize", "op",
+                 "rounds", "runners")
+
+    def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
+                 itemsize: int, op: ReduceOp, inline: bool):
+        self.engine = engine
+        self.rounds = rounds
+        self.dtype = dtype
+        self.itemsize = itemsize
+        self.op = op
+        self.divisor = engine.size if op is ReduceOp.AVG else 1
+        self.inline = inline
+        #: inline runners per round, per buffer half (seq parity), per channel
+        self.runners: tuple[tuple[tuple[Runner, ...], ...], ...] | None = None
+        self._per_round: tuple[Launch, ...] | None = None
+
+    def per_round(self) -> tuple[Launch, ...]:
+        """One launch per round (the timeline runs and times them one by one)."""
+        if self._per_round is None:
+            self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
+                                           self.op, self.inline) for plan in self.rounds)
+        return self._per_round
 
 
 class Engine:
@@ -75,7 +104,6 @@ class Engine:
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
-        self._inline_programs: dict[tuple[Any, ...], tuple[tuple[RoundPlan, ...], Any]] = {}
         # the inbox: DONE per rank, READY per channel and rank; data starts on a new page
         self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
         local = device.alloc(self._flag_bytes + 4 * capacity_bytes)
@@ -99,12 +127,18 @@ class Engine:
             self._streams.append(self.device.create_stream())
         return self._streams[c]
 
-    def run(self, rounds: tuple[RoundPlan, ...], *, name: str, collective_seq: int,
-            in_mem: Memory | None, out_mem: Memory | None, dtype: str, itemsize: int,
-            op: ReduceOp, inline: bool, after: Event | None = None) -> Event | None:
-        """Enqueue every round, after `after` if given. Blocking devices return once the
-        result is complete; others return an event that completes with the collective."""
-        divisor = self.size if op is ReduceOp.AVG else 1
+    def prepare(self, rounds: tuple[RoundPlan, ...], *, dtype: str, itemsize: int,
+                op: ReduceOp, inline: bool) -> Launch:
+        """`rounds` ready to run on this engine (`inline`: on one stream, in the calling
+        thread where the device can)."""
+        return Launch(self, rounds, dtype, itemsize, op, inline)
+
+    def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
+            collective_seq: int, after: Event | None = None) -> Event | None:
+        """Enqueue every round of `launch`, after `after` if given. Blocking devices return
+        once the result is complete; others return an event that completes with the
+        collective. `name` and `collective_seq` name the collective in errors."""
+        rounds = launch.rounds
         if self._seq + len(rounds) >= _MAX_SEQ:
             raise GpuringError("this communicator has run 2^31 rounds, the most its flags can "
                                "count; close it and call gpuring.init() again")
@@ -115,15 +149,16 @@ class Engine:
         try:
             if not rounds:  # an empty array: nothing to enqueue, the last event still stands
                 return None if self.device.blocking else self._last
-            if inline:  # one stream (in this thread where the device can): the latency path
+            if launch.inline:  # one stream (in this thread where the device can): latency path
                 for event in before:
                     self._inline.wait_event(event)
-                for by_parity in self._inline_program(rounds, dtype, itemsize, op, divisor):
+                for by_parity in launch.runners or self._compile_inline(launch):
                     self._seq += 1
                     seq = self._seq
                     for runner in by_parity[seq & 1]:
                         runner(in_mem, out_mem, seq)
                 return self._finish([self._inline])
+            dtype, itemsize, op, divisor = launch.dtype, launch.itemsize, launch.op, launch.divisor
             used: list[Stream] = []
             for plan in rounds:
                 self._seq += 1
@@ -188,25 +223,17 @@ class Engine:
             timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
             raise (timeouts or errors)[0]
 
-    def _inline_program(self, rounds: tuple[RoundPlan, ...], dtype: str, itemsize: int,
-                        op: ReduceOp, divisor: int) -> tuple[tuple[tuple[Runner, ...], ...], ...]:
-        """The inline stream's runners of every round, for either buffer half: per round,
-        per parity, per channel. Compiled once per collective, so a repeated small collective
-        costs one lookup here."""
-        key = (id(rounds), dtype, op)
-        hit = self._inline_programs.get(key)
-        if hit is not None and hit[0] is rounds:
-            return hit[1]
-        program = tuple(
-            tuple(tuple(self._compile(plan, c, parity, dtype, itemsize, op, divisor,
-                                      self._inline, c == len(plan.channels) - 1)
+    def _compile_inline(self, launch: Launch) -> tuple[tuple[tuple[Runner, ...], ...], ...]:
+        """The inline stream's runners of every round of `launch`, for either buffer half:
+        compiled once, so a repeated small collective costs no lookup at all."""
+        launch.runners = tuple(
+            tuple(tuple(self._compile(plan, c, parity, launch.dtype, launch.itemsize, launch.op,
+                                      launch.divisor, self._inline,
+                                      c == len(plan.channels) - 1)
                         for c in range(len(plan.channels)))
                   for parity in (0, 1))
-            for plan in rounds)
-        if len(self._inline_programs) >= _RUNNER_CACHE:
-            self._inline_programs.clear()
-        self._inline_programs[key] = (rounds, program)
-        return program
+            for plan in launch.rounds)
+        return launch.runners
 
     def _compile(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
                  op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:

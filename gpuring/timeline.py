@@ -14,11 +14,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from .algorithms.plan import RoundPlan
+
+
+class _OneRound(Protocol):
+    """What the timeline needs of a round it runs: its plan, as the only one of `rounds`."""
+
+    @property
+    def rounds(self) -> tuple[RoundPlan, ...]: ...
+
+
+_Round = TypeVar("_Round", bound=_OneRound)
 
 __all__ = ["Timeline", "write_trace"]
 
@@ -41,17 +51,18 @@ class Timeline:
         self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
                             "ts": begin, "dur": self._now() - begin, "args": args})
 
-    def record(self, name: str, seq: int, x: Any, op: Any, rounds: tuple[RoundPlan, ...],
-               run: Callable[[tuple[RoundPlan, ...]], None]) -> None:
+    def record(self, name: str, seq: int, x: Any, op: Any, rounds: Sequence[_Round],
+               run: Callable[[_Round], None]) -> None:
         """Run collective `name` #`seq` (input `x`, None for a barrier) one round at a time,
-        `run((round,))` each, and record the collective and every round."""
+        `run(round)` each, and record the collective and every round (a round's `rounds`
+        holds its one plan)."""
         begin = self._now()
         try:
-            for i, plan in enumerate(rounds):
+            for i, one in enumerate(rounds):
                 start = self._now()
-                run((plan,))
+                run(one)
                 self._add(f"{name} round {i}", _ROUNDS, start,
-                          {"seq": seq, "round": i, "channels": len(plan.channels)})
+                          {"seq": seq, "round": i, "channels": len(one.rounds[0].channels)})
         finally:
             self._add(name, _COLLECTIVES, begin,
                       {"bytes": 0 if x is None else int(x.nbytes),

@@ -15,16 +15,24 @@ class Plan:
     channels = ((), ())
 
 
+class Round:
+    """One round as the communicator hands it to the timeline (a Launch of one plan)."""
+
+    def __init__(self):
+        self.rounds = (Plan(),)
+
+
 def test_rounds_run_one_at_a_time_and_are_recorded(tmp_path):
     ran = []
     timeline = Timeline(str(tmp_path / "t.json"), rank=1)
-    plans = (Plan(), Plan(), Plan())
+    rounds = (Round(), Round(), Round())
     x = np.ones(10, np.float32)
-    timeline.record("all_reduce", 7, x, "sum", plans, ran.append)
-    assert ran == [(p,) for p in plans]
-    rounds = [e for e in timeline.events if e["tid"] == 1]
+    timeline.record("all_reduce", 7, x, "sum", rounds, ran.append)
+    assert ran == list(rounds)
+    recorded = [e for e in timeline.events if e["tid"] == 1]
     (collective,) = [e for e in timeline.events if e["tid"] == 0]
-    assert [e["args"]["round"] for e in rounds] == [0, 1, 2]
+    assert [e["args"]["round"] for e in recorded] == [0, 1, 2]
+    assert all(e["args"]["channels"] == 2 for e in recorded)
     assert collective["args"] == {"bytes": 40, "dtype": "float32", "seq": 7, "op": "sum",
                                   "rounds": 3}
     assert all(e["pid"] == 1 and e["ph"] == "X" and e["dur"] >= 0 for e in timeline.events)
@@ -37,7 +45,7 @@ def test_a_failed_round_still_records_the_collective(tmp_path):
         raise RuntimeError("round failed")
 
     try:
-        timeline.record("barrier", 3, None, "sum", (Plan(),), fail)
+        timeline.record("barrier", 3, None, "sum", (Round(),), fail)
     except RuntimeError:
         pass
     else:
