@@ -95,7 +95,7 @@ def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int, iters: int,
         return {"floor": nan, "runners": nan, "engine": nan,
                 "all_reduce": per_call_us(mpi, lambda: comm.all_reduce(x, out=out), iters),
                 "mpi": per_call_us(mpi, lambda: mpi.Allreduce(x, expected), iters)}
-    prepared = next(p for k, p in comm._prepared.items()
+    prepared = next(p for k, p in comm._path.prepared.items()
                     if k[0] == "all_reduce" and k[1] == x.shape)
     launch = prepared.launch
     assert launch is not None

@@ -1,5 +1,12 @@
-"""gpuring: ring allreduce and its family for CuPy and NumPy arrays across processes."""
+"""gpuring: ring allreduce and its family for CuPy and NumPy arrays across processes.
 
+The public API is what this package exports, plus `gpuring.devices` (the device interface),
+`gpuring.interop`, `gpuring.torch`, `gpuring.settings` and `gpuring.bench`. Everything else is
+internal: the top-level modules whose names start with an underscore, and the layers
+`gpuring.algorithms`, `gpuring.rendezvous` and `gpuring.transports`.
+"""
+
+from ._communicator import Communicator
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -21,7 +28,6 @@ from ._world import (
     reduce_scatter,
     synchronize,
 )
-from .communicator import Communicator
 
 __version__ = "0.1.0"
 

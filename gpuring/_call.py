@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from .scheduler import Launch
+    from ._scheduler import Launch
 
 __all__ = ["Call", "Signature", "Route", "PreparedCall"]
 

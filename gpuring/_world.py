@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import settings
+from ._communicator import Communicator
 from ._config import Config
 from ._errors import GpuringError
 from ._ops import ReduceOp
 from ._work import Work
-from .communicator import Communicator
 from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",

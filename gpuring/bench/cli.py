@@ -102,7 +102,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _spawn(args: argparse.Namespace) -> int:
-    from ..launcher import run
+    from .._launcher import run
     from .progress import STREAM_ENV, Follower, ProgressView
 
     with tempfile.TemporaryDirectory(prefix="gpuring-bench-") as tmp:

@@ -20,7 +20,7 @@ except Exception:  # no driver, no device
 if _GPUS == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from gpuring.communicator import Communicator  # noqa: E402
+from gpuring._communicator import Communicator  # noqa: E402
 from gpuring.rendezvous.local import SingleProcess  # noqa: E402
 
 from ..conftest import launch  # noqa: E402

@@ -169,7 +169,7 @@ def case_abort(comm: gpuring.Communicator) -> None:
     since = time.monotonic()
     ended: list[str] = []
     if comm.rank == 0:
-        device = comm._engines["cpu"].device
+        device = comm._path.engines["cpu"].device
         wait_flag = device.wait_flag
         waiting = threading.Event()
 
@@ -186,7 +186,7 @@ def case_abort(comm: gpuring.Communicator) -> None:
                          daemon=True).start()
     else:
         deadline = time.monotonic() + 60
-        while comm._life.cause is None:  # rank 0's abort, passed on by the launcher
+        while comm._path.life.cause is None:  # rank 0's abort, passed on by the launcher
             assert time.monotonic() < deadline, "rank 0's abort never arrived"
             time.sleep(0.01)
     try:
@@ -214,7 +214,7 @@ def case_interrupt(comm: gpuring.Communicator) -> None:
     comm.barrier()
     x = np.full(16, comm.rank + 1.0, np.float32)
     if comm.rank == 1:  # the all_reduce, compiled after this, calls the hook between steps
-        engine = comm._engines["cpu"]
+        engine = comm._path.engines["cpu"]
         engine.device.jitter = True
         stream = engine._inline
         calls = [0]
@@ -365,7 +365,7 @@ def case_late_failure(comm: gpuring.Communicator) -> None:
     x = np.ones(1000, np.float64)
     comm.all_reduce(x)
     comm.synchronize()
-    assert not comm._engines["cpu"].device.blocking
+    assert not comm._path.engines["cpu"].device.blocking
     survivors = [r for r in range(comm.size) if r != 1]
     if comm.rank == 1:
         wait_for(*(f"returned-{r}" for r in survivors))
@@ -379,9 +379,9 @@ def case_late_failure(comm: gpuring.Communicator) -> None:
     if when == "before":
         wait_for("failed")
         deadline = time.monotonic() + 30
-        while comm._life.cause is None and time.monotonic() < deadline:
+        while comm._path.life.cause is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert comm._life.cause is not None, "the watchdog did not see rank 1 give up"
+        assert comm._path.life.cause is not None, "the watchdog did not see rank 1 give up"
     try:
         comm.synchronize() if call == "synchronize" else comm.close()
     except gpuring.GpuringError as exc:
@@ -471,14 +471,14 @@ def case_channels(comm: gpuring.Communicator) -> None:
     x = np.ones(1 << 20, np.float32)  # 4 MiB: several pieces on each channel
     comm.all_reduce(x, channels=2)
     comm.synchronize()
-    engine = comm._engines["cpu"]
+    engine = comm._path.engines["cpu"]
     if comm.rank == 1:
         wait_for(*(f"result-{r}" for r in range(comm.size) if r != 1))
     else:
         stream0 = engine._streams[0]
         assert len(engine._streams) == 2
         if not engine.device.blocking:  # the streams' timeout, not the watchdog's, fires
-            comm._health._timeout = 3600.0
+            comm._path.watchdog._timeout = 3600.0
         deadline = time.monotonic() + 10 * comm.config.timeout
         original = stream0._jitter
 

@@ -14,7 +14,7 @@ import numpy as np
 from worker import Checker, dev, host, run_case
 
 import gpuring
-from gpuring.compression import unit_roundoff
+from gpuring._compression import unit_roundoff
 
 
 def case_async(c: Checker) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuring.communicator import Communicator
+from gpuring._communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuring
-from gpuring.communicator import Communicator
+from gpuring._communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 
 # README "Dtypes", written out here rather than taken from the library

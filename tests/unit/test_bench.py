@@ -8,12 +8,12 @@ import sys
 import numpy as np
 import pytest
 
+from gpuring._cli import build_parser
 from gpuring.bench import data, metrics, preflight, report
 from gpuring.bench.cli import settings_from_args, to_argv
 from gpuring.bench.machine import cpu_model
 from gpuring.bench.peers import parse_peers, select_peers
 from gpuring.bench.progress import Follower, Output, ProgressView
-from gpuring.cli import build_parser
 
 
 def parse(*argv: str):
@@ -260,7 +260,7 @@ def _no_launcher(monkeypatch):
 
 
 def test_one_rank_run_in_process_writes_json(tmp_path, monkeypatch, capsys):
-    from gpuring.cli import main
+    from gpuring._cli import main
 
     _no_launcher(monkeypatch)
     monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
@@ -275,7 +275,7 @@ def test_one_rank_run_in_process_writes_json(tmp_path, monkeypatch, capsys):
 
 
 def test_corruption_hook_makes_the_exit_status_nonzero(monkeypatch, capsys):
-    from gpuring.cli import main
+    from gpuring._cli import main
 
     _no_launcher(monkeypatch)
     monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
@@ -322,7 +322,7 @@ def test_every_rank_stops_when_any_rank_has_a_problem():
 @pytest.mark.parametrize("flag", ["--plot", "--json"])
 def test_a_missing_dependency_or_directory_fails_before_measuring(tmp_path, monkeypatch,
                                                                    capsys, flag):
-    from gpuring.cli import main
+    from gpuring._cli import main
 
     _no_launcher(monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -372,7 +372,7 @@ def _stop_at(monkeypatch, size: int) -> None:
 
 
 def test_json_and_csv_hold_every_finished_size_when_a_run_is_stopped(tmp_path, monkeypatch):
-    from gpuring.cli import main
+    from gpuring._cli import main
 
     _no_launcher(monkeypatch)
     monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)
@@ -390,7 +390,7 @@ def test_json_and_csv_hold_every_finished_size_when_a_run_is_stopped(tmp_path, m
 
 
 def test_a_finished_run_marks_its_json_complete(tmp_path, monkeypatch):
-    from gpuring.cli import main
+    from gpuring._cli import main
 
     _no_launcher(monkeypatch)
     monkeypatch.setattr("gpuring.bench.runner.Settings.membw_bytes", 1 << 20)

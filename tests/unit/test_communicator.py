@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpuring import CommunicatorClosedError
-from gpuring.communicator import Communicator
+from gpuring._communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 
 
@@ -49,7 +49,7 @@ def test_async_verbs_check_their_call_at_once() -> None:
 def test_a_barrier_alone_counts_no_collective() -> None:
     comm = Communicator(SingleProcess())
     comm.barrier()
-    assert comm._seq == 0
+    assert comm._path.seq == 0
     comm.close()
     with pytest.raises(CommunicatorClosedError):
         comm.barrier()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpuring.compression import unit_roundoff, wire_dtype
+from gpuring._compression import unit_roundoff, wire_dtype
 
 try:
     import ml_dtypes  # noqa: F401

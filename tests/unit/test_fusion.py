@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpuring import fusion
-from gpuring.communicator import Communicator
-from gpuring.fusion import Bucket, plan_buckets
+from gpuring import _fusion as fusion
+from gpuring._communicator import Communicator
+from gpuring._fusion import Bucket, plan_buckets
 from gpuring.rendezvous.local import SingleProcess
 
 

@@ -74,3 +74,18 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_a_cycle_would_be_found() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+#: the public modules and packages at the top of gpuring (with the package itself); every
+#: other top-level module is internal and its name starts with an underscore
+PUBLIC = {"settings", "interop", "torch", "devices", "bench"}
+INTERNAL_LAYERS = {"algorithms", "rendezvous", "transports"}
+
+
+def test_one_privacy_rule_for_modules() -> None:
+    names = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
+    misnamed = sorted(n for n in names - PUBLIC - INTERNAL_LAYERS
+                      if not n.startswith("_"))
+    assert not misnamed, f"internal modules without a leading underscore: {misnamed}"
+    assert PUBLIC | INTERNAL_LAYERS <= names

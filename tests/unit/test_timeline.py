@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
-from gpuring.communicator import Communicator
+from gpuring._communicator import Communicator
+from gpuring._timeline import Timeline, write_trace
 from gpuring.rendezvous.local import SingleProcess
-from gpuring.timeline import Timeline, write_trace
 
 
 class Plan:

@@ -21,14 +21,14 @@ from .devices.base import Event
 from .devices.host import HostDevice
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Health"]
+__all__ = ["Watchdog"]
 
 log = logging.getLogger("gpuring")
 
 _TICK = 0.05
 
 
-class Health:
+class Watchdog:
     """Created collectively; `on_failure(error)` is called at most once, from any thread."""
 
     def __init__(self, control: ControlPlane, host: HostDevice, *, timeout: float,

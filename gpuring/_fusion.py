@@ -19,7 +19,7 @@ from . import _arrays, interop, settings
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from ._communicator import Communicator
 
 __all__ = [
     "DEFAULT_FUSION_BYTES", "Bucket", "default_fusion_bytes", "plan_buckets", "all_reduce_many",

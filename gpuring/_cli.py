@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .launcher import run
+    from ._launcher import run
 
     command = list(args.command)
     if command and command[0] == "--":

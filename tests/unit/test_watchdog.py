@@ -6,7 +6,7 @@ import threading
 import time
 
 from gpuring import GpuringError
-from gpuring._health import Health
+from gpuring._watchdog import Watchdog
 from gpuring.devices.base import Event
 from gpuring.devices.host import HostDevice
 from gpuring.rendezvous.local import SingleProcess
@@ -28,7 +28,7 @@ class _Event(Event):
         return self.outcome == "done"
 
 
-def _health(timeout: float) -> tuple[Health, list[GpuringError], threading.Event]:
+def _watchdog(timeout: float) -> tuple[Watchdog, list[GpuringError], threading.Event]:
     """A watchdog over SingleProcess, the failures it reports, and an event set at the
     first."""
     failures: list[GpuringError] = []
@@ -39,48 +39,48 @@ def _health(timeout: float) -> tuple[Health, list[GpuringError], threading.Event
         failed.set()
 
     host = HostDevice(timeout=timeout, for_collectives=False)
-    health = Health(SingleProcess(), host, timeout=timeout, stall_warning_s=1e9,
+    watchdog = Watchdog(SingleProcess(), host, timeout=timeout, stall_warning_s=1e9,
                     on_failure=on_failure)
-    return health, failures, failed
+    return watchdog, failures, failed
 
 
 def test_a_gpu_error_fails_the_communicator_at_once() -> None:
-    health, failures, failed = _health(timeout=600)
+    watchdog, failures, failed = _watchdog(timeout=600)
     try:
-        assert not health.busy()
-        health.track(_Event("error"), "all_reduce", 3)
-        assert health.busy()  # lost work counts as in flight
+        assert not watchdog.busy()
+        watchdog.track(_Event("error"), "all_reduce", 3)
+        assert watchdog.busy()  # lost work counts as in flight
         assert failed.wait(10)
         assert len(failures) == 1 and "all_reduce #3 failed" in str(failures[0])
         assert "illegal memory access" in str(failures[0])
     finally:
-        health.close()
+        watchdog.close()
 
 
 def test_work_that_never_completes_times_out() -> None:
-    health, failures, failed = _health(timeout=0.3)
+    watchdog, failures, failed = _watchdog(timeout=0.3)
     try:
         start = time.monotonic()
-        health.track(_Event("running"), "broadcast", 1)
+        watchdog.track(_Event("running"), "broadcast", 1)
         assert failed.wait(10) and time.monotonic() - start >= 0.3
         assert "broadcast #1 did not complete" in str(failures[0])
     finally:
-        health.close()
+        watchdog.close()
 
 
 def test_completed_work_is_not_busy() -> None:
-    health, failures, news = _health(timeout=600)
+    watchdog, failures, news = _watchdog(timeout=600)
     try:
         done = _Event("done")
-        health.track(done, "all_gather", 1)
-        assert not health.busy()
+        watchdog.track(done, "all_gather", 1)
+        assert not watchdog.busy()
         # the watchdog checks tracked work in order: once it queries this later work it has
         # dealt with the completed one (so a failure it wrongly raised is already recorded)
         later = _Event("running", seen=news)
-        health.track(later, "all_gather", 2)
+        watchdog.track(later, "all_gather", 2)
         assert news.wait(60), "the watchdog never checked the work"
         assert failures == [], failures
         assert done.seen.is_set() and later.seen.is_set()
-        assert health.busy()  # the later work is still running
+        assert watchdog.busy()  # the later work is still running
     finally:
-        health.close()
+        watchdog.close()

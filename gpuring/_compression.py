@@ -19,7 +19,7 @@ from . import _arrays
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from ._communicator import Communicator
 
 __all__ = ["COMPRESSIONS", "wire_dtype", "unit_roundoff", "all_reduce_compressed"]
 

@@ -1,0 +1,410 @@
+"""The one call path of a communicator: prepare a checked call once (agree on its signature
+across ranks, pick its route, plan it), then run it by its route; and what happens on the
+path when something fails (the lifecycle's transitions, telling the peers, releasing waits).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _arrays
+from ._call import Call, PreparedCall, Route, Signature
+from ._config import Config
+from ._errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    GpuringError,
+    PeerFailureError,
+)
+from ._lifecycle import Lifecycle, in_context
+from ._scheduler import Engine, Launch
+from ._status import signature_hash
+from ._timeline import Timeline
+from ._watchdog import Watchdog
+from .algorithms.collectives import plan_collective
+from .devices import device_class
+from .devices.base import FlagWaitAborted, FlagWaitTimeout, Memory
+from .devices.host import SHM_PREFIX, HostDevice
+from .rendezvous.base import ControlPlane
+
+if TYPE_CHECKING:
+    from .transports.mpi import MpiCollectives
+
+__all__ = ["CallPath", "weakly"]
+
+#: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
+_VERIFIED = ("all_reduce", "all_gather", "broadcast")
+
+
+def weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A callback that calls `method` while its object lives. What the control plane and the
+    watchdog hold must not keep a communicator alive (its finalizer closes it when the user
+    drops it), and a failure the call path keeps holds frames of the communicator's calls."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, **kwargs)
+
+    return call
+
+
+class CallPath:
+    """A communicator's calls and their shared state: the lifecycle, the collectives started
+    (`seq`), the prepared calls, the engines, the watchdog. The communicator's verbs hand
+    their checked calls to `run`; `fail` may be called from any thread."""
+
+    def __init__(self, control: ControlPlane, config: Config):
+        self.control = control
+        self.config = config
+        self.rank, self.size = control.rank, control.size
+        self.life = Lifecycle(control.rank)
+        self.engines: dict[str, Engine] = {}
+        self.prepared: dict[tuple[Any, ...], PreparedCall] = {}
+        self.agreed: set[Signature] = set()
+        self.seq = 0  #: collectives this rank started
+        self.last_collective = "collective"  #: the name of the last one
+        self.lock = threading.RLock()
+        self.watchdog: Watchdog | None = None  #: made on the first collective across ranks
+        self.watchdog_parts: list[Any] = []  #: the watchdog and its board's memory, to close
+        self.timeline: Timeline | None = None  #: recording timeline; checked once per call
+        self._mpi: MpiCollectives | None = None  # made on first use
+
+    def run(self, call: Call) -> Any:
+        """Run a checked call: prepare it once per key, then run it by its route."""
+        self.life.check(call.collective, self.seq + 1)
+        key = call.key()
+        with self.lock:
+            prepared = self.prepared.get(key)
+            if prepared is None:
+                prepared = self._prepare(call)
+                if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
+                    self.prepared.clear()
+                self.prepared[key] = prepared
+            self.seq += 1
+            return _ROUTES[prepared.route](self, prepared, call)
+
+    def _prepare(self, call: Call) -> PreparedCall:
+        """Agree with the peers on the call's signature (every setting that shapes the plan
+        included), pick its route, and for the engine, the engine and the plan."""
+        name, x, config = call.collective, call.x, self.config
+        if x is None:  # a barrier: no array, on an engine this rank has (else the host's)
+            kind = next(iter(self.engines), "cpu")
+            plain = Signature(name, None, (), None, None, 0)
+            dtype, shape, count, itemsize, chunk, nchannels = "uint8", (), 0, 1, 1, 1
+        else:
+            kind, dtype = _arrays.device_kind(x), _arrays.dtype_name(x)
+            shape, count, itemsize = tuple(x.shape), x.size, x.dtype.itemsize
+            plain = Signature(name, kind, shape, dtype, call.op.value, call.root)
+        if self.size == 1 or ((x is None or kind == "cpu") and self._via_mpi()):
+            self._agree(plain)
+            return PreparedCall(Route.ALONE if self.size == 1 else Route.MPI)
+        devices = device_class(kind)
+        if x is not None:
+            chunk = call.chunk_bytes or config.chunk_bytes or devices.default_chunk_bytes
+            nchannels = call.channels or config.channels or devices.default_channels
+            Config(chunk_bytes=chunk, channels=nchannels).validate()
+        engine = self.engines.get(kind)
+        capacity = engine.capacity if engine is not None else (
+            config.buffer_bytes or devices.default_buffer_bytes)
+        if x is None:
+            signature = plain._replace(chunk_bytes=1, channels=1, verify=config.verify)
+        else:
+            signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
+                                       one_shot_bytes=config.one_shot_bytes,
+                                       buffer_bytes=capacity, verify=config.verify)
+        self._ensure_watchdog()
+        self._agree(signature)
+        try:
+            engine = self._engine(kind, capacity)
+            rounds = plan_collective(
+                name, self.size, self.rank, count, itemsize=itemsize,
+                capacity_bytes=capacity, chunk_bytes=chunk, channels=nchannels,
+                root=call.root, one_shot_bytes=config.one_shot_bytes)
+        except BaseException as exc:  # after agreement the peers go on: tell them
+            self.give_up(exc, name)
+            raise
+        text = "barrier()" if x is None else (
+            f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
+            f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
+        launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
+                                inline=nchannels == 1)
+        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
+
+    def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
+        x, out = call.x, call.out
+        if x is None:
+            return None
+        if call.collective == "all_gather":
+            out[0] = x
+        elif call.collective == "broadcast":
+            return x
+        elif out is not x:
+            out[...] = x.reshape(out.shape)
+        return out
+
+    def _run_via_mpi(self, prepared: PreparedCall, call: Call) -> Any:
+        name = call.collective
+        if self._mpi is None:
+            from .rendezvous.mpi import MpiControl
+            from .transports.mpi import MpiCollectives
+
+            assert isinstance(self.control, MpiControl)
+            self._mpi = MpiCollectives(self.control, self.config.timeout)
+        try:
+            if call.x is None:
+                self._mpi.barrier()
+            else:
+                self._mpi.run(name, call.x, call.out, call.op, call.root)
+        except BaseException as exc:
+            error: BaseException = exc
+            if isinstance(exc, GpuringError):  # which call, like the engine's errors
+                error = self.life.explain(exc, name, self.seq)
+            self.life.raised(error)
+            if error is exc:
+                raise
+            raise error from None
+        return call.out
+
+    def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
+        launch = prepared.launch
+        assert launch is not None
+        engine = launch.engine
+        device = engine.device
+        name, x, out = call.collective, call.x, call.out
+        in_mem = out_mem = None
+        if x is not None and x.size:
+            try:
+                in_mem = device.wrap(x)
+                out_mem = device.wrap(out) if out is not None else None
+            except BaseException as exc:  # this rank's seq moved on: the peers must know
+                self.give_up(exc, name)
+                raise
+        timeline = self.timeline
+        if timeline is None:
+            self._execute(prepared, launch, name, in_mem, out_mem)
+        else:
+            timeline.record(name, self.seq, x, call.op, launch.per_round(), lambda one: (
+                self._execute(prepared, one, name, in_mem, out_mem)))
+        if x is None and not device.blocking:  # a barrier holds the host too
+            try:
+                engine.synchronize()
+            except BaseException as exc:
+                self.give_up(exc, name)
+                raise
+        elif self.config.verify and name in _VERIFIED:
+            self._verify(name, out)
+        return out
+
+    def _execute(self, prepared: PreparedCall, launch: Launch, name: str,
+                 in_mem: Memory | None, out_mem: Memory | None) -> None:
+        """Announce the collective on the status board, run `launch` (the prepared call's, or
+        one round of it), and turn any failure into this call's error (the communicator is
+        unusable afterwards)."""
+        engine = launch.engine
+        device = engine.device
+        watchdog = self.watchdog
+        assert watchdog is not None
+        seq = self.seq
+        self.last_collective = name
+        try:
+            if self.life.cause is not None:
+                raise self.life.cause
+            watchdog.enter(seq, name, prepared.text, prepared.digest)
+            finished = engine.run(launch, in_mem, out_mem, name, seq, device.caller_event())
+        except BaseException as exc:  # whatever it is, the round counters are now unusable
+            error: BaseException = exc
+            if self.life.cause is not None:
+                error = self.life.explain(self.life.cause, name, seq)
+                self.life.raised(error)
+            elif isinstance(error, CollectiveMismatchError):
+                self.life.raised(error)  # the status board already told the peers
+            else:
+                culprit = None
+                if isinstance(error, CollectiveTimeoutError):
+                    error = watchdog.blame(error, name, seq)
+                    culprit = error.peer
+                self.give_up(error, name, culprit)
+            if error is exc:
+                raise
+            raise error from None
+        finally:
+            watchdog.leave()
+        if finished is not None:
+            watchdog.track(finished, name, seq)
+            device.order_caller_after(finished)
+
+    # -- agreement, engines, the watchdog ------------------------------------------------
+    def _agree(self, signature: Signature) -> None:
+        """Check that every rank runs the same collective; cached per signature."""
+        if signature in self.agreed:
+            return
+        name, seq, life, watchdog = signature.collective, self.seq + 1, self.life, self.watchdog
+        if watchdog is not None:  # a peer that closes meanwhile fails this exchange at once
+            watchdog.expect(seq, name)
+        try:
+            signatures = self.control.exchange("a collective", signature, self.config.timeout)
+        except (PeerFailureError, CollectiveTimeoutError) as exc:
+            if life.cause is None and watchdog is not None and isinstance(exc, PeerFailureError):
+                # the status board may know better: a peer that left the exchange after a
+                # failure published whom it blames before the control plane said it left
+                watchdog.check()
+            error = life.explain(exc, name, seq)
+            if life.cause is None and isinstance(exc, CollectiveTimeoutError):
+                # say so on the status board (which rank is missing is unknown here): a late
+                # peer then fails at once, instead of completing the exchange this rank left
+                # and waiting its own timeout in a collective nobody else will run
+                self.give_up(error, name, culprit=-1, seq=seq)
+            elif watchdog is not None:  # at close, tell the peers this rank failed (and why),
+                watchdog.note_failure(error)  # not that it left without entering the call
+            life.raised(error)
+            raise error from None
+        finally:
+            if watchdog is not None:
+                watchdog.expect(None)
+        differences: dict[str, dict[int, object]] = {}
+        for i, field in enumerate(Signature._fields):
+            values = {r: s[i] for r, s in enumerate(signatures)}
+            if len(set(map(repr, values.values()))) > 1:
+                differences[field] = values
+        if differences:
+            detail = "; ".join(
+                f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in values.items())
+                for field, values in differences.items())
+            raise CollectiveMismatchError(
+                f"ranks called different collectives ({name} on rank {self.rank}): {detail}",
+                differences=differences)
+        if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
+            self.agreed.clear()
+        self.agreed.add(signature)
+
+    def _via_mpi(self) -> bool:
+        """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
+        if self.control.single_node and self.config.transport != "mpi":
+            return False
+        from .rendezvous.mpi import MpiControl
+
+        if not isinstance(self.control, MpiControl):
+            raise GpuringError("NumPy collectives across nodes (or GPURING_TRANSPORT=mpi) "
+                               "need the ranks to come from mpiexec")
+        return True
+
+    def _engine(self, kind: str, capacity: int) -> Engine:
+        engine = self.engines.get(kind)
+        if engine is None:
+            device = device_class(kind).for_job(self.control, self.config.timeout)
+            try:
+                engine = Engine(device, self.control, capacity_bytes=capacity,
+                                timeout=self.config.timeout)
+            except BaseException:  # peers may have mapped what this rank exported by now
+                device.close(peers_may_read=True)
+                raise
+            self.engines[kind] = engine
+        return engine
+
+    def _ensure_watchdog(self) -> None:
+        """Create the status board and watchdog (collectively, on first use)."""
+        if self.watchdog is None:
+            host = HostDevice(name_prefix=f"{SHM_PREFIX}{self.control.job_id}-"
+                                          f"r{self.rank}-status-", timeout=self.config.timeout,
+                              for_collectives=False)
+            try:
+                self.watchdog = Watchdog(self.control, host, timeout=self.config.timeout,
+                                      stall_warning_s=self.config.stall_warning_s,
+                                      on_failure=weakly(self.fail))
+            except BaseException:
+                host.close()
+                raise
+            self.watchdog_parts += [self.watchdog, host]
+
+    def _verify(self, name: str, out: Any) -> None:
+        """GPURING_VERIFY: compare a checksum of the result across ranks."""
+        checksum = zlib.crc32(_arrays.to_host(out).tobytes())
+        sums = self.control.exchange(f"{name} (result check)", checksum, self.config.timeout)
+        if len(set(sums)) > 1:
+            error = GpuringError(
+                f"{name} #{self.seq}: results differ across ranks (checksums "
+                + ", ".join(f"rank {r} {c:08x}" for r, c in enumerate(sums)) + ")")
+            self.life.raised(error)
+            raise error
+
+    # -- failures -----------------------------------------------------------------------
+    def on_peer_failure(self, rank: int, reason: str) -> None:
+        self.fail(PeerFailureError(f"rank {rank} failed: {reason}", peer=rank))
+
+    def fail(self, error: GpuringError, *, by_user: bool = False) -> None:
+        """Record a failure that came from outside a call (a peer, the watchdog, abort()) and
+        unblock every wait of this rank. Any thread."""
+        watchdog = self.watchdog
+        # a failure that reached no collective of this rank (all had completed) lost nothing
+        busy = watchdog is not None and watchdog.busy()
+        if not self.life.fail(error, busy=busy, by_user=by_user):
+            return
+        if watchdog is not None:
+            watchdog.note_failure(error)
+        for engine in list(self.engines.values()):
+            engine.device.abort(str(error))
+        self.control.interrupt(str(error))
+
+    def give_up(self, error: BaseException, name: str, culprit: int | None = None,
+                 seq: int | None = None) -> None:
+        """A call of this rank cannot go on: the communicator is broken; tell the peers."""
+        self.life.raised(error)
+        if self.watchdog is not None:
+            where = f"{name} #{self.seq if seq is None else seq}"
+            self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit)
+        if culprit is None:
+            self.control.report_failure(f"rank {self.rank}: {error!r}")
+        for engine in list(self.engines.values()):
+            engine.device.abort(f"rank {self.rank} gave up: {error!r}")
+    def wait_engines(self, name: str) -> None:
+        for engine in list(self.engines.values()):
+            try:
+                engine.synchronize()
+            except BaseException as exc:
+                cause = self.life.cause
+                if cause is not None:  # the cause (a peer died, say) reads better
+                    error: BaseException = in_context(cause, name, self.seq, self.rank)
+                else:
+                    error = self._streams_failure(exc, name)
+                    culprit = (error.peer if isinstance(error, CollectiveTimeoutError)
+                               and error.peer is not None else None)
+                    self.give_up(error, name, culprit)
+                self.life.raised(error)
+                raise error from None
+
+    def _streams_failure(self, cause: BaseException, name: str) -> BaseException:
+        """The error of a failed `engine.synchronize()` (already the root cause among the
+        streams' errors) as a gpuring error naming the call."""
+        collective, seq = self.last_collective, self.seq
+        error: BaseException = cause
+        if isinstance(cause, FlagWaitTimeout):
+            tag = cause.tag
+            peer, what = tag if isinstance(tag, tuple) and len(tag) == 2 else (None, tag)
+            error = CollectiveTimeoutError(
+                f"collectives up to {collective} #{seq} did not complete on rank {self.rank}: "
+                f"timed out after {self.config.timeout} s waiting for rank {peer} ({what}); "
+                f"that rank is stalled, dead, or called a different collective",
+                collective=collective, seq=seq, peer=peer)
+            if self.watchdog is not None:
+                error = self.watchdog.blame(error, collective, seq)
+        elif isinstance(cause, FlagWaitAborted):
+            error = PeerFailureError(f"collectives up to {collective} #{seq} aborted on rank "
+                                     f"{self.rank}: {cause.reason}", collective=collective,
+                                     seq=seq)
+        if isinstance(error, GpuringError):
+            return in_context(error, name, seq, self.rank)
+        return error
+
+
+#: who runs a prepared call, by its route
+_ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
+    Route.ALONE: CallPath._run_alone,
+    Route.MPI: CallPath._run_via_mpi,
+    Route.ENGINE: CallPath._run_engine,
+}

@@ -1,0 +1,324 @@
+"""The Communicator: the verbs users call, its lifetime, async work and the timeline.
+
+Each verb checks its arguments into a `Call` (`_argcheck`) and hands it to the communicator's
+`CallPath` (`_callpath`), which prepares it once per kind (the ranks agree on its `Signature`,
+a `Route` is picked, the engine plans it) and runs it. Barrier is a call without arrays; the
+`*_async` verbs are the same verbs run by a background thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
+
+from . import _argcheck, _arrays, interop
+from ._call import Call
+from ._callpath import CallPath, weakly
+from ._config import Config
+from ._errors import (
+    CommunicatorClosedError,
+    GpuringError,
+)
+from ._lifecycle import Outcome, State
+from ._ops import ReduceOp
+from ._scheduler import Engine
+from ._timeline import Timeline, write_trace
+from ._watchdog import Watchdog
+from ._work import Executor, Work, public_verb
+from .rendezvous.base import ControlPlane
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["Communicator"]
+
+#: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
+_VERIFIED = ("all_reduce", "all_gather", "broadcast")
+_P = ParamSpec("_P")
+
+
+def _release(engines: dict[str, Engine], watchdog_parts: list[Any], control: ControlPlane,
+             outcome: Outcome) -> None:
+    """Close in order: tell the peers this rank is leaving, the engines (the watchdog still
+    watching, so a peer that fails meanwhile ends the close's wait at once), the watchdog, the
+    status board's memory, the control plane. Runs once, from close() or when the
+    communicator is garbage collected."""
+    for item in watchdog_parts:
+        if isinstance(item, Watchdog):
+            item.leaving()
+    for engine in engines.values():
+        engine.close(control, orderly=outcome.orderly)
+    for item in watchdog_parts:  # Watchdog first, then the HostDevice that holds the board
+        item.close()
+    watchdog_parts.clear()
+    control.close()
+
+
+def _in_background(verb: Callable[Concatenate[Communicator, _P], Any]
+                   ) -> Callable[Concatenate[Communicator, _P], Work]:
+    """The `*_async` twin of a verb: the same call, run by the communicator's background
+    thread; returns a Work at once."""
+    name = verb.__name__
+    checked = inspect.signature(verb)
+
+    @functools.wraps(verb)
+    def submit(self: Communicator, *args: _P.args, **kwargs: _P.kwargs) -> Work:
+        bound = checked.bind(self, *args, **kwargs)  # a wrong call fails here, not in wait()
+        return self._submit(name, getattr(self, name), *bound.args[1:], **bound.kwargs)
+
+    submit.__name__ = f"{name}_async"
+    submit.__qualname__ = f"Communicator.{name}_async"
+    submit.__signature__ = checked.replace(return_annotation="Work")  # type: ignore[attr-defined]
+    submit.__doc__ = (f"`{name}` in the background: returns a Work at once, whose `wait()` "
+                      f"gives what `{name}` returns (or raises what it raises).")
+    return submit
+
+
+class Communicator:
+    """A group of ranks that run collectives together. Use `gpuring.init()` to get one.
+
+    Every collective is called by every rank in the same order with matching arguments.
+    NumPy arrays run on the host device and return when the result is complete.
+    """
+
+    def __init__(self, control: ControlPlane, config: Config | None = None, *,
+                 on_close: Callable[[Communicator], None] | None = None):
+        """`on_close(comm)` runs once the communicator closed (gpuring.init uses it to forget
+        the job's communicator)."""
+        self._control = control
+        self.config = config or Config.from_env()
+        self._on_close = on_close
+        self._path = CallPath(control, self.config)
+        self._executor: Executor | None = None  # the async thread, made by the first *_async
+        path = self._path
+        self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
+                                           control, path.life.outcome)
+        control.on_peer_failure(weakly(path.on_peer_failure))
+
+    # -- identity -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._control.rank
+
+    @property
+    def size(self) -> int:
+        return self._control.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._control.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._control.local_size
+
+    @property
+    def closed(self) -> bool:
+        return self._path.life.state is State.CLOSED
+
+    def __repr__(self) -> str:
+        return (f"<gpuring.Communicator rank {self.rank} of {self.size}, "
+                f"{self._path.life.state.value}>")
+
+    # -- collectives --------------------------------------------------------------------
+    @public_verb
+    def all_reduce(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
+                   chunk_bytes: int | None = None, channels: int | None = None,
+                   compression: str | None = None) -> Any:
+        """Element-wise reduction of `x` over all ranks; every rank gets the result.
+
+        `out=x` reduces in place. Returns `out` (a new array when `out` is None).
+        `compression="fp16"|"bf16"` sends float32/float64 through the ring in that format.
+        """
+        if compression is not None:
+            return self._all_reduce_compressed(x, op, out, chunk_bytes, channels, compression)
+        return self._path.run(_argcheck.all_reduce(x, op, out, chunk_bytes, channels))
+
+    @public_verb
+    def reduce_scatter(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
+                       chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+        """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
+        result split into `size` equal blocks. `x.size` must be divisible by `size`."""
+        return self._path.run(_argcheck.reduce_scatter(x, op, out, chunk_bytes, channels,
+                                                   self.size))
+
+    @public_verb
+    def all_gather(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
+                   channels: int | None = None) -> Any:
+        """Every rank's `x` stacked in rank order: shape `(size, *x.shape)`."""
+        return self._path.run(_argcheck.all_gather(x, out, chunk_bytes, channels, self.size))
+
+    @public_verb
+    def broadcast(self, x: Any, *, root: int = 0, chunk_bytes: int | None = None,
+                  channels: int | None = None) -> Any:
+        """Copy root's `x` into `x` on every rank (in place) and return it."""
+        return self._path.run(_argcheck.broadcast(x, root, chunk_bytes, channels, self.size))
+
+    @public_verb
+    def reduce(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None,
+               chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+        """Element-wise reduction of `x` over all ranks, delivered to `root` only: returns the
+        result on root and None on the other ranks (`out` is only used on root)."""
+        call = _argcheck.reduce(x, op, root, out, chunk_bytes, channels, self.size, self.rank)
+        result = self._path.run(call)
+        return result if self.rank == call.root else None
+
+    @public_verb
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        if self.size == 1:  # nothing to wait for, and no collective to count
+            self._path.life.check("barrier", self._path.seq + 1)
+            return
+        self._path.run(Call("barrier"))
+
+    all_reduce_async = _in_background(all_reduce)
+    reduce_scatter_async = _in_background(reduce_scatter)
+    all_gather_async = _in_background(all_gather)
+    broadcast_async = _in_background(broadcast)
+    reduce_async = _in_background(reduce)
+
+    def all_reduce_many(self, arrays: Sequence[Any], *, op: ReduceOp | str = "sum",
+                        fusion_bytes: int | None = None) -> list[Any]:
+        """`all_reduce` of each array, packed per dtype into buffers of at most
+        `fusion_bytes` (GPURING_FUSION_BYTES, 64 MiB): results in input order."""
+        from ._fusion import all_reduce_many
+
+        return all_reduce_many(self, arrays, op=op, fusion_bytes=fusion_bytes)
+
+    def _all_reduce_compressed(self, x: Any, op: ReduceOp | str, out: Any,
+                               chunk_bytes: int | None, channels: int | None,
+                               compression: str) -> Any:
+        from ._compression import all_reduce_compressed, wire_dtype
+
+        rop = ReduceOp.parse(op)
+        x = _argcheck.input_array(x)
+        wire_dtype(compression)  # a bad name is the first thing to hear of
+        if _arrays.dtype_name(x) in ("float32", "float64"):
+            out = _argcheck.output_array(out, x, x.shape, "all_reduce", may_alias=True)
+        return all_reduce_compressed(self, x, op=rop, out=out, compression=compression,
+                                     chunk_bytes=chunk_bytes, channels=channels)
+
+    # -- failures -----------------------------------------------------------------------
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fail this communicator now, from any thread: pending waits raise at once, peers
+        are told, and later calls raise CommunicatorClosedError. Close it afterwards."""
+        self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
+        error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
+        if self._path.watchdog is not None:
+            self._path.watchdog.give_up(reason)
+        self._control.report_failure(f"rank {self.rank} aborted: {reason}")
+        self._path.fail(error, by_user=True)
+
+    # -- lifetime -----------------------------------------------------------------------
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # an exception on its way out says more than a failure it caused: don't mask it
+        self._close(report=exc_type is None)
+
+    def close(self) -> None:
+        """Wait for this rank's collectives, free buffers, unmap peers, leave the job.
+        Idempotent. Raises the failure of a collective that no call has raised yet (GPU
+        collectives return before they complete: see `synchronize`); a failure that came
+        after all of this rank's collectives had completed is not raised."""
+        self._close(report=True)
+
+    def _close(self, report: bool) -> None:
+        if self.closed:
+            return
+        self._close_training()
+        unraised: BaseException | None = None
+        if self._path.life.state is State.OPEN:
+            try:
+                self._path.wait_engines("close")
+            except BaseException as exc:  # already says it comes from close
+                unraised = exc
+        else:
+            unraised = self._path.life.unraised(self._path.seq)
+        self._path.life.close()
+        self._finalizer()
+        if self._on_close is not None:
+            self._on_close(self)
+        if report and unraised is not None:
+            raise unraised
+
+    def synchronize(self) -> None:
+        """Wait until every collective this rank started has completed; raise the first
+        failure. CUDA collectives return once queued: their errors reach the host here, in the
+        next call, or in `close()`; results read before then are not checked."""
+        self._drain_async()
+        self._path.life.check("synchronize", self._path.seq)
+        self._path.wait_engines("synchronize")
+
+
+    # -- training features: async, timeline --------------------------------------------
+    def start_timeline(self, path: str | os.PathLike[str]) -> None:
+        """Record every collective and ring round until `stop_timeline()`; every rank calls
+        it. Rank 0 writes the merged Chrome trace to `path` at the stop."""
+        self._path.life.check("", self._path.seq)
+        self._drain_async()
+        if self._path.timeline is not None:
+            raise GpuringError("a timeline is already recording; call stop_timeline() first")
+        # a common time origin on every rank
+        self._control.barrier(self.config.timeout, "start_timeline()")
+        self._path.timeline = Timeline(os.fspath(path), self.rank)
+
+    def stop_timeline(self) -> str | None:
+        """Stop recording; every rank calls it. Rank 0 writes the trace of all ranks and
+        returns its path; the other ranks return None."""
+        self._drain_async()
+        timeline, self._path.timeline = self._path.timeline, None
+        if timeline is None:
+            return None
+        per_rank = self._control.exchange("stop_timeline()", timeline.events,
+                                          self.config.timeout)
+        if self.rank != 0:
+            return None
+        write_trace(timeline.path, per_rank)
+        return timeline.path
+
+    def _submit(self, name: str, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Work:
+        self._path.life.check(name, self._path.seq + 1)
+        x = args[0]
+        with self._path.lock:
+            if self._executor is None:
+                self._executor = Executor()
+        # views made here, in the caller's thread and on the caller's stream (torch's for a
+        # torch tensor): DLPack orders them there, and the collective starts after it
+        with interop.caller_stream(x):
+            args, kwargs, restore = interop.convert(args, kwargs)
+            cuda = interop.device_kind(args[0]) == "cuda"
+
+            def run() -> Any:
+                return restore(verb(*args, **kwargs))
+
+            device_id = int(args[0].device.id) if cuda else None  # the array's own GPU
+            return self._executor.submit(run, name, cuda_device=device_id,
+                                         caller_stream=lambda: interop.caller_stream(x))
+
+    def _drain_async(self) -> None:
+        executor = self._executor
+        if executor is not None and executor.busy():
+            executor.drain()
+
+    def _close_training(self) -> None:
+        """From close(): finish the async work, then stop the timeline. If the ranks can no
+        longer gather the timeline, each writes its own events to PATH.rankN.json."""
+        if self._executor is not None:
+            self._executor.close()
+        timeline = self._path.timeline
+        if timeline is None:
+            return
+        try:
+            self.stop_timeline()
+        except Exception as exc:
+            path = f"{timeline.path}.rank{self.rank}.json"
+            write_trace(path, [[] for _ in range(self.rank)] + [timeline.events])
+            warnings.warn(f"timeline: could not merge the ranks' events ({exc}); wrote this "
+                          f"rank's to {path}", RuntimeWarning, stacklevel=3)
