@@ -362,6 +362,7 @@ class CallPath:
             self.control.report_failure(f"rank {self.rank}: {error!r}")
         for engine in list(self.engines.values()):
             engine.device.abort(f"rank {self.rank} gave up: {error!r}")
+
     def wait_engines(self, name: str) -> None:
         for engine in list(self.engines.values()):
             try:

@@ -14,7 +14,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec
 
 from . import _argcheck, _arrays, interop
 from ._call import Call
@@ -32,13 +32,8 @@ from ._watchdog import Watchdog
 from ._work import Executor, Work, public_verb
 from .rendezvous.base import ControlPlane
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = ["Communicator"]
 
-#: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
-_VERIFIED = ("all_reduce", "all_gather", "broadcast")
 _P = ParamSpec("_P")
 
 
@@ -255,7 +250,6 @@ class Communicator:
         self._drain_async()
         self._path.life.check("synchronize", self._path.seq)
         self._path.wait_engines("synchronize")
-
 
     # -- training features: async, timeline --------------------------------------------
     def start_timeline(self, path: str | os.PathLike[str]) -> None:

@@ -39,7 +39,8 @@ class Watchdog:
         self._stall_warning_s = stall_warning_s
         self._on_failure = on_failure
         self._failed = False
-        self._failure: GpuringError | None = None  # why this rank failed, when known
+        self._failure: tuple[str, int | None] | None = None  # why this rank failed, whom it
+        # blames, when known
         self._current: tuple[int, str, float] | None = None
         self._expecting: tuple[int, str] | None = None  # in the control-plane check of a call
         self._warned_seq = 0
@@ -112,9 +113,11 @@ class Watchdog:
 
     def note_failure(self, error: GpuringError) -> None:
         """The communicator failed (seen here or elsewhere): at close, tell the peers so and
-        name the rank `error` blames."""
+        name the rank `error` blames. Only its text and culprit are kept: the error's
+        traceback holds the frames of the call that raised it, and this object lives as long
+        as its thread."""
         if self._failure is None:
-            self._failure = error
+            self._failure = (str(error), getattr(error, "peer", None))
         self._failed = True
 
     def leaving(self) -> None:
@@ -124,8 +127,7 @@ class Watchdog:
         if not self._failed:
             self.board.give_up(LEFT, "closed")
         elif self.board.state() == 0:
-            failure = self._failure
-            culprit = getattr(failure, "peer", None)
+            failure, culprit = self._failure or ("", None)
             self.board.give_up(GAVE_UP, f"closed its communicator after a failure ({failure})",
                                -1 if culprit is None else culprit)
 

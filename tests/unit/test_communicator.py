@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gc
 import inspect
+from typing import Any
 
 import numpy as np
 import pytest
 
-from gpuring import CommunicatorClosedError
+from gpuring import CommunicatorClosedError, PeerFailureError
 from gpuring._communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 
@@ -27,6 +28,28 @@ def test_a_dropped_communicator_is_closed_by_its_finalizer() -> None:
         del comm
         gc.collect()
         assert not finalizer.alive
+
+
+class _LeftBeforeAgreeing(SingleProcess):
+    """A world whose collectives fail to agree: a peer left (the watchdog still runs)."""
+
+    def exchange(self, what: str, obj: Any, timeout: float | None = None) -> list[Any]:
+        if what == "a collective":
+            raise PeerFailureError("rank 1 left", peer=1)
+        return super().exchange(what, obj, timeout)
+
+
+def test_a_failed_communicator_with_a_watchdog_is_still_collected() -> None:
+    """The watchdog's thread outlives the communicator's frames: what it keeps of a failure
+    must not hold them (the failure's traceback does)."""
+    comm = Communicator(_LeftBeforeAgreeing())
+    comm._path._ensure_watchdog()
+    with pytest.raises(PeerFailureError):
+        comm.all_reduce(np.ones(3))
+    finalizer = comm._finalizer
+    del comm
+    gc.collect()
+    assert not finalizer.alive
 
 
 def test_async_verbs_check_their_call_at_once() -> None:
