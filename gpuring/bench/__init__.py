@@ -6,7 +6,12 @@ Quantities (S = the size column in bytes, n ranks, t = time):
 * algbw = S / t; busbw = algbw x factor, factor 2(n-1)/n for all_reduce, (n-1)/n for
   reduce_scatter and all_gather (S is the full array: reduce_scatter's input, all_gather's
   output), 1 for broadcast and reduce.
-* t is the median over the timed iterations on each rank, then the slowest rank's median.
+* t, as nccl-tests times it: on each rank one untimed call, one barrier, then `-n` calls
+  back to back on the host clock until the last completes, divided by `-n`; the ranks' t
+  combined by `-a` (default their average). Every system runs through the same loop, and
+  the systems take turns going first from one size to the next. Before the first size,
+  each system makes `-w` untimed calls at every size. With `-I` each call is timed on its
+  own after a barrier instead, and t is the slowest rank's median (p99 and max beside it).
 * floor: ranks whose arrays share a memory (CPU: every rank of a node shares its host
   memory; CUDA: the ranks of a node on GPU local_rank % count share that GPU) move all their
   bytes through it, so for each memory the floor is the sum over its ranks of the bytes each

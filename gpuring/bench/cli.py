@@ -28,9 +28,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2,
                    help="multiply the size by this each step (default 2)")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
+    p.add_argument("-n", "--iters", type=int, default=20,
+                   help="timed calls per size, back to back after one barrier (default 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5,
-                   help="untimed warm-up iterations (default 5)")
+                   help="untimed warm-up calls of each system at every size, once before "
+                        "the first measurement (default 5)")
+    p.add_argument("-a", "--average", type=int, default=1, choices=(0, 1, 2, 3),
+                   help="how the ranks' times combine: 0 rank 0's, 1 their average "
+                        "(default), 2 the minimum, 3 the maximum")
+    p.add_argument("-I", "--per-iteration", dest="per_iteration", action="store_true",
+                   help="time every call on its own after a barrier instead, and report each "
+                        "rank's p50, p99 and max (the time shown is the slowest rank's p50)")
     p.add_argument("-c", "--check", type=int, default=1,
                    help="checked iterations, apart from the timed ones (default 1; 0: none)")
     p.add_argument("-o", "--op", default="sum", choices=(*_OPS, "all"),
@@ -81,7 +89,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         collective=args.collective, min_bytes=parse_size(args.minbytes),
         max_bytes=parse_size(args.maxbytes), factor=args.stepfactor, iters=args.iters,
-        warmup=args.warmup_iters, check_iters=args.check, ops=ops, dtype=args.datatype,
+        warmup=args.warmup_iters, average=args.average, per_iteration=args.per_iteration,
+        check_iters=args.check, ops=ops, dtype=args.datatype,
         root=args.root, device=args.device, peers=parse_peers(args.peers),
         chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
         channels=args.channels, json=args.json, csv=args.csv, plot=args.plot)
@@ -91,8 +100,10 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     """The same run as arguments for the ranks (without --ranks)."""
     argv = [args.collective, "-b", str(args.minbytes), "-e", str(args.maxbytes),
             "-f", str(args.stepfactor), "-n", str(args.iters), "-w", str(args.warmup_iters),
-            "-c", str(args.check), "-o", args.op, "-d", args.datatype, "-r", str(args.root),
-            "--device", args.device]
+            "-a", str(args.average), "-c", str(args.check), "-o", args.op, "-d",
+            args.datatype, "-r", str(args.root), "--device", args.device]
+    if args.per_iteration:
+        argv.append("-I")
     for flag, value in (("--peers", args.peers), ("--json", args.json), ("--csv", args.csv),
                         ("--plot", args.plot), ("--chunk-bytes", args.chunk_bytes),
                         ("--channels", args.channels)):

@@ -24,7 +24,11 @@ _CELL = f"{'':>11}{'n/a':>9}{'':>9}{'':>7}"
 
 @dataclass
 class Result:
-    """One system, size, op and placement. Times are the slowest rank's median (us)."""
+    """One system, size, op and placement; times in us. Back to back (the default):
+    `time_us` combines the ranks' times per call as -a says, `min_us`/`max_us` are the
+    fastest and slowest rank's, `rank_us` every rank's. Per iteration (-I): `time_us` is the
+    slowest rank's p50, `p99_us` the largest rank p99, `min_us`/`max_us` the shortest and
+    longest single call of any rank, `rank_us` every rank's p50."""
 
     system: str
     collective: str
@@ -41,7 +45,8 @@ class Result:
     algbw_GBps: float
     busbw_GBps: float
     wrong: int
-    rank_median_us: list[float] = field(default_factory=list)
+    rank_us: list[float] = field(default_factory=list)
+    p99_us: float | None = None
 
 
 @dataclass
@@ -109,8 +114,16 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
     lines.append(f"# commit: {machine.get('commit') or 'not a git checkout'}; chunk_bytes "
                  f"{settings.get('chunk_bytes') or 'default'}, channels "
                  f"{settings.get('channels') or 'default'}")
-    lines.append("# time: median over the timed iterations on each rank, then the slowest "
-                 "rank's median; checks run apart from the timed iterations")
+    if settings.get("per_iteration"):
+        lines.append("# time: each call timed on its own after a barrier; the slowest rank's "
+                     "median (p50); checks run apart from the timed calls")
+    else:
+        combine = {0: "rank 0's", 1: "the ranks' average", 2: "the fastest rank's",
+                   3: "the slowest rank's"}[settings.get("average", 1)]
+        lines.append(f"# time: one barrier, then {settings['iters']} calls back to back, time "
+                     f"per call; {combine} (-a {settings.get('average', 1)}); warm-up: "
+                     f"{settings['warmup']} calls of each system at every size, first; checks "
+                     "run apart from the timed calls")
     if bandwidth is not None:
         lines.append(f"# floor: {floor_basis(bandwidth)} (each with all its ranks copying at "
                      "once); the ranks sharing a memory move all their bytes through it")
@@ -273,7 +286,7 @@ CSV_FLOOR = ("floor_us", "efficiency_pct", "beats_floor")
 def write_csv(path: str, results: list[Result], floors: Sequence[Floor] = ()) -> None:
     """One row per result (the per-rank medians are left out), with the floor's time,
     efficiency and `beats_floor` on the gpuring row each floor is of."""
-    names = [k for k in Result.__dataclass_fields__ if k != "rank_median_us"]
+    names = [k for k in Result.__dataclass_fields__ if k != "rank_us"]
     by_row = {(f.size, f.redop, f.placement): f for f in floors}
 
     def write(f: IO[str]) -> None:
@@ -323,7 +336,7 @@ def plot(path: str, results: list[Result], title: str, small_bytes: int = 64 << 
         ax.legend(fontsize=8)
     bw.set_ylabel("bus bandwidth (GB/s)")
     bw.set_title("bus bandwidth")
-    lat.set_ylabel("time (us, slowest rank's median)")
+    lat.set_ylabel("time per call (us)")
     lat.set_title(f"latency, sizes up to {max(r.size for r in small)} B")
     fig.suptitle(title)
     fig.savefig(path, dpi=120)

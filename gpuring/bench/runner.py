@@ -28,7 +28,7 @@ from .metrics import (
 from .peers import select_peers
 from .progress import Output, stream_path_from_env
 from .systems import Buffers, Gpuring, System, Unsupported, make_buffers
-from .timing import Backend, cuda_backend, host_backend, time_calls
+from .timing import Backend, cuda_backend, host_backend, time_calls, time_loop
 
 __all__ = ["Settings", "run", "CORRUPT_ENV"]
 
@@ -46,6 +46,8 @@ class Settings:
     factor: int = 2
     iters: int = 20
     warmup: int = 5
+    average: int = 1  # nccl-tests' -a: 0 rank 0, 1 average, 2 minimum, 3 maximum
+    per_iteration: bool = False
     check_iters: int = 1
     ops: list[str] = field(default_factory=lambda: ["sum"])
     dtype: str = "float32"
@@ -58,6 +60,16 @@ class Settings:
     csv: str | None = None
     plot: str | None = None
     membw_bytes: int = 128 << 20
+
+
+def combine_ranks(seconds: np.ndarray, average: int) -> float:
+    """The ranks' times as one, as nccl-tests' -a: 0 rank 0's, 1 the average, 2 the
+    minimum, 3 the maximum."""
+    if average == 0:
+        return float(seconds[0])
+    if average == 1:
+        return float(seconds.mean())
+    return float(seconds.min() if average == 2 else seconds.max())
 
 
 def _human(size: int) -> str:
@@ -112,22 +124,55 @@ class _Bench:
         except Unsupported as exc:
             self.notes.setdefault(f"{system.name} {kind} {op}", f"{system.name}: {exc}")
             return None
-        times = time_calls(fn, iters=s.iters, warmup=s.warmup, backend=self.backend,
-                           sync=system.sync)
+        if s.per_iteration:
+            times = time_calls(fn, iters=s.iters, warmup=1, backend=self.backend,
+                               sync=system.sync)
+            mine = np.array([np.median(times), np.percentile(times, 99), times.min(),
+                             times.max()])
+        else:
+            per_call = time_loop(fn, iters=s.iters, backend=self.backend, sync=system.sync)
+            mine = np.array([per_call, per_call, per_call, per_call])
         wrong = self.check(fn, buffers, system, expected)
-        table = self.gather(np.append(times, wrong))
-        medians = np.median(table[:, :-1], axis=1)
-        slowest = int(np.argmax(medians))
-        t = float(medians[slowest])
+        table = self.gather(np.append(mine, wrong))
+        rank_s = table[:, 0]
+        if s.per_iteration:
+            t = float(rank_s.max())
+            p99: float | None = float(table[:, 1].max()) * 1e6
+        else:
+            t = float(combine_ranks(rank_s, s.average))
+            p99 = None
         algbw = size / t / 1e9 if t > 0 else 0.0
         return report.Result(
             system=system.name, collective=kind, size=size,
             count=size // self.itemsize, type=s.dtype, redop=op, root=s.root if kind in
             ("broadcast", "reduce") else -1, placement=placement, ranks=self.n,
-            time_us=t * 1e6, min_us=float(table[slowest, :-1].min()) * 1e6,
-            max_us=float(table[slowest, :-1].max()) * 1e6, algbw_GBps=algbw,
+            time_us=t * 1e6, min_us=float(table[:, 2].min()) * 1e6,
+            max_us=float(table[:, 3].max()) * 1e6, algbw_GBps=algbw,
             busbw_GBps=algbw * bus_factor(kind, self.n), wrong=int(table[:, -1].sum()),
-            rank_median_us=(medians * 1e6).tolist())
+            rank_us=(rank_s * 1e6).tolist(), p99_us=p99)
+
+    def warm_up(self, systems: list[System], kind: str, sizes: list[int]) -> None:
+        """nccl-tests' warm-up: `-w` untimed calls of each system at every size, before the
+        first measurement (results are not checked here; `measure` checks its own)."""
+        if not self.s.warmup:
+            return
+        for system in systems:
+            for size in sizes:
+                count = plan_count(kind, self.n, size, self.itemsize)
+                source = make_input(self.rank, count, self.s.dtype, salt=size)
+                wanted = system.placement(kind)
+                placement = wanted if wanted is not None else placements(kind)[0]
+                try:
+                    buffers = make_buffers(kind, placement, source, rank=self.rank,
+                                           root=self.s.root, n=self.n, backend=self.backend)
+                    fn = system.call(kind, buffers, self.s.ops[0] if kind in REDUCING
+                                     else "none", self.s.root)
+                except Unsupported:
+                    continue
+                for _ in range(self.s.warmup):
+                    fn()
+                self.backend.synchronize()
+            system.sync()
 
     def check(self, fn: Any, buffers: Buffers, system: System,
               expected: np.ndarray | None) -> int:
@@ -218,8 +263,9 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     files = _Files(s, settings, machine, bandwidth, active=rank == 0)
     files.save(results, floors, peer_notes, complete=False)
     total, done = len(ops) * len(sizes) * len(systems), 0
+    bench.warm_up(systems, kind, sizes)
     for op in ops:
-        for size in sizes:
+        for size_index, size in enumerate(sizes):
             count = plan_count(kind, n, size, bench.itemsize)
             salt = zlib.crc32(f"{kind} {op} {size} {s.dtype}".encode())
 
@@ -230,7 +276,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
             expected = (expected_for_rank(kind, op, make, n, rank, s.root)
                         if s.check_iters else None)
             row: dict[str, report.Result] = {}
-            for system in systems:
+            # systems take turns going first from one size to the next
+            for system in systems if size_index % 2 == 0 else systems[::-1]:
                 out.progress(done, total, f"{kind} {op} {_human(size)} {system.name}")
                 wanted = system.placement(kind)
                 for placement in placements(kind) if wanted is None else (wanted,):

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Backend", "resolve_device", "host_backend", "cuda_backend", "time_calls"]
+__all__ = ["Backend", "resolve_device", "host_backend", "cuda_backend", "time_calls",
+           "time_loop"]
 
 
 def resolve_device(choice: str) -> str:
@@ -136,3 +137,18 @@ def time_calls(fn: Callable[[], object], *, iters: int, warmup: int, backend: Ba
         sync()
         times[i] = backend.timed(fn)
     return times
+
+
+def time_loop(fn: Callable[[], object], *, iters: int, backend: Backend,
+              sync: Callable[[], None]) -> float:
+    """Seconds per call of `iters` back-to-back calls, nccl-tests' way: one untimed call to
+    completion, one barrier (`sync`), then the calls in a row on the host clock until the
+    last has completed."""
+    fn()
+    backend.synchronize()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    backend.synchronize()
+    return (time.perf_counter() - t0) / iters

@@ -532,3 +532,23 @@ def test_the_bench_flags_a_time_below_the_floor():
     assert bench.floor(fast, "sum", host).beats_floor is True
     assert bench.floor(slow, "sum", host).beats_floor is False
     assert bench.floor(slow, "sum", host).placement == "out-of-place"
+
+
+def test_ranks_combine_as_nccl_tests_average_flag() -> None:
+    from gpuring.bench.runner import combine_ranks
+
+    seconds = np.array([3.0, 1.0, 2.0])
+    assert combine_ranks(seconds, 0) == 3.0  # rank 0's
+    assert combine_ranks(seconds, 1) == 2.0  # the average
+    assert combine_ranks(seconds, 2) == 1.0
+    assert combine_ranks(seconds, 3) == 3.0
+
+
+def test_the_loop_times_back_to_back_calls_after_one_untimed_call_and_one_barrier() -> None:
+    from gpuring.bench.timing import host_backend, time_loop
+
+    events: list[str] = []
+    per_call = time_loop(lambda: events.append("call"), iters=7, backend=host_backend(),
+                         sync=lambda: events.append("barrier"))
+    assert events == ["call", "barrier"] + ["call"] * 7
+    assert per_call >= 0
