@@ -12,7 +12,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .._errors import PeerFailureError
+from .._errors import GpuringError, PeerFailureError
 from .._ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -188,12 +188,25 @@ class Device(abc.ABC):
     #: ordering the caller's stream after it is enough (GPU memory)
     blocking: bool
 
+    #: the arrays whose collectives it runs, and how it reaches its peers (for messages)
+    arrays: str
+    reach: str
+
     @classmethod
-    @abc.abstractmethod
     def for_job(cls, control: ControlPlane, timeout: float) -> Device:
         """This rank's device for collectives of the job `control` describes (flag waits
-        bounded by `timeout` seconds); GpuringError where the job is out of its reach (ranks on
-        other nodes)."""
+        bounded by `timeout` seconds); GpuringError where the job is out of its reach: a
+        device maps its peers' memory, so every rank must run on this node."""
+        if not control.single_node:
+            raise GpuringError(
+                f"{cls.arrays} collectives across nodes are not supported yet: every rank of "
+                f"the job must run on one node ({cls.reach})")
+        return cls._for_rank(control, timeout)
+
+    @classmethod
+    @abc.abstractmethod
+    def _for_rank(cls, control: ControlPlane, timeout: float) -> Device:
+        """`for_job` once the job is known to be within reach."""
 
     def caller_event(self) -> Event | None:
         """An event on the caller's current stream, so the collective starts after work the

@@ -346,6 +346,8 @@ class CudaDevice(Device):
     """
 
     kind = "cuda"
+    arrays = "CuPy"
+    reach = "the CUDA device maps peers' memory through CUDA IPC"
     # Every piece costs a few stream operations queued from Python (several microseconds each)
     # while an H200 moves a MiB in well under a microsecond: pieces must be large for the
     # host to keep ahead of the GPU. One channel: one kernel already fills the GPU.
@@ -355,11 +357,7 @@ class CudaDevice(Device):
     blocking = False
 
     @classmethod
-    def for_job(cls, control: ControlPlane, timeout: float) -> CudaDevice:
-        if not control.single_node:
-            raise GpuringError(
-                "CuPy collectives across nodes are not supported yet: every rank of the job "
-                "must run on one node (the CUDA device maps peers' memory through CUDA IPC)")
+    def _for_rank(cls, control: ControlPlane, timeout: float) -> CudaDevice:
         return cls(local_rank=control.local_rank, timeout=timeout)
 
     def __init__(self, device_id: int | None = None, *, local_rank: int | None = None,

@@ -369,6 +369,8 @@ class HostDevice(Device):
     """
 
     kind = "cpu"
+    arrays = "NumPy"
+    reach = "the host device maps peers' shared memory"
     default_chunk_bytes = 1 << 20
     default_channels = 1
     blocking = True
@@ -389,11 +391,7 @@ class HostDevice(Device):
         self._closed = False
 
     @classmethod
-    def for_job(cls, control: ControlPlane, timeout: float) -> HostDevice:
-        if not control.single_node:
-            raise GpuringError(
-                "NumPy collectives across nodes are not supported yet: every rank of the "
-                "job must run on one node (the host device maps peers' shared memory)")
+    def _for_rank(cls, control: ControlPlane, timeout: float) -> HostDevice:
         return cls(name_prefix=f"{SHM_PREFIX}{control.job_id}-r{control.rank}-",
                    timeout=timeout)
 

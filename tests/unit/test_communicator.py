@@ -76,3 +76,19 @@ def test_a_barrier_alone_counts_no_collective() -> None:
     comm.close()
     with pytest.raises(CommunicatorClosedError):
         comm.barrier()
+
+
+class _TwoNodes(SingleProcess):
+    single_node = False
+
+
+@pytest.mark.parametrize("kind, arrays", [("cpu", "NumPy"), ("cuda", "CuPy")])
+def test_devices_refuse_ranks_on_other_nodes(kind: str, arrays: str) -> None:
+    """A device maps its peers' memory: ranks on other nodes are a clear error, before any
+    device is made (no GPU or CuPy needed to say so)."""
+    from gpuring import GpuringError
+    from gpuring.devices import device_class
+
+    with pytest.raises(GpuringError, match=f"{arrays} collectives across nodes are not "
+                                           "supported yet"):
+        device_class(kind).for_job(_TwoNodes(), timeout=5)
