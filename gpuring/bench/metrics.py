@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 __all__ = ["COLLECTIVES", "ROOTED", "REDUCING", "bus_factor", "size_series", "align_bytes",
            "plan_count", "memory_traffic", "rank_traffic", "closed_form_traffic", "placements",
-           "Memory", "group_memories", "shared_floor"]
+           "required_traffic", "copy_repeats", "Memory", "group_memories", "shared_floor"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 ROOTED = ("broadcast", "reduce")
@@ -130,6 +130,32 @@ def memory_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0
         return 0.0
     return max(rank_traffic(kind, n, size, itemsize, root=root, buffer_bytes=buffer_bytes,
                             one_shot_bytes=one_shot_bytes, avg=avg, ranks=ranks))
+
+
+def required_traffic(kind: str, n: int, size: int, *, root: int = 0) -> list[float]:
+    """Bytes each rank's share of the collective must move through memory at the least,
+    whatever the algorithm: every input byte read once, every output byte written once (S =
+    the size column). all_reduce 2S per rank (its input, its output); reduce_scatter and
+    all_gather (n+1)/n x S (the whole array on one side, one block on the other); broadcast S
+    per rank (the root's data read once, every other rank's copy written once); reduce S per
+    rank and 2S on the root (every input read once, the root's output written once)."""
+    if n < 2:
+        return [0.0] * max(n, 1)
+    if kind == "all_reduce":
+        return [2.0 * size] * n
+    if kind in ("reduce_scatter", "all_gather"):
+        return [(n + 1) / n * size] * n
+    if kind == "broadcast":
+        return [float(size)] * n
+    if kind == "reduce":
+        return [2.0 * size if r == root else float(size) for r in range(n)]
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def copy_repeats(nbytes: int) -> int:
+    """How many copies of `nbytes` in a row time a bandwidth at that size: about 64 MiB in
+    all, at least 5 and at most 2000."""
+    return max(5, min(2000, (64 << 20) // max(nbytes, 1)))
 
 
 @dataclass

@@ -67,9 +67,11 @@ class Floor:
     memory_bytes: float = 0.0
     memory_GBps: float = 0.0
     #: gpuring's result the floor is of, and whether it was faster than the floor (efficiency
-    #: above 100 %: the data stayed in cache, which the DRAM floor does not bound)
+    #: above 100 %: faster than copies of the same size; noise, or a wrong byte count)
     placement: str = ""
     beats_floor: bool = False
+    #: the bytes gpuring's own plan moves on its busiest rank (beside the required ones)
+    plan_bytes: float = 0.0
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -125,8 +127,10 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
                      f"{settings['warmup']} calls of each system at every size, first; checks "
                      "run apart from the timed calls")
     if bandwidth is not None:
-        lines.append(f"# floor: {floor_basis(bandwidth)} (each with all its ranks copying at "
-                     "once); the ranks sharing a memory move all their bytes through it")
+        lines.append(f"# floor: the bytes the collective must move, over the copy bandwidth "
+                     f"at each size; at 128 MiB: {floor_basis(bandwidth)} (each with all its "
+                     "ranks copying at once); the ranks sharing a memory move all their bytes "
+                     "through it")
     return lines
 
 
@@ -215,24 +219,29 @@ def peer_lines(notes: list[str], results: list[Result]) -> list[str]:
 
 
 def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
-    lines = [f"# Floor: {floor_basis(bandwidth)} ({bandwidth['method']}); floor = the bytes "
-             "every rank sharing a memory moves through it (counted from gpuring's plan; k "
-             "ranks moving the same: k x bytes/rank) / that memory's bandwidth, for the most "
-             "loaded memory; efficiency = floor / gpuring's time"]
+    lines = [f"# Floor: the bytes the collective must move on every rank (every input byte read "
+             "once, every output byte written once: 2 x size per rank for all_reduce; not "
+             "gpuring's plan, whose bytes are the `plan` column), summed over the ranks sharing "
+             "a memory (k ranks moving the same: k x bytes/rank), over that memory's copy "
+             "bandwidth measured at the same size (every rank copying `size` bytes at once, "
+             "about 64 MiB in all), for the most loaded memory; efficiency = floor / gpuring's "
+             f"time. (At 128 MiB: {floor_basis(bandwidth)}; {bandwidth['method']}.)"]
     if not floors:
         return [*lines, "#   (one rank: nothing moves)"]
-    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'sharing':>9}"
-                 f"{'floor':>11}{'gpuring':>11}{'efficiency':>12}")
-    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'(ranks)':>9}{'(us)':>11}{'(us)':>11}"
-                 f"{'(%)':>12}")
+    lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'plan':>8}"
+                 f"{'sharing':>9}{'GB/s':>9}{'floor':>11}{'gpuring':>11}{'efficiency':>12}")
+    lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'x size':>8}{'(ranks)':>9}{'':>9}"
+                 f"{'(us)':>11}{'(us)':>11}{'(%)':>12}")
     for f in floors:
+        plan = f.plan_bytes / f.size if f.size else 0.0
         lines.append(f"{f.size:>12d}{f.redop:>7}{f.traffic_bytes:>14.0f}"
-                     f"{f.traffic_over_size:>8.2f}{f.ranks_sharing:>9d}{f.floor_us:>11.2f}"
-                     f"{f.time_us:>11.2f}{f.efficiency_pct:>12.1f}{'*' if f.beats_floor else ''}")
+                     f"{f.traffic_over_size:>8.2f}{plan:>8.2f}{f.ranks_sharing:>9d}"
+                     f"{f.memory_GBps:>9.2f}{f.floor_us:>11.2f}{f.time_us:>11.2f}"
+                     f"{f.efficiency_pct:>12.1f}{'*' if f.beats_floor else ''}")
     if any(f.beats_floor for f in floors):
-        lines.append("# * above 100 %: faster than the floor allows, so at this size the data "
-                     "stayed in cache; the floor assumes every byte goes through DRAM at the "
-                     "bandwidth above and does not bound cache-resident sizes")
+        lines.append("# * above 100 %: faster than copies of the same size ran when measured "
+                     "apart from it; within a few percent that is noise, beyond it the floor's "
+                     "byte count or its bandwidth is wrong for this size")
     return lines
 
 

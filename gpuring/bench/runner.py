@@ -18,10 +18,12 @@ from .metrics import (
     Memory,
     align_bytes,
     bus_factor,
+    copy_repeats,
     group_memories,
     placements,
     plan_count,
     rank_traffic,
+    required_traffic,
     shared_floor,
     size_series,
 )
@@ -87,6 +89,7 @@ class _Bench:
         self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
         self.notes: dict[str, str] = {}
         self.memories: list[Memory] = []
+        self._memories_at: dict[int, list[Memory]] = {}
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
@@ -113,6 +116,22 @@ class _Bench:
                           "every rank at once, read + write counted; a memory's GBps = the "
                           "bytes all ranks sharing it copied / the longest of their times; "
                           "per_rank = each rank's bytes / its own time"}
+
+    def memories_at(self, size: int) -> list[Memory]:
+        """The memories' bandwidth at one size (collective: every rank calls it, in the same
+        order): every rank copies `size` bytes (a working set of 2 x size, as a collective's
+        input and output) `copy_repeats(size)` times in a row, all ranks at once; grouped as
+        `bandwidth` groups them. Remembered per size."""
+        if size not in self._memories_at:
+            moved, seconds = self.backend.copy_seconds(max(size, 8), copy_repeats(size),
+                                                        self.comm.barrier)
+            node = zlib.crc32(platform.node().encode())
+            table = self.gather(np.array([node, self.backend.memory_of(self.comm.local_rank),
+                                          moved, seconds]))
+            keys = [(int(row[0]), int(row[1])) for row in table]
+            self._memories_at[size] = group_memories(keys, table[:, 2].tolist(),
+                                                     table[:, 3].tolist(), self.backend.name)
+        return self._memories_at[size]
 
     def measure(self, system: System, kind: str, placement: str, op: str, size: int,
                 source: np.ndarray, expected: np.ndarray | None) -> report.Result | None:
@@ -195,20 +214,22 @@ class _Bench:
 
     def floor(self, gp: report.Result, op: str,
               memories: list[Memory]) -> report.Floor | None:
-        """The memory-bandwidth floor of `gp`: the bytes every rank moves (from the plan)
-        summed over the ranks that share a memory, over that memory's bandwidth, for the most
-        loaded memory (`shared_floor`)."""
+        """The memory-bandwidth floor of `gp`: the bytes the collective must move on every
+        rank (`required_traffic`) summed over the ranks that share a memory, over that
+        memory's bandwidth at this size (`memories_at`), for the most loaded memory
+        (`shared_floor`). The bytes gpuring's own plan moves are given beside it."""
         usable = [m for m in memories if m.GBps > 0]
         if self.n < 2 or not usable:
             return None
-        config = self.comm.config
-        traffic = rank_traffic(
-            gp.collective, self.n, gp.size, self.itemsize, root=self.s.root,
-            buffer_bytes=getattr(config, "buffer_bytes", 16 << 20),
-            one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10), avg=op == "avg")
+        traffic = required_traffic(gp.collective, self.n, gp.size, root=self.s.root)
         seconds, memory = shared_floor(traffic, usable)
         floor_us = seconds * 1e6
         busiest = max(traffic)
+        config = self.comm.config
+        plan = max(rank_traffic(
+            gp.collective, self.n, gp.size, self.itemsize, root=self.s.root,
+            buffer_bytes=getattr(config, "buffer_bytes", 16 << 20),
+            one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10), avg=op == "avg"))
         efficiency = 100.0 * floor_us / gp.time_us if gp.time_us else 0.0
         return report.Floor(size=gp.size, redop=op, traffic_bytes=busiest,
                             traffic_over_size=busiest / gp.size, floor_us=floor_us,
@@ -216,7 +237,7 @@ class _Bench:
                             memory=memory.name, ranks_sharing=len(memory.ranks),
                             memory_bytes=sum(traffic[r] for r in memory.ranks),
                             memory_GBps=memory.GBps, placement=gp.placement,
-                            beats_floor=efficiency > 100.0)
+                            beats_floor=efficiency > 100.0, plan_bytes=plan)
 
 
 def run(s: Settings) -> int:
@@ -287,10 +308,11 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
                         if system.name == "gpuring":
                             row[placement] = result
                 done += 1
+            memories = bench.memories_at(size) if n > 1 else []  # every rank, in step
             if row:
                 out.line(report.table_row(row))
                 gp = row.get(OUT_OF_PLACE) or next(iter(row.values()))
-                floor = bench.floor(gp, op, bench.memories)
+                floor = bench.floor(gp, op, memories)
                 if floor is not None:
                     floors.append(floor)
             files.save(results, floors, peer_notes + list(bench.notes.values()),

@@ -41,8 +41,10 @@ def test_two_ranks_small_sizes(tmp_path):
     assert host["memory"] == "host memory" and host["ranks"] == [0, 1] and host["GBps"] > 0
     for f in doc["floor"]:
         assert (f["memory"], f["ranks_sharing"]) == ("host memory", 2)
-        assert f["memory_bytes"] == 2 * f["traffic_bytes"]  # the ring: every rank moves as much
-        assert f["floor_us"] == pytest.approx(f["memory_bytes"] / host["GBps"] / 1e3)
+        assert f["memory_bytes"] == 2 * f["traffic_bytes"]  # every rank must move as much
+        assert f["floor_us"] == pytest.approx(f["memory_bytes"] / f["memory_GBps"] / 1e3)
+        assert f["traffic_bytes"] == 2 * f["size"]  # all_reduce: input read, output written
+        assert f["plan_bytes"] > f["traffic_bytes"]
     assert "host memory shared by 2 ranks (0, 1)" in out
     assert (tmp_path / "r.csv").read_text().count("\n") == 1 + 2 * 14
 

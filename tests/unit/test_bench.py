@@ -455,9 +455,11 @@ def test_the_floor_of_four_ranks_sharing_host_memory():
     gp.ranks = 4
     host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
     floor = bench.floor(gp, "sum", host)
-    per_rank = metrics.memory_traffic("all_reduce", 4, gp.size, 4)
+    per_rank = 2.0 * gp.size  # all_reduce: its input read once, its output written once
     assert floor is not None
-    assert floor.traffic_bytes == per_rank  # the busiest rank's bytes, as before
+    assert floor.traffic_bytes == per_rank
+    assert floor.plan_bytes == metrics.memory_traffic("all_reduce", 4, gp.size, 4)
+    assert floor.plan_bytes > floor.traffic_bytes  # the ring moves more than it must
     assert (floor.memory, floor.ranks_sharing) == ("host memory", 4)
     assert floor.memory_bytes == pytest.approx(4 * per_rank)
     assert floor.floor_us == pytest.approx(4 * per_rank / 20e9 * 1e6)
@@ -478,11 +480,12 @@ def test_the_report_says_which_bandwidth_the_floor_assumes_and_who_shares_it():
     floor = report.Floor(size=1 << 20, redop="sum", traffic_bytes=3.5 * (1 << 20),
                          traffic_over_size=3.5, floor_us=200.0, time_us=250.0,
                          efficiency_pct=80.0, memory="GPU 0", ranks_sharing=2,
-                         memory_bytes=7.0 * (1 << 20), memory_GBps=10.0)
+                         memory_bytes=7.0 * (1 << 20), memory_GBps=10.0,
+                         plan_bytes=4.5 * (1 << 20))
     lines = report.floor_lines(bandwidth, [floor])
     assert basis in lines[0]
-    assert lines[-1].split() == ["1048576", "sum", "3670016", "3.50", "2", "200.00", "250.00",
-                                 "80.0"]
+    assert lines[-1].split() == ["1048576", "sum", "3670016", "3.50", "4.50", "2", "10.00",
+                                 "200.00", "250.00", "80.0"]
 
 
 def _floor(size: int, efficiency: float) -> report.Floor:
@@ -500,7 +503,7 @@ def test_efficiency_above_100_percent_is_marked_as_cache_not_dram():
     cached, dram = lines[3], lines[4]
     assert cached.endswith("180.0*") and dram.endswith("80.0")
     assert len(cached) == len(dram) + 1  # the numbers stay aligned
-    assert lines[-1].startswith("# * ") and "cache" in lines[-1] and "DRAM" in lines[-1]
+    assert lines[-1].startswith("# * ") and "noise" in lines[-1]
     unmarked = report.floor_lines(bandwidth, [_floor(1 << 20, 80.0)])
     assert not any("*" in line for line in unmarked)
 
@@ -552,3 +555,18 @@ def test_the_loop_times_back_to_back_calls_after_one_untimed_call_and_one_barrie
                          sync=lambda: events.append("barrier"))
     assert events == ["call", "barrier"] + ["call"] * 7
     assert per_call >= 0
+
+
+def test_the_bytes_a_collective_must_move() -> None:
+    """Every input byte read once, every output byte written once, per rank (size S = the
+    size column: the whole array for reduce_scatter's input and all_gather's output)."""
+    S = 1 << 20
+    assert metrics.required_traffic("all_reduce", 4, S) == [2.0 * S] * 4
+    assert metrics.required_traffic("reduce_scatter", 4, S) == [1.25 * S] * 4
+    assert metrics.required_traffic("all_gather", 4, S) == [1.25 * S] * 4
+    assert metrics.required_traffic("broadcast", 3, S, root=1) == [float(S)] * 3
+    assert metrics.required_traffic("reduce", 3, S, root=1) == [S, 2.0 * S, S]
+    assert metrics.required_traffic("all_reduce", 1, S) == [0.0]
+    assert metrics.copy_repeats(8) == 2000 and metrics.copy_repeats(1 << 30) == 5
+    assert metrics.copy_repeats(1 << 20) == 64
+
