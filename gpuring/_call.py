@@ -7,12 +7,13 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ._errors import CollectiveMismatchError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
     from ._scheduler import Launch
 
-__all__ = ["Call", "Signature", "Route", "PreparedCall"]
+__all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
 
 
 @dataclass(slots=True)
@@ -53,6 +54,23 @@ class Signature(NamedTuple):
     one_shot_bytes: int | None = None
     buffer_bytes: int | None = None
     verify: bool | None = None
+
+
+def check_alike(signatures: list[Signature], name: str, rank: int) -> None:
+    """Raise CollectiveMismatchError naming every field in which the ranks' signatures
+    differ, and each rank's value (`name` and `rank`: this rank's call)."""
+    differences: dict[str, dict[int, object]] = {}
+    for i, field in enumerate(Signature._fields):
+        values: dict[int, object] = {r: s[i] for r, s in enumerate(signatures)}
+        if len(set(map(repr, values.values()))) > 1:
+            differences[field] = values
+    if differences:
+        detail = "; ".join(
+            f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in values.items())
+            for field, values in differences.items())
+        raise CollectiveMismatchError(
+            f"ranks called different collectives ({name} on rank {rank}): {detail}",
+            differences=differences)
 
 
 class Route(enum.Enum):

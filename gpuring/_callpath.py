@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _arrays
-from ._call import Call, PreparedCall, Route, Signature
+from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._config import Config
 from ._errors import (
     CollectiveMismatchError,
@@ -267,18 +267,7 @@ class CallPath:
         finally:
             if watchdog is not None:
                 watchdog.expect(None)
-        differences: dict[str, dict[int, object]] = {}
-        for i, field in enumerate(Signature._fields):
-            values = {r: s[i] for r, s in enumerate(signatures)}
-            if len(set(map(repr, values.values()))) > 1:
-                differences[field] = values
-        if differences:
-            detail = "; ".join(
-                f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in values.items())
-                for field, values in differences.items())
-            raise CollectiveMismatchError(
-                f"ranks called different collectives ({name} on rank {self.rank}): {detail}",
-                differences=differences)
+        check_alike(signatures, name, self.rank)
         if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
             self.agreed.clear()
         self.agreed.add(signature)

@@ -68,10 +68,6 @@ class Lifecycle:
     def orderly(self) -> bool:
         return self.outcome.orderly
 
-    @property
-    def usable(self) -> bool:
-        return self.state is State.OPEN
-
     def fail(self, cause: GpuringError, *, busy: bool, by_user: bool = False) -> bool:
         """Record a failure from outside a call; True for the first one (the caller then
         unblocks every wait of this rank), False when one was recorded already."""

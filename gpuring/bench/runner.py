@@ -88,30 +88,34 @@ class _Bench:
         self.itemsize = np.dtype(s.dtype).itemsize
         self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
         self.notes: dict[str, str] = {}
-        self.memories: list[Memory] = []
         self._memories_at: dict[int, list[Memory]] = {}
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
 
-    def bandwidth(self) -> dict[str, Any]:
-        """Every rank copies at once; ranks whose arrays share a memory (all of a node's on
-        the CPU, those on one GPU for CUDA) are grouped, and each memory's bandwidth is the
-        bytes its ranks copied / the longest of their times (`group_memories`)."""
-        repeats = 5
-        moved, seconds = self.backend.copy_seconds(self.s.membw_bytes, repeats,
-                                                    self.comm.barrier)
+    def _copies(self, nbytes: int, repeats: int) -> tuple[np.ndarray, list[Memory]]:
+        """Every rank copies `nbytes` `repeats` times in a row, all at once (collective).
+        Returns each rank's (node, memory, bytes moved, seconds) and the memories: ranks whose
+        arrays share one (all of a node's on the CPU, those on one GPU for CUDA) are grouped,
+        and each memory's bandwidth is the bytes its ranks copied / the longest of their
+        times (`group_memories`)."""
+        moved, seconds = self.backend.copy_seconds(nbytes, repeats, self.comm.barrier)
         node = zlib.crc32(platform.node().encode())
         table = self.gather(np.array([node, self.backend.memory_of(self.comm.local_rank),
                                       moved, seconds]))
         keys = [(int(row[0]), int(row[1])) for row in table]
-        self.memories = group_memories(keys, table[:, 2].tolist(), table[:, 3].tolist(),
-                                       self.backend.name)
+        return table, group_memories(keys, table[:, 2].tolist(), table[:, 3].tolist(),
+                                     self.backend.name)
+
+    def bandwidth(self) -> dict[str, Any]:
+        """The memories' bandwidth on `membw_bytes` copies (the header's figure)."""
+        repeats = 5
+        table, memories = self._copies(self.s.membw_bytes, repeats)
         per_rank = table[:, 2] / table[:, 3] / 1e9
         what = "CuPy device copy" if self.backend.name == "cuda" else "NumPy copy"
         return {"GBps_per_rank": float(per_rank.mean()), "per_rank": per_rank.tolist(),
                 "memories": [{"memory": m.name, "ranks": m.ranks, "GBps": m.GBps}
-                             for m in self.memories],
+                             for m in memories],
                 "method": f"{what} of {self.s.membw_bytes >> 20} MiB, {repeats} in a row, on "
                           "every rank at once, read + write counted; a memory's GBps = the "
                           "bytes all ranks sharing it copied / the longest of their times; "
@@ -120,17 +124,10 @@ class _Bench:
     def memories_at(self, size: int) -> list[Memory]:
         """The memories' bandwidth at one size (collective: every rank calls it, in the same
         order): every rank copies `size` bytes (a working set of 2 x size, as a collective's
-        input and output) `copy_repeats(size)` times in a row, all ranks at once; grouped as
-        `bandwidth` groups them. Remembered per size."""
+        input and output) `copy_repeats(size)` times in a row, all ranks at once. Remembered
+        per size."""
         if size not in self._memories_at:
-            moved, seconds = self.backend.copy_seconds(max(size, 8), copy_repeats(size),
-                                                        self.comm.barrier)
-            node = zlib.crc32(platform.node().encode())
-            table = self.gather(np.array([node, self.backend.memory_of(self.comm.local_rank),
-                                          moved, seconds]))
-            keys = [(int(row[0]), int(row[1])) for row in table]
-            self._memories_at[size] = group_memories(keys, table[:, 2].tolist(),
-                                                     table[:, 3].tolist(), self.backend.name)
+            self._memories_at[size] = self._copies(max(size, 8), copy_repeats(size))[1]
         return self._memories_at[size]
 
     def measure(self, system: System, kind: str, placement: str, op: str, size: int,
