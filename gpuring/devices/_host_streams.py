@@ -1,0 +1,251 @@
+"""The host device's streams: an inline stream that runs each operation in the calling thread,
+and a threaded stream (a worker thread per stream) that runs them in order; their events; and
+the element-wise operations both use."""
+
+from __future__ import annotations
+
+import collections
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._ops import ReduceOp
+from ._host_memory import _check_local
+from .base import Event, Flag, Span, Stream
+
+if TYPE_CHECKING:
+    from .host import HostDevice
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+class _HostEvent(Event):
+    def __init__(self, done: bool = False):
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def wait(self, device: HostDevice) -> None:
+        while not self._done.wait(0.05):
+            device.check_aborted(("event",))
+
+
+class _StreamBase(Stream):
+    """Operation bodies shared by inline and threaded streams."""
+
+    def __init__(self, device: HostDevice):
+        self._device = device
+        self._rng = random.Random(secrets.randbits(32)) if device.jitter else None
+        if self._rng is None:
+            self._jitter = self._no_jitter  # type: ignore[method-assign]
+
+    def _jitter(self) -> None:
+        if self._rng is not None and self._rng.random() < 0.3:
+            time.sleep(self._rng.random() * 300e-6)
+
+    def _no_jitter(self) -> None:
+        pass
+
+    def _do_copy(self, dst: Span, src: Span) -> None:
+        self._jitter()
+        d = dst.mem.u8[dst.offset:dst.offset + dst.nbytes]  # type: ignore[attr-defined]
+        s = src.mem.u8[src.offset:src.offset + src.nbytes]  # type: ignore[attr-defined]
+        np.copyto(d, s)
+
+    def _do_reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+                   divisor: int) -> None:
+        self._jitter()
+        d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
+        x = a.mem.view(a.offset, a.nbytes, dtype)  # type: ignore[attr-defined]
+        y = b.mem.view(b.offset, b.nbytes, dtype)  # type: ignore[attr-defined]
+        if divisor == 1:
+            _UFUNCS[op](x, y, out=d)
+        else:
+            _average_into(d, x, y, divisor)
+
+    def _do_reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                     divisor: int) -> None:
+        self._jitter()
+        d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
+        _fold_into(d, [s.mem.view(s.offset, s.nbytes, dtype)  # type: ignore[attr-defined]
+                       for s in srcs], op, divisor)
+
+    def _do_wait(self, flag: Flag, value: int, tag: Any) -> None:
+        self._jitter()
+        self._device.wait_flag(flag, value, tag)
+
+    def _do_write(self, flag: Flag, value: int) -> None:
+        self._jitter()
+        flag.mem.i64[flag.offset >> 3] = value  # type: ignore[attr-defined]
+
+
+def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: int) -> None:
+    """d = xs[0] op xs[1] op ... op xs[-1], each step one binary reduce into d (rounded to the
+    dtype), the divisor at the last step only: exactly the chain d = xs[0] op xs[1], d = d op
+    xs[2], ... d may be xs[0] but must not overlap a later operand."""
+    if len(xs) < 2:
+        raise ValueError(f"a fold needs at least two operands, not {len(xs)}")
+    ufunc = _UFUNCS[op]
+    acc = xs[0]
+    for k in range(1, len(xs)):
+        if k == len(xs) - 1 and divisor != 1:
+            _average_into(d, acc, xs[k], divisor)
+        else:
+            ufunc(acc, xs[k], out=d)
+        acc = d
+
+
+def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
+    """d = (x + y) / divisor: float16 and bfloat16 computed in float32 and rounded once;
+    other floats in their own type; complex parts each divided by the divisor (as the CUDA
+    kernel does; NumPy's complex division would multiply by a rounded reciprocal); integers
+    truncated toward zero (as C and NCCL do)."""
+    kind = d.dtype.kind
+    if d.dtype == np.float16 or d.dtype.name == "bfloat16":
+        d[...] = (x.astype(np.float32) + y) / np.float32(divisor)
+    elif kind == "f":
+        np.add(x, y, out=d)
+        np.divide(d, divisor, out=d)
+    elif kind == "c":
+        np.add(x, y, out=d)
+        parts = d.view(d.real.dtype)
+        np.divide(parts, divisor, out=parts)
+    else:
+        total = np.add(x, y)
+        quotient, remainder = np.divmod(total, d.dtype.type(divisor))
+        if kind == "i":  # floor -> toward zero for negative sums with a remainder
+            quotient += (remainder != 0) & (total < 0)
+        d[...] = quotient
+
+
+class _InlineStream(_StreamBase):
+    """Runs each operation at once in the calling thread; errors raise from the call."""
+
+    def copy(self, dst: Span, src: Span) -> None:
+        self._do_copy(dst, src)
+
+    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+               divisor: int = 1) -> None:
+        self._do_reduce(dst, a, b, dtype, op, divisor)
+
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        self._do_reduce_n(dst, srcs, dtype, op, divisor)
+
+    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        _check_local(flag)
+        self._do_wait(flag, value, tag)
+
+    def write_flag(self, flag: Flag, value: int) -> None:
+        self._do_write(flag, value)
+
+    def record(self) -> Event:
+        return _HostEvent(done=True)
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, _HostEvent)
+        event.wait(self._device)
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _ThreadStream(_StreamBase):
+    """A worker thread that runs operations in order. After an error it skips the rest,
+    still completing events, and `synchronize` raises the error."""
+
+    def __init__(self, device: HostDevice):
+        super().__init__(device)
+        self._queue: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            collections.deque())
+        self._ready = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="gpuring-stream", daemon=True)
+        self._thread.start()
+
+    def _put(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("stream is closed")
+            self._queue.append((fn, args))
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    if self._closed:
+                        return
+                    self._ready.wait()
+                fn, args = self._queue.popleft()
+            if fn is _HostEvent.set:
+                fn(*args)
+                continue
+            if self._error is not None:
+                continue
+            try:
+                fn(*args)
+            except BaseException as exc:
+                self._error = exc
+                self._device.abort(f"stream failed: {exc!r}")
+
+    def copy(self, dst: Span, src: Span) -> None:
+        self._put(self._do_copy, dst, src)
+
+    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
+               divisor: int = 1) -> None:
+        self._put(self._do_reduce, dst, a, b, dtype, op, divisor)
+
+    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
+                 divisor: int = 1) -> None:
+        self._put(self._do_reduce_n, dst, tuple(srcs), dtype, op, divisor)
+
+    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
+        _check_local(flag)
+        self._put(self._do_wait, flag, value, tag)
+
+    def write_flag(self, flag: Flag, value: int) -> None:
+        self._put(self._do_write, flag, value)
+
+    def record(self) -> _HostEvent:
+        event = _HostEvent()
+        self._put(_HostEvent.set, event)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, _HostEvent)
+        self._put(event.wait, self._device)
+
+    def synchronize(self) -> None:
+        event = self.record()
+        while not event.query():
+            event._done.wait(0.05)
+            if not self._thread.is_alive():
+                raise RuntimeError("stream worker died")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(timeout=5)
