@@ -3,6 +3,7 @@ raises TypeError/ValueError naming the argument), before the communicator is inv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import _arrays
@@ -45,36 +46,48 @@ def _input_and_op(x: Any, op: ReduceOp | str) -> tuple[Any, ReduceOp]:
 def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
                channels: int | None) -> Call:
     x, rop = _input_and_op(x, op)
-    out = output_array(out, x, x.shape, "all_reduce", may_alias=True)
+    out = output_array(out, x, x.shape, "all_reduce", in_place=_same(x), hint="out=x")
     return Call("all_reduce", x, out, rop, 0, chunk_bytes, channels)
 
 
 def reduce_scatter(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
-                   channels: int | None, size: int) -> Call:
+                   channels: int | None, size: int, rank: int) -> Call:
     x, rop = _input_and_op(x, op)
     if x.size % size:
         raise ValueError(f"reduce_scatter needs x.size divisible by the {size} ranks, "
                          f"got {x.size}; pad the array")
-    out = output_array(out, x, (x.size // size,), "reduce_scatter")
+    mine = x.reshape(size, x.size // size)[rank]  # in place: out is this rank's block of x
+    out = output_array(out, x, (x.size // size,), "reduce_scatter",
+                       in_place=lambda out: _arrays.same_memory(out, mine),
+                       hint="out=x.reshape(size, -1)[rank]")
     return Call("reduce_scatter", x, out, rop, 0, chunk_bytes, channels)
 
 
 def all_gather(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
-               size: int) -> Call:
+               size: int, rank: int) -> Call:
     x = input_array(x)
     check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
-    out = output_array(out, x, (size, *x.shape), "all_gather")
+    # in place: x is this rank's slot of out
+    out = output_array(out, x, (size, *x.shape), "all_gather",
+                       in_place=lambda out: _arrays.same_memory(out[rank], x),
+                       hint="x=out[rank]")
     return Call("all_gather", x, out, ReduceOp.SUM, 0, chunk_bytes, channels)
 
 
-def broadcast(x: Any, root: Any, chunk_bytes: int | None, channels: int | None,
+def broadcast(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: int | None,
               size: int) -> Call:
     root = _root(root, size)
-    if not _arrays.device_kind(x) or not x.flags.c_contiguous:
-        raise TypeError("broadcast works in place and needs a C-contiguous array; "
-                        "pass numpy.ascontiguousarray(x) and use the returned array")
+    if out is None:
+        if not _arrays.device_kind(x) or not x.flags.c_contiguous:
+            raise TypeError("broadcast without out works in place and needs a C-contiguous "
+                            "array; pass numpy.ascontiguousarray(x) and use the returned "
+                            "array, or pass out=")
+        out = x
+    else:
+        x = input_array(x)
+        out = output_array(out, x, x.shape, "broadcast", in_place=_same(x), hint="out=x")
     check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
-    return Call("broadcast", x, x, ReduceOp.SUM, root, chunk_bytes, channels)
+    return Call("broadcast", x, out, ReduceOp.SUM, root, chunk_bytes, channels)
 
 
 def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | None,
@@ -82,7 +95,8 @@ def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | N
     ReduceOp.parse(op)  # a bad op, then a bad root, then a bad array
     root = _root(root, size)
     x, rop = _input_and_op(x, op)
-    out = output_array(out, x, x.shape, "reduce", may_alias=True) if rank == root else None
+    out = (output_array(out, x, x.shape, "reduce", in_place=_same(x), hint="out=x")
+           if rank == root else None)
     return Call("reduce", x, out, rop, root, chunk_bytes, channels)
 
 
@@ -100,9 +114,16 @@ def _root(root: Any, size: int) -> int:
     return root
 
 
+def _same(x: Any) -> Callable[[Any], bool]:
+    """In place means `out` covers exactly x's bytes."""
+    return lambda out: _arrays.same_memory(out, x)
+
+
 def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
-                 may_alias: bool = False) -> Any:
-    """`out` checked against `x` (device, dtype, shape, layout, overlap), or a new array."""
+                 in_place: Callable[[Any], bool] | None = None, hint: str = "") -> Any:
+    """`out` checked against `x` (device, dtype, shape, layout, overlap), or a new array.
+    `out` may overlap `x` only where `in_place(out)` says it is the collective's in-place
+    form (`hint` tells the user how to ask for it)."""
     if out is None:
         return _arrays.array_module(x).empty(shape, dtype=x.dtype)
     if type(out) is not type(x) and _arrays.device_kind(out) != _arrays.device_kind(x):
@@ -114,7 +135,7 @@ def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
     if not out.flags.c_contiguous:
         raise ValueError(f"{name}: out must be C-contiguous")
     if out is not x and _arrays.array_module(x).may_share_memory(out, x):
-        if not (may_alias and _arrays.same_memory(out, x)):
-            raise ValueError(f"{name}: out overlaps x; pass out=x to work in place, or a "
-                             "separate array")
+        if in_place is None or not in_place(out):
+            how = f"pass {hint} to work in place, or " if hint else "pass "
+            raise ValueError(f"{name}: out overlaps x; {how}a separate array")
     return out

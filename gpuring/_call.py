@@ -36,7 +36,11 @@ class Call:
         if x is None:
             return (self.collective,)
         return (self.collective, x.shape, x.dtype, type(x), self.op, self.root,
-                self.chunk_bytes, self.channels)
+                self.chunk_bytes, self.channels, self.copies_to_out())
+
+    def copies_to_out(self) -> bool:
+        """An out-of-place broadcast: its root also copies x into out."""
+        return self.collective == "broadcast" and self.out is not self.x
 
 
 class Signature(NamedTuple):

@@ -125,7 +125,8 @@ class CallPath:
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
                 capacity_bytes=capacity, chunk_bytes=chunk, channels=nchannels,
-                root=call.root, one_shot_bytes=config.one_shot_bytes)
+                root=call.root, one_shot_bytes=config.one_shot_bytes,
+                root_copies=call.copies_to_out())
         except BaseException as exc:  # after agreement the peers go on: tell them
             self.give_up(exc, name)
             raise
@@ -142,8 +143,6 @@ class CallPath:
             return None
         if call.collective == "all_gather":
             out[0] = x
-        elif call.collective == "broadcast":
-            return x
         elif out is not x:
             out[...] = x.reshape(out.shape)
         return out

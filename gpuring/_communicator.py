@@ -138,21 +138,26 @@ class Communicator:
     def reduce_scatter(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
                        chunk_bytes: int | None = None, channels: int | None = None) -> Any:
         """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
-        result split into `size` equal blocks. `x.size` must be divisible by `size`."""
+        result split into `size` equal blocks. `x.size` must be divisible by `size`. In place:
+        `out=x.reshape(size, -1)[rank]`."""
         return self._path.run(_argcheck.reduce_scatter(x, op, out, chunk_bytes, channels,
-                                                   self.size))
+                                                   self.size, self.rank))
 
     @public_verb
     def all_gather(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
                    channels: int | None = None) -> Any:
-        """Every rank's `x` stacked in rank order: shape `(size, *x.shape)`."""
-        return self._path.run(_argcheck.all_gather(x, out, chunk_bytes, channels, self.size))
+        """Every rank's `x` stacked in rank order: shape `(size, *x.shape)`. In place: pass
+        `x=out[rank]` with `out`."""
+        return self._path.run(_argcheck.all_gather(x, out, chunk_bytes, channels, self.size,
+                                                   self.rank))
 
     @public_verb
-    def broadcast(self, x: Any, *, root: int = 0, chunk_bytes: int | None = None,
-                  channels: int | None = None) -> Any:
-        """Copy root's `x` into `x` on every rank (in place) and return it."""
-        return self._path.run(_argcheck.broadcast(x, root, chunk_bytes, channels, self.size))
+    def broadcast(self, x: Any, *, root: int = 0, out: Any = None,
+                  chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+        """Copy root's `x` into `x` on every rank (in place) and return it; with `out`, into
+        `out` instead (`x` is then read on root only, and must match `out` everywhere)."""
+        return self._path.run(_argcheck.broadcast(x, root, out, chunk_bytes, channels,
+                                                  self.size))
 
     @public_verb
     def reduce(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None,
@@ -194,7 +199,9 @@ class Communicator:
         x = _argcheck.input_array(x)
         wire_dtype(compression)  # a bad name is the first thing to hear of
         if _arrays.dtype_name(x) in ("float32", "float64"):
-            out = _argcheck.output_array(out, x, x.shape, "all_reduce", may_alias=True)
+            out = _argcheck.output_array(out, x, x.shape, "all_reduce",
+                                         in_place=lambda out: _arrays.same_memory(out, x),
+                                         hint="out=x")
         return all_reduce_compressed(self, x, op=rop, out=out, compression=compression,
                                      chunk_bytes=chunk_bytes, channels=channels)
 

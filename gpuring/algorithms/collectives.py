@@ -24,7 +24,7 @@ __all__ = ["plan_collective"]
 @functools.lru_cache(maxsize=512)
 def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                     capacity_bytes: int, chunk_bytes: int, channels: int, root: int = 0,
-                    one_shot_bytes: int = 0) -> tuple[RoundPlan, ...]:
+                    one_shot_bytes: int = 0, root_copies: bool = False) -> tuple[RoundPlan, ...]:
     """The rounds `rank` runs for one collective.
 
     `count` is the element count of the input (all_reduce, reduce_scatter: whole input;
@@ -70,7 +70,8 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     elif kind in (BROADCAST, REDUCE):
         for a in range(0, count, cap):
             length = min(cap, count - a)
-            rounds.append(chain_round(kind, n, rank, root, a, length, chunk, channels))
+            rounds.append(chain_round(kind, n, rank, root, a, length, chunk, channels,
+                                      root_copies=root_copies))
     else:
         raise ValueError(f"unknown collective {kind!r}")
     return tuple(rounds)

@@ -150,10 +150,12 @@ def ring_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: i
 
 
 def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int, chunk: int,
-                channels: int) -> RoundPlan:
+                channels: int, *, root_copies: bool = False) -> RoundPlan:
     """One round of a pipelined chain broadcast (from `root`) or reduce (to `root`) over
     elements [in_off, in_off + count) for `rank`. The chain runs root, root+1, ... for
-    broadcast and root+1, root+2, ..., root for reduce; each rank pulls from its left."""
+    broadcast and root+1, root+2, ..., root for reduce; each rank pulls from its left. With
+    `root_copies` the root of a broadcast also copies its input to its output, after
+    publishing each piece."""
     if kind not in (BROADCAST, REDUCE):
         raise ValueError(f"not a chain collective: {kind}")
     left = (rank - 1) % n
@@ -175,6 +177,8 @@ def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int
             if pos == 0:
                 ops.append(Copy(mine, src, k))
                 ops.append(Signal(p + 1, readers))
+                if root_copies and kind == BROADCAST:
+                    ops.append(Copy(dst, src, k))
                 continue
             ops.append(Wait(left, p + 1))
             if kind == BROADCAST:

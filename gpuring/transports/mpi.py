@@ -36,18 +36,25 @@ class MpiCollectives:
 
     def run(self, name: str, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
             root: int) -> None:
-        """Run collective `name` of C-contiguous `x` into `out` (into `x` for broadcast)."""
+        """Run collective `name` of C-contiguous `x` into `out` (`out` may be `x`, or for
+        all_gather hold x as its rank's slot, or for reduce_scatter be x's block of this
+        rank)."""
         size = self._comm.Get_size()
         narrow = x.dtype.name in _NARROW
         if name in ("broadcast", "all_gather"):  # bytes only: narrow floats travel as uint16
+            assert out is not None
             raw = x.view(np.uint16) if narrow else x
+            raw_out = out.view(np.uint16) if narrow else out
             if name == "broadcast":
-                self._wait(self._comm.Ibcast(raw, root=root), name, raw)
-            else:
-                assert out is not None
-                raw_out = out.view(np.uint16) if narrow else out
-                self._wait(self._comm.Iallgather(raw, raw_out), name, raw, raw_out)
+                if out is not x and self._comm.Get_rank() == root:
+                    out[...] = x
+                self._wait(self._comm.Ibcast(raw_out, root=root), name, raw_out)
+            else:  # in place (x is out's slot of this rank): MPI reads that slot itself
+                source = self._MPI.IN_PLACE if np.may_share_memory(x, out) else raw
+                self._wait(self._comm.Iallgather(source, raw_out), name, raw, raw_out)
             return
+        if name == "reduce_scatter" and out is not None and np.may_share_memory(x, out):
+            x = x.copy()  # in place: out is this rank's block of x, and MPI needs them apart
         send = x.astype(np.float32) if narrow else x
         mpi_op = self._ops[op]
         if name == "reduce" and self._comm.Get_rank() != root:

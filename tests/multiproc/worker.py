@@ -283,6 +283,24 @@ def case_sizes(c: Checker) -> None:
             rs_want = c.reduce_reference(rs_in, "sum").reshape(n, -1)[comm.rank]
             c.expect(comm.reduce_scatter(dev(c, rs_in[comm.rank]), **kw), rs_want,
                      f"reduce_scatter {size} ch{channels}", shared=False)
+            # the in-place forms of all_gather and reduce_scatter, broadcast out of place
+            slots = dev(c, np.full((n, size), -1.0, np.float32))
+            slots[comm.rank] = dev(c, ins[comm.rank])
+            got = comm.all_gather(slots[comm.rank], out=slots, **kw)
+            assert got is slots
+            c.expect(slots, np.stack(ins), f"all_gather in place {size} ch{channels}",
+                     copy=True)
+            rs_x = dev(c, rs_in[comm.rank].copy())
+            mine = rs_x.reshape(n, size)[comm.rank]
+            assert comm.reduce_scatter(rs_x, out=mine, **kw) is mine
+            c.expect(mine, rs_want, f"reduce_scatter in place {size} ch{channels}",
+                     shared=False)
+            source = dev(c, ins[comm.rank])
+            dest = dev(c, np.full(size, -1.0, np.float32))
+            assert comm.broadcast(source, root=n - 1, out=dest, **kw) is dest
+            c.expect(dest, ins[n - 1], f"broadcast out of place {size}", copy=True)
+            c.expect(source, ins[comm.rank], f"broadcast leaves x {size}", copy=True,
+                     shared=False)
     ins = c.inputs("int64", (4, 0, 3), seed + 1)
     c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"), "empty 3d")
     ins = c.inputs("float64", (6, 5, 4), seed + 2)

@@ -89,8 +89,8 @@ def problem(name: str, x: Any, *, op: Any = "sum", out: Any = None, root: Any = 
             return f"root {root!r} is not an int"
         if not 0 <= root < SIZE:
             return f"root {root} is not a rank"
-    if name == "broadcast" and not x.flags.c_contiguous:
-        return "broadcast needs a C-contiguous array"
+    if name == "broadcast" and out is None and not x.flags.c_contiguous:
+        return "broadcast in place needs a C-contiguous array"
     if name == "reduce_scatter" and x.size % SIZE:
         return "x.size is not a multiple of the number of ranks"
     if out is not None:
@@ -102,9 +102,24 @@ def problem(name: str, x: Any, *, op: Any = "sum", out: Any = None, root: Any = 
             return "out has the wrong shape"
         if not out.flags.c_contiguous:
             return "out is not C-contiguous"
-        if np.shares_memory(out, x) and not (out is x and name in ("all_reduce", "reduce")):
+        if np.shares_memory(out, x) and not in_place_form(name, x, out):
             return "out overlaps x"
     return None
+
+
+def in_place_form(name: str, x: np.ndarray, out: np.ndarray) -> bool:
+    """README's in-place forms: `out` covers exactly x's bytes (all_reduce, reduce,
+    broadcast), x is out's slot of this rank (all_gather), out is this rank's block of x
+    (reduce_scatter); the rank is 0 here."""
+    def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+        return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                and a.nbytes == b.nbytes)
+
+    if name == "all_gather":
+        return same_bytes(out[0], x)
+    if name == "reduce_scatter":
+        return x.flags.c_contiguous and same_bytes(out, x.reshape(SIZE, x.size // SIZE)[0])
+    return same_bytes(out, x)
 
 
 # ------------------------------------------------------------------------ the reference
@@ -149,16 +164,6 @@ def check(comm: Communicator, name: str, x: Any, **kwargs: Any) -> None:
     before = x.copy() if isinstance(x, np.ndarray) else None
     call = getattr(comm, name)
     if why is not None:
-        if name == "reduce_scatter" and out is x:
-            # README allows out=x for all_reduce and reduce only; on one rank reduce_scatter's
-            # block is all of x, so the library may also compute it in place
-            try:
-                got = call(x, **kwargs)
-            except (TypeError, ValueError) as exc:
-                assert str(exc), "errors must say what is wrong"
-                return
-            assert got is x and same_bits(got, before), "reduce_scatter with out=x"
-            return
         with pytest.raises((TypeError, ValueError)) as info:
             call(x, **kwargs)
         assert str(info.value), "errors must say what is wrong"
@@ -171,7 +176,7 @@ def check(comm: Communicator, name: str, x: Any, **kwargs: Any) -> None:
         raise AssertionError(f"{name}{kwargs} raised {exc!r} for valid arguments") from exc
     want = expected(name, before, kwargs.get("op", "sum"))
     assert same_bits(got, want), f"{name}{kwargs}: {got!r} != {want!r}"
-    if name == "broadcast":
+    if name == "broadcast" and out is None:
         assert got is x, "broadcast returns x itself, written in place"
     elif out is not None:
         assert got is out, f"{name} must return out"
@@ -205,6 +210,7 @@ def test_gather_scatter_broadcast(comm, x, op, out, root):
     check(comm, "all_gather", x, out=resolve_out(out, "all_gather", x))
     check(comm, "reduce_scatter", x, op=op, out=resolve_out(out, "reduce_scatter", x))
     check(comm, "broadcast", x, root=root)
+    check(comm, "broadcast", x, root=root, out=resolve_out(out, "broadcast", x))
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED)
@@ -227,6 +233,8 @@ def test_every_dtype_and_op_works(comm, dtype):
             for out in (None, "fit"):
                 check(comm, "all_gather", x, out=resolve_out(out, "all_gather", x))
             check(comm, "broadcast", x, root=0)
+            for out in ("fit", "same"):
+                check(comm, "broadcast", x, root=0, out=resolve_out(out, "broadcast", x))
 
 
 def test_the_rules_reject_what_they_should():
@@ -234,7 +242,10 @@ def test_the_rules_reject_what_they_should():
     x = np.ones(4, np.float32)
     assert problem("all_reduce", x) is None
     assert problem("all_reduce", x, out=x) is None
-    assert problem("reduce_scatter", x, out=x) is not None
+    assert problem("reduce_scatter", x, out=x) is None  # one rank: its block is all of x
+    assert problem("reduce_scatter", x, out=x[:2]) is not None
+    assert problem("all_gather", x, out=x.reshape(1, 4)) is None  # x is out's slot 0
+    assert problem("broadcast", x[::2], out=np.empty(2, np.float32)) is None
     assert problem("all_reduce", x[::2]) is None
     assert problem("broadcast", x[::2]) is not None
     assert problem("all_reduce", x.astype(np.complex64), op="max") is not None
