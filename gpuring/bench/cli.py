@@ -11,7 +11,7 @@ import tempfile
 from .._config import parse_size
 from .._ops import SUPPORTED_DTYPES, ReduceOp, check_op_dtype
 from . import preflight
-from .metrics import COLLECTIVES, REDUCING
+from .metrics import MEASURED, REDUCING
 from .peers import parse_peers
 from .runner import Settings, run
 
@@ -22,12 +22,14 @@ _OPS = ("sum", "prod", "min", "max", "avg")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `gpuring bench`."""
-    p.add_argument("collective", nargs="?", default="all_reduce", choices=COLLECTIVES,
-                   help="what to measure (default all_reduce)")
+    p.add_argument("collective", nargs="?", default="all_reduce", choices=MEASURED,
+                   help="what to measure (default all_reduce; barrier: its latency)")
     p.add_argument("-b", "--minbytes", default="8", help="smallest size: 8, 4K, 64M, 1G")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2,
                    help="multiply the size by this each step (default 2)")
+    p.add_argument("-i", "--stepbytes", default=None,
+                   help="add this many bytes each step instead of multiplying (linear sizes)")
     p.add_argument("-n", "--iters", type=int, default=20,
                    help="timed calls per size, back to back after one barrier (default 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5,
@@ -37,16 +39,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the ranks' times combine: 0 rank 0's, 1 their average "
                         "(default), 2 the minimum, 3 the maximum")
     p.add_argument("-I", "--per-iteration", dest="per_iteration", action="store_true",
-                   help="time every call on its own after a barrier instead, and report each "
-                        "rank's p50, p99 and max (the time shown is the slowest rank's p50)")
+                   help="time every call on its own after a barrier instead; an iteration's "
+                        "time is its slowest rank's; reports p50 (shown), p99 and max, and "
+                        "each rank's own")
+    p.add_argument("-N", "--repeats", type=int, default=1,
+                   help="run the whole sweep this many times and report the spread between "
+                        "the repeats (default 1)")
+    p.add_argument("-z", "--blocking", type=int, default=0, choices=(0, 1),
+                   help="0: calls enqueued back to back (default); 1: wait for each call to "
+                        "complete before the next")
     p.add_argument("-c", "--check", type=int, default=1,
                    help="checked iterations, apart from the timed ones (default 1; 0: none)")
     p.add_argument("-o", "--op", default="sum", choices=(*_OPS, "all"),
                    help="reduction (default sum; all: each in turn)")
-    p.add_argument("-d", "--datatype", default="float32", choices=SUPPORTED_DTYPES,
-                   help="element type (default float32)")
-    p.add_argument("-r", "--root", type=int, default=0,
-                   help="root of broadcast and reduce (default 0)")
+    p.add_argument("-d", "--datatype", default="float32", choices=(*SUPPORTED_DTYPES, "all"),
+                   help="element type (default float32; all: every type the ops take)")
+    p.add_argument("-r", "--root", default="0",
+                   help="root of broadcast and reduce (default 0; all: each rank in turn)")
+    p.add_argument("--off-cache", dest="off_cache", action="store_true",
+                   help="rotate the timed calls over buffer sets twice the size of the "
+                        "largest cache, so no call finds its data in cache")
+    p.add_argument("--overlap", action="store_true",
+                   help="also measure how much of each collective hides behind compute "
+                        "(the non-blocking forms of gpuring and MPI)")
     p.add_argument("--ranks", type=int, default=None,
                    help="launch this many ranks (ignored inside gpuring run or mpiexec)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
@@ -70,30 +85,67 @@ def already_launched() -> bool:
     return bool(os.environ.get(ENV_ADDR)) or launched_by_mpi()
 
 
+def _dtypes(choice: str, collective: str, ops: list[str]) -> list[str]:
+    """`-d`: one dtype, or with "all" every dtype every op takes (that NumPy has)."""
+    if choice != "all":
+        return [choice]
+    found = []
+    for dtype in SUPPORTED_DTYPES:
+        if dtype == "bfloat16":
+            try:
+                import ml_dtypes  # noqa: F401
+            except ImportError:
+                continue
+        try:
+            if collective in REDUCING:
+                for op in ops:
+                    check_op_dtype(ReduceOp.parse(op), dtype)
+        except TypeError:
+            continue
+        found.append(dtype)
+    return found
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validated Settings (ValueError or TypeError with a message for the user); the device
     stays as given ("auto" is resolved by the ranks)."""
-    if args.iters < 1 or args.warmup_iters < 0 or args.check < 0:
-        raise ValueError("-n must be at least 1, -w and -c at least 0")
+    if args.iters < 1 or args.warmup_iters < 0 or args.check < 0 or args.repeats < 1:
+        raise ValueError("-n and -N must be at least 1, -w and -c at least 0")
     ops = list(_OPS) if args.op == "all" else [args.op]
     if args.datatype == "bfloat16":
         try:
             import ml_dtypes  # noqa: F401 - gives NumPy the bfloat16 dtype
         except ImportError:
             raise ValueError("-d bfloat16 needs ml_dtypes: pip install ml_dtypes") from None
+    dtypes = _dtypes(args.datatype, args.collective, ops)
     if args.collective in REDUCING:
         for op in ops:
-            check_op_dtype(ReduceOp.parse(op), args.datatype)
+            for dtype in dtypes:
+                check_op_dtype(ReduceOp.parse(op), dtype)
     if args.channels is not None and not 1 <= args.channels <= 32:
         raise ValueError("--channels must be between 1 and 32")
+    if str(args.root) == "all":
+        roots: list[int] | None = None  # every rank: known once the ranks are up
+    else:
+        try:
+            roots = [int(args.root)]
+        except ValueError:
+            raise ValueError(f"-r takes a rank or all, not {args.root!r}") from None
+        if roots[0] < 0:
+            raise ValueError("-r must be a rank (0 or more) or all")
+    step = parse_size(args.stepbytes) if args.stepbytes else None
+    if step is not None and step < 1:
+        raise ValueError("-i must be at least 1 byte")
     return Settings(
         collective=args.collective, min_bytes=parse_size(args.minbytes),
-        max_bytes=parse_size(args.maxbytes), factor=args.stepfactor, iters=args.iters,
-        warmup=args.warmup_iters, average=args.average, per_iteration=args.per_iteration,
-        check_iters=args.check, ops=ops, dtype=args.datatype,
-        root=args.root, device=args.device, peers=parse_peers(args.peers),
+        max_bytes=parse_size(args.maxbytes), factor=args.stepfactor, step_bytes=step,
+        iters=args.iters, warmup=args.warmup_iters, average=args.average,
+        per_iteration=args.per_iteration, repeats=args.repeats, blocking=bool(args.blocking),
+        check_iters=args.check, ops=ops, dtypes=dtypes, roots=roots or [],
+        device=args.device, peers=parse_peers(args.peers),
         chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
-        channels=args.channels, json=args.json, csv=args.csv, plot=args.plot)
+        channels=args.channels, off_cache=args.off_cache, overlap=args.overlap,
+        json=args.json, csv=args.csv, plot=args.plot)
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -101,12 +153,15 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     argv = [args.collective, "-b", str(args.minbytes), "-e", str(args.maxbytes),
             "-f", str(args.stepfactor), "-n", str(args.iters), "-w", str(args.warmup_iters),
             "-a", str(args.average), "-c", str(args.check), "-o", args.op, "-d",
-            args.datatype, "-r", str(args.root), "--device", args.device]
-    if args.per_iteration:
-        argv.append("-I")
-    for flag, value in (("--peers", args.peers), ("--json", args.json), ("--csv", args.csv),
-                        ("--plot", args.plot), ("--chunk-bytes", args.chunk_bytes),
-                        ("--channels", args.channels)):
+            args.datatype, "-r", str(args.root), "--device", args.device,
+            "-N", str(args.repeats), "-z", str(args.blocking)]
+    for flag, on in (("-I", args.per_iteration), ("--off-cache", args.off_cache),
+                     ("--overlap", args.overlap)):
+        if on:
+            argv.append(flag)
+    for flag, value in (("-i", args.stepbytes), ("--peers", args.peers), ("--json", args.json),
+                        ("--csv", args.csv), ("--plot", args.plot),
+                        ("--chunk-bytes", args.chunk_bytes), ("--channels", args.channels)):
         if value not in (None, ""):
             argv += [flag, str(value)]
     return argv

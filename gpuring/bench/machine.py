@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe", "cpu_model", "gpus", "versions", "git_commit"]
+__all__ = ["describe", "cpu_model", "gpus", "memory_bytes", "versions", "git_commit"]
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -36,12 +36,23 @@ def gpus() -> dict[str, Any] | None:
             def text(value: Any) -> str:
                 return value.decode() if isinstance(value, bytes) else str(value)
 
-            names = [text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                     for i in range(pynvml.nvmlDeviceGetCount())]
-            return {"driver": text(pynvml.nvmlSystemGetDriverVersion()), "names": names}
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                       for i in range(pynvml.nvmlDeviceGetCount())]
+            return {"driver": text(pynvml.nvmlSystemGetDriverVersion()),
+                    "names": [text(pynvml.nvmlDeviceGetName(h)) for h in handles],
+                    "memory_bytes": [int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+                                     for h in handles]}
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # pynvml.NVMLError: no driver, no GPU
+        return None
+
+
+def memory_bytes() -> int | None:
+    """The host's physical memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
         return None
 
 
@@ -105,6 +116,7 @@ def describe() -> dict[str, Any]:
         "host": platform.node(),
         "cpu": cpu_model(),
         "cpus": os.cpu_count(),
+        "memory_bytes": memory_bytes(),
         "os": f"{platform.system()} {platform.release()}",
         "gpus": gpus(),
         "versions": versions(),

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["COLLECTIVES", "ROOTED", "REDUCING", "bus_factor", "size_series", "align_bytes",
-           "plan_count", "memory_traffic", "rank_traffic", "closed_form_traffic", "placements",
+__all__ = ["COLLECTIVES", "MEASURED", "ROOTED", "REDUCING", "bus_factor", "size_series",
+           "align_bytes", "plan_count", "memory_traffic", "rank_traffic", "closed_form_traffic",
            "required_traffic", "copy_repeats", "Memory", "group_memories", "shared_floor"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+#: what `gpuring bench` measures: the collectives, and the barrier's latency
+MEASURED = (*COLLECTIVES, "barrier")
 ROOTED = ("broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 OUT_OF_PLACE = "out-of-place"
@@ -24,17 +26,9 @@ def bus_factor(kind: str, n: int) -> float:
         return (n - 1) / n
     if kind in ROOTED:
         return 1.0
+    if kind == "barrier":  # nothing moves
+        return 0.0
     raise ValueError(f"unknown collective {kind!r}")
-
-
-def placements(kind: str) -> tuple[str, ...]:
-    """The placements gpuring offers: broadcast only works in place; reduce_scatter and
-    all_gather only out of place (their output may not overlap the input)."""
-    if kind == "broadcast":
-        return (IN_PLACE,)
-    if kind in ("reduce_scatter", "all_gather"):
-        return (OUT_OF_PLACE,)
-    return (OUT_OF_PLACE, IN_PLACE)
 
 
 def align_bytes(kind: str, n: int, itemsize: int) -> int:
@@ -42,20 +36,23 @@ def align_bytes(kind: str, n: int, itemsize: int) -> int:
     return itemsize * (n if kind in ("reduce_scatter", "all_gather") else 1)
 
 
-def size_series(first: int, last: int, factor: int, align: int) -> list[int]:
-    """Sizes first, first*factor, ... up to last, each rounded down to a multiple of `align`
-    (at least `align`), without repeats."""
+def size_series(first: int, last: int, factor: int, align: int,
+                step: int | None = None) -> list[int]:
+    """Sizes first, first*factor, ... up to last (with `step`: first, first+step, ...), each
+    rounded down to a multiple of `align` (at least `align`), without repeats."""
     if first < 1 or last < first:
         raise ValueError(f"need 1 <= min size <= max size, got {first} and {last}")
-    if factor < 2:
+    if step is None and factor < 2:
         raise ValueError(f"the factor must be at least 2, got {factor}")
+    if step is not None and step < 1:
+        raise ValueError(f"the step must be at least 1 byte, got {step}")
     sizes: list[int] = []
     size = first
     while size <= last:
         rounded = max(align, size - size % align)
         if not sizes or rounded != sizes[-1]:
             sizes.append(rounded)
-        size *= factor
+        size = size + step if step is not None else size * factor
     return sizes
 
 
@@ -149,6 +146,8 @@ def required_traffic(kind: str, n: int, size: int, *, root: int = 0) -> list[flo
         return [float(size)] * n
     if kind == "reduce":
         return [2.0 * size if r == root else float(size) for r in range(n)]
+    if kind == "barrier":
+        return [0.0] * n
     raise ValueError(f"unknown collective {kind!r}")
 
 

@@ -43,23 +43,47 @@ class MpiPeer(System):
         self.comm = MPI.COMM_WORLD
         self.ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
-    def placement(self, kind: str) -> str:
-        return IN_PLACE if kind == "broadcast" else OUT_OF_PLACE
+    def placements(self, kind: str) -> tuple[str, ...]:
+        """MPI's in-place forms where they lay data out as nccl-tests does (MPI's in-place
+        reduce_scatter keeps the whole input in the output; broadcast is in place only)."""
+        if kind == "broadcast":
+            return (IN_PLACE,)
+        if kind in ("reduce_scatter", "barrier"):
+            return (OUT_OF_PLACE,)
+        return (OUT_OF_PLACE, IN_PLACE)
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
-        c = self.comm
+        return self._verb(kind, b, op, root, blocking=True)
+
+    def overlap(self, kind: str, b: Buffers, op: str,
+                root: int) -> Callable[[], Callable[[], object]]:
+        start = self._verb(kind, b, op, root, blocking=False)
+        return lambda: start().Wait  # type: ignore[attr-defined]
+
+    def _verb(self, kind: str, b: Buffers, op: str, root: int, *,
+              blocking: bool) -> Callable[[], Any]:
+        c, MPI = self.comm, self.MPI
+        if kind == "barrier":
+            return c.Barrier if blocking else c.Ibarrier
         if kind not in ("all_gather", "broadcast") and op not in self.ops:
             raise Unsupported(f"MPI has no {op} reduction")
-        mop = self.ops.get(op, self.MPI.SUM)
+        mop = self.ops.get(op, MPI.SUM)
+        in_place = b.placement == IN_PLACE
+        send = MPI.IN_PLACE if in_place else b.x
+        verb = {name: getattr(c, name if blocking else "I" + name[0].lower() + name[1:])
+                for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast",
+                             "Reduce")}
         if kind == "all_reduce":
-            return lambda: c.Allreduce(b.x, b.out, op=mop)
+            return lambda: verb["Allreduce"](send, b.x if in_place else b.out, op=mop)
         if kind == "reduce_scatter":
-            return lambda: c.Reduce_scatter_block(b.x, b.out, op=mop)
+            return lambda: verb["Reduce_scatter_block"](b.x, b.out, op=mop)
         if kind == "all_gather":
-            return lambda: c.Allgather(b.x, b.out)
+            return lambda: verb["Allgather"](send, b.out)
         if kind == "broadcast":
-            return lambda: c.Bcast(b.x, root=root)
-        return lambda: c.Reduce(b.x, b.out, op=mop, root=root)
+            return lambda: verb["Bcast"](b.x, root=root)
+        if b.out is None:  # not the root
+            return lambda: verb["Reduce"](b.x, None, op=mop, root=root)
+        return lambda: verb["Reduce"](send, b.out, op=mop, root=root)
 
     def sync(self) -> None:
         self.comm.Barrier()
@@ -135,11 +159,12 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
             self.comm = nccl.NcclCommunicator(
                 comm.size, _nccl_id_argument(nccl_id, cupy.__version__, False), comm.rank)
 
-    def placement(self, kind: str) -> str:
-        return IN_PLACE if kind == "broadcast" else OUT_OF_PLACE
-
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
+        """Both placements, as nccl-tests: in place, the pointers alias (all_gather's input
+        is out's slot, reduce_scatter's output x's block)."""
         nccl, c = self.nccl, self.comm
+        if kind == "barrier":
+            raise Unsupported("NCCL has no barrier")
         dtype = str(b.x.dtype)
         t = getattr(nccl, self._TYPES.get(dtype, ""), None)
         if t is None:
@@ -149,6 +174,7 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
             raise Unsupported(f"this cupy.cuda.nccl has no {op}")
         x, n = b.x, b.x.size
         out = b.out.data.ptr if b.out is not None else 0
+        count = n // self.gcomm.size
 
         def stream() -> int:
             return int(self.cupy.cuda.get_current_stream().ptr)
@@ -156,12 +182,11 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         if kind == "all_reduce":
             return lambda: c.allReduce(x.data.ptr, out, n, t, nop, stream())
         if kind == "reduce_scatter":
-            return lambda: c.reduceScatter(x.data.ptr, out, n // self.gcomm.size, t, nop,
-                                           stream())
+            return lambda: c.reduceScatter(x.data.ptr, out, count, t, nop, stream())
         if kind == "all_gather":
             return lambda: c.allGather(x.data.ptr, out, n, t, stream())
         if kind == "broadcast":
-            return lambda: c.broadcast(x.data.ptr, x.data.ptr, n, t, root, stream())
+            return lambda: c.broadcast(x.data.ptr, out, n, t, root, stream())
         return lambda: c.reduce(x.data.ptr, out, n, t, nop, root, stream())
 
     def sync(self) -> None:
@@ -211,8 +236,10 @@ class GlooPeer(System):
         r = dist.ReduceOp
         self.ops = {"sum": r.SUM, "prod": r.PRODUCT, "min": r.MIN, "max": r.MAX}
 
-    def placement(self, kind: str) -> str:
-        return OUT_OF_PLACE if kind in ("reduce_scatter", "all_gather") else IN_PLACE
+    def placements(self, kind: str) -> tuple[str, ...]:
+        """Gloo's forms: all_gather out of place, the others in place."""
+        return (OUT_OF_PLACE,) if kind in ("reduce_scatter", "all_gather", "barrier") else (
+            IN_PLACE,)
 
     def _tensor(self, array: Any) -> Any:
         if self.device == "cuda":
@@ -221,6 +248,8 @@ class GlooPeer(System):
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
         dist = self.dist
+        if kind == "barrier":
+            return dist.barrier
         if kind == "reduce_scatter":
             raise Unsupported("gloo has no reduce_scatter")
         if self.device == "cuda" and kind not in ("all_reduce", "broadcast"):

@@ -14,21 +14,25 @@ from typing import IO, Any
 from .metrics import IN_PLACE, OUT_OF_PLACE
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
-           "footer_lines", "peer_lines", "floor_lines", "floor_basis", "ratios", "avg_busbw",
-           "to_json", "write_json", "write_csv", "replace_file", "plot"]
+           "footer_lines", "repeat_lines", "overlap_lines", "peer_lines", "floor_lines",
+           "floor_basis", "ratios", "avg_busbw", "to_json", "write_json", "write_csv",
+           "replace_file"]
 
-SCHEMA = "gpuring.bench/1"
+SCHEMA = "gpuring.bench/2"
 _PLACE = (OUT_OF_PLACE, IN_PLACE)
 _CELL = f"{'':>11}{'n/a':>9}{'':>9}{'':>7}"
 
 
 @dataclass
 class Result:
-    """One system, size, op and placement; times in us. Back to back (the default):
-    `time_us` combines the ranks' times per call as -a says, `min_us`/`max_us` are the
-    fastest and slowest rank's, `rank_us` every rank's. Per iteration (-I): `time_us` is the
-    slowest rank's p50, `p99_us` the largest rank p99, `min_us`/`max_us` the shortest and
-    longest single call of any rank, `rank_us` every rank's p50."""
+    """One system, size, type, op, root and placement in one repeat of the sweep; times in
+    us. Back to back (the default): `time_us` combines the ranks' times per call as -a says,
+    `min_us`/`max_us` are the fastest and slowest rank's, `rank_us` every rank's. Per
+    iteration (-I), where an iteration's time is its slowest rank's: `time_us` is the p50 of
+    the iterations, `p99_us` their p99, `max_us` the longest, `min_us` the shortest single
+    call of any rank; `rank_us`, `rank_p99_us`, `rank_max_us` each rank's own p50, p99, max.
+    `count` is per rank for all_gather and reduce_scatter (nccl-tests' count); `wrong` is
+    None when nothing was checked (-c 0); `sets` the buffer sets the calls rotated over."""
 
     system: str
     collective: str
@@ -44,9 +48,13 @@ class Result:
     max_us: float
     algbw_GBps: float
     busbw_GBps: float
-    wrong: int
+    wrong: int | None
     rank_us: list[float] = field(default_factory=list)
     p99_us: float | None = None
+    rank_p99_us: list[float] | None = None
+    rank_max_us: list[float] | None = None
+    repeat: int = 0
+    sets: int = 1
 
 
 @dataclass
@@ -72,6 +80,10 @@ class Floor:
     beats_floor: bool = False
     #: the bytes gpuring's own plan moves on its busiest rank (beside the required ones)
     plan_bytes: float = 0.0
+    #: whether the input and output (2 x size) fit in the largest cache
+    in_cache: bool = False
+    type: str = ""
+    root: int = -1
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -95,37 +107,71 @@ def floor_basis(bandwidth: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _bytes(n: float | None) -> str:
+    if not n:
+        return "?"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{int(n)} B"
+
+
+def _sizes(sizes: list[int]) -> str:
+    if len(sizes) <= 6:
+        return ", ".join(_bytes(x) for x in sizes)
+    return f"{len(sizes)} sizes, {_bytes(sizes[0])} .. {_bytes(sizes[-1])}"
+
+
 def header_lines(machine: dict[str, Any], settings: dict[str, Any],
                  bandwidth: dict[str, Any] | None = None) -> list[str]:
-    """The '#' lines above the table: what ran, where, with what, and the bandwidth the floor
-    assumes."""
+    """The '#' lines above the table: what ran, when, where, with what settings in force,
+    how it was timed, and the bandwidth the floor assumes."""
     v = machine.get("versions", {})
+    step = (f"+{settings['step_bytes']} B" if settings.get("step_bytes")
+            else f"x{settings['factor']}")
     lines = [
-        f"# gpuring bench {settings['collective']}: {settings['ranks']} ranks, device "
-        f"{settings['device']}, dtype {settings['dtype']}, sizes {settings['min_bytes']} .. "
-        f"{settings['max_bytes']} B x{settings['factor']}, {settings['iters']} iterations, "
-        f"{settings['warmup']} warm-up, {settings['check_iters']} check",
+        f"# gpuring bench {settings['collective']}: {settings['ranks']} ranks under "
+        f"{settings.get('launcher', '?')}, device {settings['device']}, "
+        f"{settings.get('date', '')}",
+        f"# sizes: {_sizes(settings.get('sizes', []))} ({step}); dtype "
+        f"{', '.join(settings['dtypes'])}; op {', '.join(settings['ops'])}; root "
+        f"{', '.join(map(str, settings['roots']))}; {settings['iters']} iterations, "
+        f"{settings['warmup']} warm-up, {settings['check_iters']} checked, "
+        f"{settings.get('repeats', 1)} repeat(s)",
         f"# machine: {machine.get('host')}, {machine.get('cpu')}, {machine.get('cpus')} CPUs, "
-        f"{machine.get('os')}",
+        f"{_bytes(machine.get('memory_bytes'))} memory, {machine.get('os')}",
     ]
     g = machine.get("gpus")
     if g:
-        lines.append(f"# GPUs: {', '.join(g['names']) or 'none'}; driver {g['driver']}")
+        memory = ", ".join(_bytes(b) for b in g.get("memory_bytes", []))
+        lines.append(f"# GPUs: {', '.join(g['names']) or 'none'} ({memory}); driver "
+                     f"{g['driver']}")
     libs = ", ".join(f"{k} {val}" for k, val in v.items() if val)
-    lines.append(f"# versions: {libs}")
-    lines.append(f"# commit: {machine.get('commit') or 'not a git checkout'}; chunk_bytes "
-                 f"{settings.get('chunk_bytes') or 'default'}, channels "
-                 f"{settings.get('channels') or 'default'}")
+    lines.append(f"# versions: {libs}; commit {machine.get('commit') or 'not a git checkout'}")
+    in_force = settings.get("in_force", {})
+    config = ", ".join(f"{k} {val}" for k, val in in_force.get("config", {}).items()
+                       if val is not None)
+    env = ", ".join(f"{k}={val}" for k, val in in_force.get("environment", {}).items())
+    per_call = ", ".join(f"{k} {settings[k]}" for k in ("chunk_bytes", "channels")
+                         if settings.get(k))
+    lines.append(f"# in force: {config or 'the device defaults'}"
+                 f"{'; per call: ' + per_call if per_call else ''}"
+                 f"{'; environment: ' + env if env else ''}")
+    how = "each call waits for completion (-z 1)" if settings.get("blocking") else (
+        "calls enqueued back to back (-z 0)")
+    if settings.get("off_cache"):
+        cache = _bytes((bandwidth or {}).get("cache_bytes"))
+        how += f"; buffers rotate over sets of twice the {cache} cache (--off-cache)"
     if settings.get("per_iteration"):
-        lines.append("# time: each call timed on its own after a barrier; the slowest rank's "
-                     "median (p50); checks run apart from the timed calls")
+        lines.append("# time: each call timed on its own after a barrier; an iteration's time "
+                     f"is its slowest rank's; the table shows their p50; {how}")
     else:
         combine = {0: "rank 0's", 1: "the ranks' average", 2: "the fastest rank's",
                    3: "the slowest rank's"}[settings.get("average", 1)]
         lines.append(f"# time: one barrier, then {settings['iters']} calls back to back, time "
-                     f"per call; {combine} (-a {settings.get('average', 1)}); warm-up: "
-                     f"{settings['warmup']} calls of each system at every size, first; checks "
-                     "run apart from the timed calls")
+                     f"per call; {combine} (-a {settings.get('average', 1)}); {how}")
+    lines.append(f"# warm-up: {settings['warmup']} calls of each system at every size, first; "
+                 "systems alternate going first; checks run apart from the timed calls")
     if bandwidth is not None:
         lines.append(f"# floor: the bytes the collective must move, over the copy bandwidth "
                      f"at each size; at 128 MiB: {floor_basis(bandwidth)} (each with all its "
@@ -147,10 +193,14 @@ def table_header() -> list[str]:
     ]
 
 
+def _wrong(wrong: int | None) -> str:
+    return "N/A" if wrong is None else str(wrong)
+
+
 def _cell(r: Result | None) -> str:
     if r is None:
         return _CELL
-    return f"{r.time_us:>11.2f}{r.algbw_GBps:>9.2f}{r.busbw_GBps:>9.2f}{r.wrong:>7d}"
+    return f"{r.time_us:>11.2f}{r.algbw_GBps:>9.2f}{r.busbw_GBps:>9.2f}{_wrong(r.wrong):>7}"
 
 
 def table_row(by_place: dict[str, Result]) -> str:
@@ -167,54 +217,106 @@ def avg_busbw(results: list[Result]) -> float:
 
 
 def footer_lines(results: list[Result]) -> list[str]:
-    wrong = sum(r.wrong for r in results)
-    return [f"# Wrong elements    : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-            f"# Avg bus bandwidth : {avg_busbw(results):.4f} GB/s",
-            "#"]
+    """nccl-tests' footer; the wrong elements of every system (gpuring and the peers)."""
+    checked = [r for r in results if r.wrong is not None]
+    if not checked:
+        wrong_line = "# Wrong elements    : N/A (nothing checked: -c 0, or a barrier)"
+    else:
+        wrong = sum(r.wrong or 0 for r in checked)
+        by_system: dict[str, int] = {}
+        for r in checked:
+            by_system[r.system] = by_system.get(r.system, 0) + (r.wrong or 0)
+        each = ", ".join(f"{k} {v}" for k, v in by_system.items())
+        wrong_line = (f"# Wrong elements    : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+                      f"{f' ({each})' if len(by_system) > 1 else ''}")
+    return [wrong_line, f"# Avg bus bandwidth : {avg_busbw(results):.4f} GB/s", "#"]
 
 
-def _primary(results: list[Result], size: int, redop: str, placement: str) -> Result | None:
-    mine = [r for r in results if r.system == "gpuring" and r.size == size
-            and r.redop == redop]
+def repeat_lines(summary: Sequence[Any]) -> list[str]:
+    """The spread between the -N repeats of the sweep: per line, the median time, the
+    fastest and slowest repeat, and (slowest - fastest) / median."""
+    repeats = len(summary[0].repeats_us) if summary else 0
+    lines = [f"# Repeats: the median of {repeats} sweeps, and their spread = (slowest - "
+             "fastest) / median",
+             f"#{'size':>11}{'type':>9}{'redop':>7}{'root':>5}{'system':>8}{'placement':>14}"
+             f"{'median':>11}{'fastest':>11}{'slowest':>11}{'spread':>8}{'busbw':>9}",
+             f"#{'(B)':>11}{'':>9}{'':>7}{'':>5}{'':>8}{'':>14}{'(us)':>11}{'(us)':>11}"
+             f"{'(us)':>11}{'(%)':>8}{'(GB/s)':>9}"]
+    for r in summary:
+        lines.append(f"{r.size:>12d}{r.type:>9}{r.redop:>7}{r.root:>5d}{r.system:>8}"
+                     f"{r.placement:>14}{r.time_us:>11.2f}{r.fastest_us:>11.2f}"
+                     f"{r.slowest_us:>11.2f}{r.spread_pct:>8.1f}{r.busbw_GBps:>9.2f}")
+    return lines
+
+
+def overlap_lines(overlaps: list[dict[str, Any]]) -> list[str]:
+    """--overlap: how much of each collective hid behind compute."""
+    lines = ["# Overlap: the collective started without waiting, compute sized to take about "
+             "as long, then the wait; hidden = (collective + compute - both) / the shorter "
+             "(100 %: fully hidden, 0 %: none, below 0: they slowed each other)",
+             f"#{'size':>11}{'redop':>7}{'system':>8}{'collective':>12}{'compute':>11}"
+             f"{'both':>11}{'hidden':>9}",
+             f"#{'(B)':>11}{'':>7}{'':>8}{'(us)':>12}{'(us)':>11}{'(us)':>11}{'(%)':>9}"]
+    for o in overlaps:
+        lines.append(f"{o['size']:>12d}{o['redop']:>7}{o['system']:>8}"
+                     f"{o['collective_us']:>12.2f}{o['compute_us']:>11.2f}"
+                     f"{o['both_us']:>11.2f}{o['hidden_pct']:>9.1f}")
+    return lines
+
+
+def _primary(results: Sequence[Any], p: Any) -> Any:
+    """gpuring's line beside peer line `p`: the same repeat, size, type, op and root, in p's
+    placement when gpuring has it."""
+    placement = p.placement
+    repeat = getattr(p, "repeat", None)
+    mine = [r for r in results if r.system == "gpuring" and r.size == p.size
+            and r.redop == p.redop and r.type == p.type and r.root == p.root
+            and getattr(r, "repeat", None) == repeat]
     for r in mine:
         if r.placement == placement:
             return r
     return mine[0] if mine else None
 
 
-def ratios(results: list[Result]) -> list[dict[str, Any]]:
-    """gpuring busbw / peer busbw per peer row (same size and op; the peer's placement when
-    gpuring has it)."""
+def ratios(results: Sequence[Any]) -> list[dict[str, Any]]:
+    """peer time / gpuring time (= gpuring busbw / peer busbw) per peer line (results or
+    summaries over repeats), against gpuring's line of the same size, type, op, root and
+    placement (gpuring's other placement when it lacks the peer's)."""
     out = []
     for p in results:
         if p.system == "gpuring":
             continue
-        g = _primary(results, p.size, p.redop, p.placement)
+        g = _primary(results, p)
         if g is None:
             continue
         ratio = (p.time_us / g.time_us) if g.time_us > 0 else float("nan")
-        out.append({"peer": p.system, "size": p.size, "redop": p.redop,
-                    "gpuring_placement": g.placement, "ratio": ratio})
+        out.append({"peer": p.system, "size": p.size, "type": p.type, "redop": p.redop,
+                    "root": p.root, "placement": p.placement,
+                    "gpuring_placement": g.placement, "ratio": ratio,
+                    "repeat": getattr(p, "repeat", None)})
     return out
 
 
-def peer_lines(notes: list[str], results: list[Result]) -> list[str]:
+def peer_lines(notes: list[str], results: Sequence[Any]) -> list[str]:
+    """The peers' lines (the median over repeats) and their ratio to gpuring."""
     lines = ["# Peers: the same arrays, ranks and sizes; ratio = gpuring busbw / peer busbw "
              "(> 1: gpuring is faster)"]
     lines += [f"#   {note}" for note in notes]
     peers = [r for r in results if r.system != "gpuring"]
     if not peers:
         return lines
-    by_key = {(q["peer"], q["size"], q["redop"]): q["ratio"] for q in ratios(results)}
+    by_key = {(q["peer"], q["size"], q["type"], q["redop"], q["root"], q["placement"]):
+              q["ratio"] for q in ratios(results)}
     lines.append(f"#{'size':>11}{'redop':>7}{'system':>8}{'placement':>14}{'time':>11}"
                  f"{'algbw':>9}{'busbw':>9}{'#wrong':>7}{'ratio':>8}")
     lines.append(f"#{'(B)':>11}{'':>7}{'':>8}{'':>14}{'(us)':>11}{'(GB/s)':>9}{'(GB/s)':>9}"
                  f"{'':>7}{'':>8}")
     for p in peers:
-        ratio = by_key.get((p.system, p.size, p.redop), float("nan"))
+        ratio = by_key.get((p.system, p.size, p.type, p.redop, p.root, p.placement),
+                           float("nan"))
         lines.append(f"{p.size:>12d}{p.redop:>7}{p.system:>8}{p.placement:>14}"
                      f"{p.time_us:>11.2f}{p.algbw_GBps:>9.2f}{p.busbw_GBps:>9.2f}"
-                     f"{p.wrong:>7d}{ratio:>8.2f}")
+                     f"{_wrong(p.wrong):>7}{ratio:>8.2f}")
     return lines
 
 
@@ -225,18 +327,21 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
              "a memory (k ranks moving the same: k x bytes/rank), over that memory's copy "
              "bandwidth measured at the same size (every rank copying `size` bytes at once, "
              "about 64 MiB in all), for the most loaded memory; efficiency = floor / gpuring's "
-             f"time. (At 128 MiB: {floor_basis(bandwidth)}; {bandwidth['method']}.)"]
+             "time (the median over repeats); cache: input and output fit in the largest "
+             f"cache. (At 128 MiB: {floor_basis(bandwidth)}; {bandwidth['method']}.)"]
     if not floors:
         return [*lines, "#   (one rank: nothing moves)"]
     lines.append(f"#{'size':>11}{'redop':>7}{'bytes/rank':>14}{'x size':>8}{'plan':>8}"
-                 f"{'sharing':>9}{'GB/s':>9}{'floor':>11}{'gpuring':>11}{'efficiency':>12}")
+                 f"{'sharing':>9}{'GB/s':>9}{'cache':>7}{'floor':>11}{'gpuring':>11}"
+                 f"{'efficiency':>12}")
     lines.append(f"#{'(B)':>11}{'':>7}{'(B)':>14}{'':>8}{'x size':>8}{'(ranks)':>9}{'':>9}"
-                 f"{'(us)':>11}{'(us)':>11}{'(%)':>12}")
+                 f"{'':>7}{'(us)':>11}{'(us)':>11}{'(%)':>12}")
     for f in floors:
         plan = f.plan_bytes / f.size if f.size else 0.0
         lines.append(f"{f.size:>12d}{f.redop:>7}{f.traffic_bytes:>14.0f}"
                      f"{f.traffic_over_size:>8.2f}{plan:>8.2f}{f.ranks_sharing:>9d}"
-                     f"{f.memory_GBps:>9.2f}{f.floor_us:>11.2f}{f.time_us:>11.2f}"
+                     f"{f.memory_GBps:>9.2f}{'yes' if f.in_cache else 'no':>7}"
+                     f"{f.floor_us:>11.2f}{f.time_us:>11.2f}"
                      f"{f.efficiency_pct:>12.1f}{'*' if f.beats_floor else ''}")
     if any(f.beats_floor for f in floors):
         lines.append("# * above 100 %: faster than copies of the same size ran when measured "
@@ -247,9 +352,14 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
 
 def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dict[str, Any],
             peers: list[str], results: list[Result], floors: list[Floor],
+            overlap: list[dict[str, Any]] | None = None,
             complete: bool = True) -> dict[str, Any]:
-    """The document --json writes (schema "gpuring.bench/1"); `complete` is False while the
-    run goes on (the sizes not yet measured are missing)."""
+    """The document --json writes (schema "gpuring.bench/2"): every repeat's results,
+    their summary over repeats, the ratios to the peers (per repeat), the floor, the
+    overlap; `complete` is False while the run goes on (what was not measured yet is
+    missing)."""
+    from .stats import summarize
+
     return {
         "schema": SCHEMA,
         "complete": complete,
@@ -258,10 +368,13 @@ def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dic
         "memory_bandwidth": bandwidth,
         "peers": peers,
         "results": [asdict(r) for r in results],
+        "summary": [asdict(r) for r in summarize(results)],
         "ratios": ratios(results),
         "floor": [asdict(f) for f in floors],
+        "overlap": overlap or [],
         "avg_busbw_GBps": avg_busbw(results),
-        "wrong_total": sum(r.wrong for r in results),
+        "wrong_total": sum(r.wrong or 0 for r in results),
+        "checked": any(r.wrong is not None for r in results),
     }
 
 
@@ -289,65 +402,27 @@ def write_json(path: str, document: dict[str, Any]) -> None:
 
 
 #: the CSV's columns after the Result's: the floor of the gpuring row it is of (else empty)
-CSV_FLOOR = ("floor_us", "efficiency_pct", "beats_floor")
+CSV_FLOOR = ("floor_us", "efficiency_pct", "beats_floor", "in_cache")
+_PER_RANK = ("rank_us", "rank_p99_us", "rank_max_us")
 
 
 def write_csv(path: str, results: list[Result], floors: Sequence[Floor] = ()) -> None:
-    """One row per result (the per-rank medians are left out), with the floor's time,
-    efficiency and `beats_floor` on the gpuring row each floor is of."""
-    names = [k for k in Result.__dataclass_fields__ if k != "rank_us"]
-    by_row = {(f.size, f.redop, f.placement): f for f in floors}
+    """One row per result and repeat (the per-rank lists are left out: they are in the
+    JSON), with the floor's time, efficiency, `beats_floor` and `in_cache` on the gpuring
+    rows each floor is of."""
+    names = [k for k in Result.__dataclass_fields__ if k not in _PER_RANK]
+    by_row = {(f.size, f.type, f.redop, f.root, f.placement): f for f in floors}
 
     def write(f: IO[str]) -> None:
         writer = csv.DictWriter(f, fieldnames=[*names, *CSV_FLOOR], extrasaction="ignore")
         writer.writeheader()
         for r in results:
             row = asdict(r)
-            floor = by_row.get((r.size, r.redop, r.placement)) if r.system == "gpuring" else None
+            floor = (by_row.get((r.size, r.type, r.redop, r.root, r.placement))
+                     if r.system == "gpuring" else None)
             if floor is not None:
                 row.update(floor_us=floor.floor_us, efficiency_pct=floor.efficiency_pct,
-                           beats_floor=floor.beats_floor)
+                           beats_floor=floor.beats_floor, in_cache=floor.in_cache)
             writer.writerow(row)
 
     replace_file(path, write)
-
-
-def plot(path: str, results: list[Result], title: str, small_bytes: int = 64 << 10) -> str:
-    """busbw against size (log2 x) per system, and latency at small sizes; returns a note."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return (f"--plot {path}: matplotlib is not installed (pip install matplotlib or "
-                "gpuring[bench]); no plot written")
-    lines: dict[str, list[Result]] = {}
-    for r in results:
-        label = r.system if r.system != "gpuring" else f"gpuring {r.placement}"
-        if len({x.redop for x in results}) > 1:
-            label += f" {r.redop}"
-        lines.setdefault(label, []).append(r)
-    fig, (bw, lat) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    small = [r for r in results if r.size <= small_bytes] or results
-    for label, rows in lines.items():
-        rows = sorted(rows, key=lambda r: r.size)
-        style = "--" if "in-place" in label else "-"
-        bw.plot([r.size for r in rows], [r.busbw_GBps for r in rows], style, marker="o",
-                markersize=3, label=label)
-        srows = [r for r in rows if r in small]
-        lat.plot([r.size for r in srows], [r.time_us for r in srows], style, marker="o",
-                 markersize=3, label=label)
-    for ax in (bw, lat):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (bytes)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    bw.set_ylabel("bus bandwidth (GB/s)")
-    bw.set_title("bus bandwidth")
-    lat.set_ylabel("time per call (us)")
-    lat.set_title(f"latency, sizes up to {max(r.size for r in small)} B")
-    fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"# plot written to {path}"

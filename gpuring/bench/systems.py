@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .data import poison
-from .metrics import IN_PLACE
+from .metrics import IN_PLACE, OUT_OF_PLACE
 from .timing import Backend
 
 __all__ = ["Buffers", "make_buffers", "Unsupported", "System", "Gpuring"]
@@ -21,39 +21,44 @@ class Unsupported(Exception):
 
 @dataclass
 class Buffers:
-    """Input `x` and output `out` of one rank (`out is x` in place; None: nothing arrives)."""
+    """Input `x` and output `out` of one rank in one placement (in place: `out is x`, or
+    for all_gather `x` is out's slot of this rank, for reduce_scatter `out` is x's block of
+    this rank; None: nothing arrives here)."""
 
     x: Any
     out: Any | None
     source: np.ndarray
     backend: Backend
+    placement: str = OUT_OF_PLACE
 
     def reset(self) -> None:
-        """Restore the input and poison a separate output, before a checked call."""
-        self.backend.fill(self.x, self.source)
+        """Poison the output, then restore the input (in place, the input's part of the
+        output is the input again), before a checked call."""
         if self.out is not None and self.out is not self.x:
             poison(self.out)
+        self.backend.fill(self.x, self.source)
 
 
 def make_buffers(kind: str, placement: str, source: np.ndarray, *, rank: int, root: int,
                  n: int, backend: Backend) -> Buffers:
-    """Arrays for `kind` with this rank's input `source` (host)."""
-    x = backend.to_device(source)
+    """Arrays for `kind` in `placement` with this rank's input `source` (host), laid out as
+    nccl-tests lays them out."""
     dtype = str(source.dtype)
+    in_place = placement == IN_PLACE
     out: Any | None
-    if placement == IN_PLACE:
-        out = x if kind != "reduce" or rank == root else None
-    elif kind == "all_reduce":
-        out = backend.empty(source.size, dtype)
-    elif kind == "reduce_scatter":
-        out = backend.empty(source.size // n, dtype)
-    elif kind == "all_gather":
+    if kind == "all_gather":
         out = backend.empty((n, source.size), dtype)
-    elif kind == "reduce":
-        out = backend.empty(source.size, dtype) if rank == root else None
+        x = out[rank] if in_place else backend.to_device(source)
     else:
-        raise Unsupported(f"{kind} has no out-of-place form")
-    buffers = Buffers(x, out, source, backend)
+        x = backend.to_device(source)
+        if kind == "reduce_scatter":
+            out = (x.reshape(n, source.size // n)[rank] if in_place
+                   else backend.empty(source.size // n, dtype))
+        elif kind == "reduce" and rank != root:
+            out = None
+        else:  # all_reduce, broadcast, the root of reduce
+            out = x if in_place else backend.empty(source.size, dtype)
+    buffers = Buffers(x, out, source, backend, placement)
     buffers.reset()
     return buffers
 
@@ -63,9 +68,15 @@ class System:
 
     name = "?"
 
-    def placement(self, kind: str) -> str | None:
-        """The placement measured for `kind` (None: use gpuring's)."""
-        return None
+    def placements(self, kind: str) -> tuple[str, ...]:
+        """The placements measured for `kind` (every system runs the barrier once)."""
+        return (OUT_OF_PLACE,) if kind == "barrier" else (OUT_OF_PLACE, IN_PLACE)
+
+    def overlap(self, kind: str, b: Buffers, op: str,
+                root: int) -> Callable[[], Callable[[], object]]:
+        """The collective started without waiting: calling the result starts it and returns
+        what waits for it (for --overlap); Unsupported where the system has no such form."""
+        raise Unsupported("no non-blocking form measured")
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
         raise NotImplementedError
@@ -85,18 +96,30 @@ class Gpuring(System):
         self.tuning = {"chunk_bytes": chunk_bytes, "channels": channels}
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
+        return self._verb(kind, b, op, root, "")
+
+    def overlap(self, kind: str, b: Buffers, op: str,
+                root: int) -> Callable[[], Callable[[], object]]:
+        start = self._verb(kind, b, op, root, "_async")
+        return lambda: start().wait  # type: ignore[attr-defined]
+
+    def _verb(self, kind: str, b: Buffers, op: str, root: int,
+              suffix: str) -> Callable[[], Any]:
         comm, t = self.comm, self.tuning
-        if kind == "all_reduce":
-            return lambda: comm.all_reduce(b.x, op=op, out=b.out, **t)
-        if kind == "reduce_scatter":
-            return lambda: comm.reduce_scatter(b.x, op=op, out=b.out, **t)
+        if kind == "barrier":
+            if suffix:
+                raise Unsupported("gpuring has no barrier_async")
+            return comm.barrier
+        verb = getattr(comm, kind + suffix, None)
+        if verb is None:
+            raise Unsupported(f"unknown collective {kind!r}")
         if kind == "all_gather":
-            return lambda: comm.all_gather(b.x, out=b.out, **t)
+            return lambda: verb(b.x, out=b.out, **t)
         if kind == "broadcast":
-            return lambda: comm.broadcast(b.x, root=root, **t)
+            return lambda: verb(b.x, root=root, out=b.out, **t)
         if kind == "reduce":
-            return lambda: comm.reduce(b.x, op=op, root=root, out=b.out, **t)
-        raise Unsupported(f"unknown collective {kind!r}")
+            return lambda: verb(b.x, op=op, root=root, out=b.out, **t)
+        return lambda: verb(b.x, op=op, out=b.out, **t)
 
     def sync(self) -> None:
         self.comm.barrier()

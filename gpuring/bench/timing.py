@@ -9,7 +9,10 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Backend", "resolve_device", "host_backend", "cuda_backend", "time_calls",
-           "time_loop"]
+           "time_loop", "rotating", "blocking", "DEFAULT_CACHE_BYTES"]
+
+#: the cache size assumed when the machine does not say (--off-cache rotates over twice it)
+DEFAULT_CACHE_BYTES = 64 << 20
 
 
 def resolve_device(choice: str) -> str:
@@ -58,6 +61,31 @@ class Backend:
     def memory_of(self, local_rank: int) -> int:
         """Which memory of this node the rank's arrays live in: the host's, for every rank."""
         return 0
+
+    def cache_bytes(self) -> int:
+        """The largest cache in front of this memory (the CPU's last level here)."""
+        best = 0
+        for index in range(8):
+            path = f"/sys/devices/system/cpu/cpu0/cache/index{index}/size"
+            try:
+                with open(path) as f:
+                    text = f.read().strip()
+            except OSError:
+                break
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG") or 0) * scale)
+        return best or DEFAULT_CACHE_BYTES
+
+    def compute(self, nbytes: int) -> Callable[[], object]:
+        """Work that keeps this rank's device busy without communicating (--overlap): one
+        pass of a multiply-add over `nbytes` of float32 per call."""
+        a = self.xp.ones(max(nbytes // 4, 1), dtype=np.float32)
+
+        def work() -> None:
+            self.xp.multiply(a, 1.0000001, out=a)
+            self.xp.add(a, 1e-7, out=a)
+
+        return work
 
     def copy_seconds(self, nbytes: int, repeats: int,
                      sync: Callable[[], None]) -> tuple[float, float]:
@@ -115,6 +143,25 @@ class _CudaBackend(Backend):  # pragma: no cover - needs a GPU
     def synchronize(self) -> None:
         self._cupy.cuda.Device().synchronize()
 
+    def cache_bytes(self) -> int:
+        """The GPU's L2 cache."""
+        attributes = self._cupy.cuda.Device().attributes
+        return int(attributes.get("L2CacheSize", 0)) or DEFAULT_CACHE_BYTES
+
+    def compute(self, nbytes: int) -> Callable[[], object]:
+        """The multiply-add of the CPU's, on a stream of its own, so that it can run beside
+        the collectives of the current stream."""
+        side = self._cupy.cuda.Stream(non_blocking=True)
+        with side:
+            a = self._cupy.ones(max(nbytes // 4, 1), dtype=np.float32)
+
+        def work() -> None:
+            with side:
+                self._cupy.multiply(a, 1.0000001, out=a)
+                self._cupy.add(a, 1e-7, out=a)
+
+        return work
+
 
 def host_backend() -> Backend:
     return Backend()
@@ -122,6 +169,30 @@ def host_backend() -> Backend:
 
 def cuda_backend() -> Backend:  # pragma: no cover - needs a GPU
     return _CudaBackend()
+
+
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call after another of `calls`, round and round (--off-cache: each call works on
+    the next set of buffers)."""
+    if len(calls) == 1:
+        return calls[0]
+    turn = [0]
+
+    def call() -> object:
+        i = turn[0]
+        turn[0] = i + 1 if i + 1 < len(calls) else 0
+        return calls[i]()
+
+    return call
+
+
+def blocking(fn: Callable[[], object], backend: Backend) -> Callable[[], object]:
+    """`fn`, then wait until the device has finished it (-z 1)."""
+    def call() -> None:
+        fn()
+        backend.synchronize()
+
+    return call
 
 
 def time_calls(fn: Callable[[], object], *, iters: int, warmup: int, backend: Backend,

@@ -49,11 +49,60 @@ def test_two_ranks_small_sizes(tmp_path):
     assert (tmp_path / "r.csv").read_text().count("\n") == 1 + 2 * 14
 
 
+#: nccl-tests' definitions (its src/*.cu and doc/PERFORMANCE.md): busbw / algbw, and the
+#: elements per rank its `count` column shows, for n ranks and `elements` in the size column
+NCCL_TESTS = {
+    "all_reduce": (lambda n: 2 * (n - 1) / n, lambda elements, n: elements),
+    "reduce_scatter": (lambda n: (n - 1) / n, lambda elements, n: elements // n),
+    "all_gather": (lambda n: (n - 1) / n, lambda elements, n: elements // n),
+    "broadcast": (lambda n: 1.0, lambda elements, n: elements),
+    "reduce": (lambda n: 1.0, lambda elements, n: elements),
+}
+
+
+@pytest.mark.parametrize("collective", list(NCCL_TESTS))
+def test_the_table_means_what_nccl_tests_columns_mean(collective, tmp_path):
+    """A fixed run's table, read as nccl-tests' is: size the total bytes, count the elements
+    per rank nccl-tests prints, algbw = size / time, busbw = algbw x its factor, both
+    placements, the root given; every printed number agrees with the formulas and the
+    JSON."""
+    n = 3
+    proc = bench([collective, "--ranks", str(n), "-b", "1K", "-e", "96K", "-f", "4", "-n", "2",
+                  "-w", "0", "-d", "int32", "-r", "1", "--device", "cpu", "--json", "r.json"],
+                 tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    factor, count_of = NCCL_TESTS[collective]
+    table = proc.stdout.split("# Wrong elements")[0]  # the rows above nccl-tests' footer
+    rows = [line.split() for line in table.splitlines()
+            if line.strip() and not line.startswith("#")]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert [int(r[0]) for r in rows] == doc["settings"]["sizes"]
+    assert len(rows) == 4 and rows[0][0] == str(1020 if collective in (
+        "reduce_scatter", "all_gather") else 1024)  # whole blocks of n ranks
+    for row in rows:
+        size, count, dtype, redop, root = int(row[0]), int(row[1]), row[2], row[3], int(row[4])
+        assert dtype == "int32" and count == count_of(size // 4, n)
+        assert root == (1 if collective in ("broadcast", "reduce") else -1)
+        assert redop == ("sum" if collective in ("all_reduce", "reduce_scatter", "reduce")
+                         else "none")
+        for place, cells in (("out-of-place", row[5:9]), ("in-place", row[9:13])):
+            time_us, algbw, busbw, wrong = float(cells[0]), float(cells[1]), float(cells[2]), \
+                cells[3]
+            assert wrong == "0"
+            assert algbw == pytest.approx(size / time_us / 1e3, abs=0.006, rel=0.01)
+            assert busbw == pytest.approx(algbw * factor(n), abs=0.011, rel=0.01)
+            (mine,) = [r for r in doc["results"] if r["size"] == size
+                       and r["placement"] == place]
+            assert f"{mine['time_us']:.2f}" == cells[0] and mine["count"] == count
+            assert mine["busbw_GBps"] == pytest.approx(
+                size / mine["time_us"] / 1e3 * factor(n))
+
+
 def test_a_wrong_result_fails_the_run(tmp_path):
     proc = bench(["broadcast", "--ranks", "2", "-b", "1K", "-e", "2K", "-n", "1", "-w", "0",
                   "--device", "cpu"], tmp_path, GPURING_BENCH_CORRUPT="1")
     assert proc.returncode == 1, f"status {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr}"
-    assert "# Wrong elements    : 2 FAILED" in proc.stdout
+    assert "# Wrong elements    : 4 FAILED" in proc.stdout  # 2 sizes x 2 placements
 
 
 def test_an_unwritable_output_stops_the_launch_before_any_rank_starts(tmp_path):

@@ -163,8 +163,10 @@ def test_json_schema_and_csv(tmp_path):
     assert set(back["results"][0]) >= {"system", "size", "count", "type", "redop", "root",
                                        "placement", "time_us", "min_us", "max_us",
                                        "algbw_GBps", "busbw_GBps", "wrong"}
-    assert back["ratios"] == [{"peer": "mpi", "size": 1 << 20, "redop": "sum",
-                               "gpuring_placement": "out-of-place", "ratio": 2.0}]
+    assert back["ratios"] == [{"peer": "mpi", "size": 1 << 20, "type": "float32",
+                               "redop": "sum", "root": -1, "placement": "out-of-place",
+                               "gpuring_placement": "out-of-place", "ratio": 2.0,
+                               "repeat": 0}]
     csv_path = tmp_path / "r.csv"
     report.write_csv(str(csv_path), rows)
     lines = csv_path.read_text().splitlines()
@@ -172,8 +174,11 @@ def test_json_schema_and_csv(tmp_path):
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
+    from gpuring.bench.plot import plot
+    from gpuring.bench.stats import summarize
+
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    note = report.plot(str(tmp_path / "p.png"), [result("out-of-place")], "t")
+    note = plot(str(tmp_path / "p.png"), summarize([result("out-of-place")]), [], "t")
     assert "matplotlib is not installed" in note
     assert not (tmp_path / "p.png").exists()
 
@@ -270,7 +275,9 @@ def test_one_rank_run_in_process_writes_json(tmp_path, monkeypatch, capsys):
     assert code == 0
     doc = json.loads(path.read_text())
     assert doc["settings"]["ranks"] == 1 and doc["wrong_total"] == 0
-    assert [r["size"] for r in doc["results"]] == [8, 16, 32, 64, 128, 256]
+    sizes = [8, 16, 32, 64, 128, 256]
+    assert [(r["size"], r["placement"]) for r in doc["results"]] == [
+        (size, placement) for size in sizes for placement in ("out-of-place", "in-place")]
     assert "# Wrong elements    : 0 OK" in capsys.readouterr().out
 
 
@@ -361,14 +368,14 @@ def _stop_at(monkeypatch, size: int) -> None:
     """Make the run fail when it reaches `size`, as a timeout would end it."""
     from gpuring.bench import runner
 
-    measure = runner._Bench.measure
+    measure = runner.Measurer.measure
 
-    def stopping(self, system, kind, placement, op, at, *args):
-        if at >= size:
+    def stopping(self, system, case, *args):
+        if case.size >= size:
             raise KeyboardInterrupt("stopped")
-        return measure(self, system, kind, placement, op, at, *args)
+        return measure(self, system, case, *args)
 
-    monkeypatch.setattr(runner._Bench, "measure", stopping)
+    monkeypatch.setattr(runner.Measurer, "measure", stopping)
 
 
 def test_json_and_csv_hold_every_finished_size_when_a_run_is_stopped(tmp_path, monkeypatch):
@@ -449,12 +456,11 @@ class _FourRanks:
 def test_the_floor_of_four_ranks_sharing_host_memory():
     from gpuring.bench import runner
 
-    bench = runner._Bench(runner.Settings(), _FourRanks(), runner.host_backend(),
-                          Output(False))
+    bench = runner.Measurer(runner.Settings(), _FourRanks(), runner.host_backend())
     gp = result("out-of-place")
     gp.ranks = 4
     host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
-    floor = bench.floor(gp, "sum", host)
+    floor = bench.floor(gp, host)
     per_rank = 2.0 * gp.size  # all_reduce: its input read once, its output written once
     assert floor is not None
     assert floor.traffic_bytes == per_rank
@@ -473,8 +479,9 @@ def test_the_report_says_which_bandwidth_the_floor_assumes_and_who_shares_it():
     basis = "GPU 0 shared by 2 ranks (0, 2) at 10.00 GB/s; GPU 1 shared by 2 ranks (1, 3) " \
             "at 12.50 GB/s"
     header = report.header_lines({}, {"collective": "all_reduce", "ranks": 4, "device": "cuda",
-                                      "dtype": "float32", "min_bytes": 8, "max_bytes": 64,
-                                      "factor": 2, "iters": 1, "warmup": 0, "check_iters": 1},
+                                      "dtypes": ["float32"], "ops": ["sum"], "roots": [0],
+                                      "min_bytes": 8, "max_bytes": 64, "factor": 2,
+                                      "iters": 1, "warmup": 0, "check_iters": 1},
                                  bandwidth)
     assert any(basis in line for line in header)
     floor = report.Floor(size=1 << 20, redop="sum", traffic_bytes=3.5 * (1 << 20),
@@ -485,7 +492,7 @@ def test_the_report_says_which_bandwidth_the_floor_assumes_and_who_shares_it():
     lines = report.floor_lines(bandwidth, [floor])
     assert basis in lines[0]
     assert lines[-1].split() == ["1048576", "sum", "3670016", "3.50", "4.50", "2", "10.00",
-                                 "200.00", "250.00", "80.0"]
+                                 "no", "200.00", "250.00", "80.0"]
 
 
 def _floor(size: int, efficiency: float) -> report.Floor:
@@ -493,7 +500,7 @@ def _floor(size: int, efficiency: float) -> report.Floor:
                         floor_us=efficiency * 2.5, time_us=250.0, efficiency_pct=efficiency,
                         memory="host memory", ranks_sharing=2, memory_bytes=7.0 * size,
                         memory_GBps=20.0, placement="out-of-place",
-                        beats_floor=efficiency > 100)
+                        beats_floor=efficiency > 100, type="float32")
 
 
 def test_efficiency_above_100_percent_is_marked_as_cache_not_dram():
@@ -526,15 +533,14 @@ def test_efficiency_above_100_percent_is_flagged_in_json_and_csv(tmp_path):
 def test_the_bench_flags_a_time_below_the_floor():
     from gpuring.bench import runner
 
-    bench = runner._Bench(runner.Settings(), _FourRanks(), runner.host_backend(),
-                          Output(False))
+    bench = runner.Measurer(runner.Settings(), _FourRanks(), runner.host_backend())
     host = [metrics.Memory("host memory", [0, 1, 2, 3], 20.0)]
     fast, slow = result("out-of-place"), result("out-of-place")
     fast.ranks = slow.ranks = 4
     fast.time_us, slow.time_us = 1.0, 1e6
-    assert bench.floor(fast, "sum", host).beats_floor is True
-    assert bench.floor(slow, "sum", host).beats_floor is False
-    assert bench.floor(slow, "sum", host).placement == "out-of-place"
+    assert bench.floor(fast, host).beats_floor is True
+    assert bench.floor(slow, host).beats_floor is False
+    assert bench.floor(slow, host).placement == "out-of-place"
 
 
 def test_ranks_combine_as_nccl_tests_average_flag() -> None:
@@ -570,3 +576,61 @@ def test_the_bytes_a_collective_must_move() -> None:
     assert metrics.copy_repeats(8) == 2000 and metrics.copy_repeats(1 << 30) == 5
     assert metrics.copy_repeats(1 << 20) == 64
 
+
+
+def test_per_iteration_statistics_take_each_iterations_slowest_rank() -> None:
+    from gpuring.bench.stats import per_iteration
+
+    times = np.array([[1.0, 2.0, 3.0, 100.0], [2.0, 1.0, 5.0, 1.0]])  # rank x iteration
+    it = per_iteration(times)
+    assert it.p50 == pytest.approx(np.median([2.0, 2.0, 5.0, 100.0]))
+    assert it.max == 100.0 and it.fastest == 1.0
+    assert it.p99 == pytest.approx(np.percentile([2.0, 2.0, 5.0, 100.0], 99))
+    assert it.rank_p50 == [2.5, 1.5] and it.rank_max == [100.0, 5.0]
+
+
+def test_repeats_are_summarized_with_their_spread() -> None:
+    from gpuring.bench.stats import summarize
+
+    rows = []
+    for repeat, t in enumerate((300.0, 200.0, 250.0)):
+        r = result("out-of-place")
+        r.time_us, r.repeat = t, repeat
+        rows.append(r)
+    unchecked = result("in-place", wrong=0)
+    unchecked.wrong = None
+    (line, other) = summarize([*rows, unchecked])
+    assert (line.time_us, line.fastest_us, line.slowest_us) == (250.0, 200.0, 300.0)
+    assert line.spread_pct == pytest.approx(40.0) and line.repeats_us == [300.0, 200.0, 250.0]
+    assert line.algbw_GBps == pytest.approx((1 << 20) / 250.0 / 1e3)
+    assert line.wrong == 0 and other.wrong is None
+    assert report.footer_lines([unchecked])[0].startswith("# Wrong elements    : N/A")
+
+
+def test_linear_sizes_and_rotating_calls() -> None:
+    from gpuring.bench.timing import rotating
+
+    assert metrics.size_series(1000, 4000, 2, 8, step=1000) == [1000, 2000, 3000, 4000]
+    with pytest.raises(ValueError):
+        metrics.size_series(8, 64, 2, 8, step=0)
+    seen: list[int] = []
+    call = rotating([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_every_dtype_and_every_root_on_request() -> None:
+    import argparse
+
+    from gpuring.bench import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    s = cli.settings_from_args(p.parse_args(["all_reduce", "-d", "all", "-o", "max"]))
+    assert "float32" in s.dtypes and "int8" in s.dtypes
+    assert not any(d.startswith("complex") for d in s.dtypes)  # no max for complex
+    s = cli.settings_from_args(p.parse_args(["broadcast", "-r", "all", "-i", "4K", "-N", "3"]))
+    assert s.roots == [] and s.step_bytes == 4096 and s.repeats == 3  # roots: every rank
+    with pytest.raises(ValueError):
+        cli.settings_from_args(p.parse_args(["broadcast", "-r", "x"]))

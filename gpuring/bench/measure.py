@@ -1,0 +1,285 @@
+"""One rank's measurements: a system's time at one size and placement (checked apart from the
+timed calls), its overlap with compute, the warm-up, and the memories' copy bandwidth that
+sets the floor. Every method is collective: every rank calls it, in the same order."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import report
+from .data import corrupt, count_wrong, make_input, tolerance
+from .metrics import (
+    OUT_OF_PLACE,
+    Memory,
+    bus_factor,
+    copy_repeats,
+    group_memories,
+    plan_count,
+    rank_traffic,
+    required_traffic,
+    shared_floor,
+)
+from .stats import Summary, combine_ranks, per_iteration
+from .systems import Buffers, System, Unsupported, make_buffers
+from .timing import Backend, blocking, rotating, time_calls, time_loop
+
+if TYPE_CHECKING:
+    from .runner import Settings
+
+__all__ = ["Case", "Measurer", "CORRUPT_ENV", "OFF_CACHE_SETS"]
+
+#: testing hook: with "1", rank 0 spoils one element of every checked result
+CORRUPT_ENV = "GPURING_BENCH_CORRUPT"
+#: the most buffer sets --off-cache rotates over
+OFF_CACHE_SETS = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    """What one line of the table measures."""
+
+    collective: str
+    size: int
+    dtype: str
+    op: str
+    root: int
+
+
+class Measurer:
+    def __init__(self, s: Settings, comm: Any, backend: Backend):
+        self.s, self.comm, self.backend = s, comm, backend
+        self.n, self.rank = comm.size, comm.rank
+        self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
+        self.notes: dict[str, str] = {}
+        self._memories_at: dict[int, list[Memory]] = {}
+        self._cache = backend.cache_bytes()
+
+    def gather(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
+
+    # -- inputs -------------------------------------------------------------------------
+    def source(self, case: Case, rank: int) -> np.ndarray:
+        """Rank `rank`'s input for `case` (the same on every rank that makes it)."""
+        itemsize = np.dtype(case.dtype).itemsize
+        count = plan_count(case.collective, self.n, case.size, itemsize)
+        salt = zlib.crc32(f"{case.collective} {case.op} {case.size} {case.dtype}".encode())
+        return make_input(rank, count, case.dtype, salt=salt)
+
+    def sets(self, case: Case) -> int:
+        """How many buffer sets the timed calls rotate over: one, or with --off-cache enough
+        for twice the largest cache (at most OFF_CACHE_SETS)."""
+        if not self.s.off_cache or case.collective == "barrier":
+            return 1
+        per_set = 3 * max(case.size, 1)  # input and output, all_gather's out n/(n-1) x
+        return max(1, min(OFF_CACHE_SETS, math.ceil(2 * self._cache / per_set)))
+
+    # -- one measurement ----------------------------------------------------------------
+    def measure(self, system: System, case: Case, placement: str, expected: np.ndarray | None,
+                repeat: int) -> report.Result | None:
+        """`system`'s time for `case` in `placement`, combined over the ranks, checked."""
+        s, kind = self.s, case.collective
+        try:
+            all_buffers = [self._buffers(case, placement) for _ in range(self.sets(case))]
+            calls = [system.call(kind, b, case.op, case.root) for b in all_buffers]
+        except Unsupported as exc:
+            self.notes.setdefault(f"{system.name} {kind} {case.op}", f"{system.name}: {exc}")
+            return None
+        fn = rotating(calls)
+        if s.blocking:
+            fn = blocking(fn, self.backend)
+        if s.per_iteration:
+            times = time_calls(fn, iters=s.iters, warmup=1, backend=self.backend,
+                               sync=system.sync)
+        else:
+            times = np.array([time_loop(fn, iters=s.iters, backend=self.backend,
+                                        sync=system.sync)])
+        wrong = self.check(calls[0], all_buffers[0], system, case, expected)
+        table = self.gather(np.append(times, -1.0 if wrong is None else wrong))
+        times_of = table[:, :-1]
+        wrongs = table[:, -1]
+        extra: dict[str, Any] = {}
+        if s.per_iteration:
+            it = per_iteration(times_of)
+            t, fastest, slowest = it.p50, it.fastest, it.max
+            extra = {"p99_us": it.p99 * 1e6,
+                     "rank_p99_us": [v * 1e6 for v in it.rank_p99],
+                     "rank_max_us": [v * 1e6 for v in it.rank_max]}
+            rank_s = np.array(it.rank_p50)
+        else:
+            rank_s = times_of[:, 0]
+            t, fastest, slowest = (combine_ranks(rank_s, s.average), float(rank_s.min()),
+                                   float(rank_s.max()))
+        itemsize = np.dtype(case.dtype).itemsize
+        per_rank = kind in ("all_gather", "reduce_scatter")
+        algbw = case.size / t / 1e9 if t > 0 else 0.0
+        return report.Result(
+            system=system.name, collective=kind, size=case.size,
+            count=case.size // itemsize // (self.n if per_rank else 1), type=case.dtype,
+            redop=case.op, root=case.root if kind in ("broadcast", "reduce") else -1,
+            placement=placement, ranks=self.n, time_us=t * 1e6, min_us=fastest * 1e6,
+            max_us=slowest * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(kind, self.n),
+            wrong=None if wrongs.min() < 0 else int(wrongs.sum()),
+            rank_us=(rank_s * 1e6).tolist(), repeat=repeat, sets=len(calls), **extra)
+
+    def _buffers(self, case: Case, placement: str) -> Buffers:
+        if case.collective == "barrier":
+            return Buffers(None, None, np.empty(0), self.backend, placement)
+        return make_buffers(case.collective, placement, self.source(case, self.rank),
+                            rank=self.rank, root=case.root, n=self.n, backend=self.backend)
+
+    def check(self, fn: Any, buffers: Buffers, system: System, case: Case,
+              expected: np.ndarray | None) -> int | None:
+        """Wrong elements of this rank's result over -c checked calls; None when nothing
+        was checked."""
+        if not self.s.check_iters or case.collective == "barrier":
+            return None
+        wrong = 0
+        rtol = tolerance(case.dtype, self.n)
+        for _ in range(self.s.check_iters):
+            buffers.reset()
+            self.backend.synchronize()
+            system.sync()
+            fn()
+            self.backend.synchronize()
+            if buffers.out is None or expected is None:
+                continue
+            got = self.backend.to_host(buffers.out)
+            if self.corrupt and self.rank == 0:
+                got = got.copy()
+                corrupt(got)
+            wrong += count_wrong(got, expected, rtol)
+        return wrong
+
+    # -- overlap with compute -----------------------------------------------------------
+    def overlap(self, system: System, case: Case, alone_us: float) -> dict[str, Any] | None:
+        """How much of `system`'s collective hides behind compute (--overlap): compute sized
+        to take about as long as the collective alone (`alone_us`), then each of `-n`
+        iterations starts the collective, computes, and waits. hidden = (collective +
+        compute - both) / the shorter of the two; 100 %: the shorter one was free."""
+        s = self.s
+        try:
+            buffers = self._buffers(case, OUT_OF_PLACE)
+            start = system.overlap(case.collective, buffers, case.op, case.root)
+        except Unsupported as exc:
+            self.notes.setdefault(f"{system.name} overlap", f"{system.name} --overlap: {exc}")
+            return None
+        unit = self.backend.compute(1 << 20)
+        unit_s = time_loop(unit, iters=5, backend=self.backend, sync=system.sync)
+        # every rank computes as long as the slowest rank's estimate asks
+        passes = int(self.gather(np.array([max(1.0, alone_us * 1e-6 / max(unit_s, 1e-9))]))
+                     .max())
+
+        def compute() -> None:
+            for _ in range(passes):
+                unit()
+
+        def both() -> None:
+            wait = start()
+            compute()
+            wait()
+
+        compute_s = time_loop(compute, iters=s.iters, backend=self.backend, sync=system.sync)
+        both_s = time_loop(both, iters=s.iters, backend=self.backend, sync=system.sync)
+        table = self.gather(np.array([compute_s, both_s]))
+        compute_us = combine_ranks(table[:, 0], s.average) * 1e6
+        both_us = combine_ranks(table[:, 1], s.average) * 1e6
+        shorter = min(alone_us, compute_us)
+        hidden = 100.0 * (alone_us + compute_us - both_us) / shorter if shorter > 0 else 0.0
+        return {"system": system.name, "collective": case.collective, "size": case.size,
+                "type": case.dtype, "redop": case.op, "collective_us": alone_us,
+                "compute_us": compute_us, "both_us": both_us, "hidden_pct": hidden,
+                "compute_passes": passes}
+
+    # -- warm-up and the floor ----------------------------------------------------------
+    def warm_up(self, systems: list[System], cases: list[Case]) -> None:
+        """nccl-tests' warm-up: `-w` untimed calls of each system at every size, before the
+        first measurement (results are not checked here; `measure` checks its own)."""
+        if not self.s.warmup:
+            return
+        for system in systems:
+            for case in cases:
+                try:
+                    buffers = self._buffers(case, system.placements(case.collective)[0])
+                    fn = system.call(case.collective, buffers, case.op, case.root)
+                except Unsupported:
+                    continue
+                for _ in range(self.s.warmup):
+                    fn()
+                self.backend.synchronize()
+            system.sync()
+
+    def _copies(self, nbytes: int, repeats: int) -> tuple[np.ndarray, list[Memory]]:
+        """Every rank copies `nbytes` `repeats` times in a row, all at once. Returns each
+        rank's (node, memory, bytes moved, seconds) and the memories: ranks whose arrays
+        share one (all of a node's on the CPU, those on one GPU for CUDA) are grouped, and
+        each memory's bandwidth is the bytes its ranks copied / the longest of their times
+        (`group_memories`)."""
+        moved, seconds = self.backend.copy_seconds(nbytes, repeats, self.comm.barrier)
+        node = zlib.crc32(platform.node().encode())
+        table = self.gather(np.array([node, self.backend.memory_of(self.comm.local_rank),
+                                      moved, seconds]))
+        keys = [(int(row[0]), int(row[1])) for row in table]
+        return table, group_memories(keys, table[:, 2].tolist(), table[:, 3].tolist(),
+                                     self.backend.name)
+
+    def bandwidth(self) -> dict[str, Any]:
+        """The memories' bandwidth on `membw_bytes` copies (the header's figure)."""
+        repeats = 5
+        table, memories = self._copies(self.s.membw_bytes, repeats)
+        per_rank = table[:, 2] / table[:, 3] / 1e9
+        what = "CuPy device copy" if self.backend.name == "cuda" else "NumPy copy"
+        return {"GBps_per_rank": float(per_rank.mean()), "per_rank": per_rank.tolist(),
+                "memories": [{"memory": m.name, "ranks": m.ranks, "GBps": m.GBps}
+                             for m in memories],
+                "cache_bytes": self._cache,
+                "method": f"{what} of {self.s.membw_bytes >> 20} MiB, {repeats} in a row, on "
+                          "every rank at once, read + write counted; a memory's GBps = the "
+                          "bytes all ranks sharing it copied / the longest of their times; "
+                          "per_rank = each rank's bytes / its own time"}
+
+    def memories_at(self, size: int) -> list[Memory]:
+        """The memories' bandwidth at one size: every rank copies `size` bytes (a working set
+        of 2 x size, as a collective's input and output) `copy_repeats(size)` times in a
+        row, all ranks at once. Remembered per size."""
+        if size not in self._memories_at:
+            self._memories_at[size] = self._copies(max(size, 8), copy_repeats(size))[1]
+        return self._memories_at[size]
+
+    def memories_known(self, size: int) -> list[Memory]:
+        """What `memories_at(size)` measured (empty before it ran)."""
+        return self._memories_at.get(size, [])
+
+    def floor(self, gp: Summary, memories: list[Memory]) -> report.Floor | None:
+        """The memory-bandwidth floor of gpuring's line `gp`: the bytes the collective must
+        move on every rank (`required_traffic`) summed over the ranks that share a memory,
+        over that memory's bandwidth at this size (`memories_at`), for the most loaded
+        memory (`shared_floor`). The bytes gpuring's own plan moves are given beside it."""
+        usable = [m for m in memories if m.GBps > 0]
+        if self.n < 2 or not usable or gp.size == 0:
+            return None
+        traffic = required_traffic(gp.collective, self.n, gp.size, root=gp.root)
+        seconds, memory = shared_floor(traffic, usable)
+        floor_us = seconds * 1e6
+        busiest = max(traffic)
+        config = self.comm.config
+        plan = max(rank_traffic(
+            gp.collective, self.n, gp.size, np.dtype(gp.type).itemsize, root=max(gp.root, 0),
+            buffer_bytes=getattr(config, "buffer_bytes", None) or 16 << 20,
+            one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10),
+            avg=gp.redop == "avg"))
+        efficiency = 100.0 * floor_us / gp.time_us if gp.time_us else 0.0
+        return report.Floor(size=gp.size, redop=gp.redop, traffic_bytes=busiest,
+                            traffic_over_size=busiest / gp.size, floor_us=floor_us,
+                            time_us=gp.time_us, efficiency_pct=efficiency,
+                            memory=memory.name, ranks_sharing=len(memory.ranks),
+                            memory_bytes=sum(traffic[r] for r in memory.ranks),
+                            memory_GBps=memory.GBps, placement=gp.placement,
+                            beats_floor=efficiency > 100.0, plan_bytes=plan,
+                            in_cache=2 * gp.size <= self._cache, type=gp.type, root=gp.root)
