@@ -69,7 +69,7 @@ def all_gather(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
     check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
     # in place: x is this rank's slot of out
     out = output_array(out, x, (size, *x.shape), "all_gather",
-                       in_place=lambda out: _arrays.same_memory(out[rank], x),
+                       in_place=lambda out: _arrays.same_memory(out[rank, ...], x),
                        hint="x=out[rank]")
     return Call("all_gather", x, out, ReduceOp.SUM, 0, chunk_bytes, channels)
 
@@ -86,6 +86,8 @@ def broadcast(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: in
     else:
         x = input_array(x)
         out = output_array(out, x, x.shape, "broadcast", in_place=_same(x), hint="out=x")
+        if _arrays.same_memory(out, x):  # in place after all: nothing to copy on the root
+            out = x
     check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
     return Call("broadcast", x, out, ReduceOp.SUM, root, chunk_bytes, channels)
 

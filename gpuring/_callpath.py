@@ -268,7 +268,8 @@ class CallPath:
                 watchdog.expect(None)
         check_alike(signatures, name, self.rank)
         if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
-            self.agreed.clear()
+            self.agreed.clear()  # on every rank at once (the same calls agreed on);
+            self.prepared.clear()  # a prepared call is only reused while still agreed
         self.agreed.add(signature)
 
     def _via_mpi(self) -> bool:

@@ -88,9 +88,9 @@ def all_gather(x: Any, *, out: Any = None) -> Any:
     return current().all_gather(x, out=out)
 
 
-def broadcast(x: Any, *, root: int = 0) -> Any:
+def broadcast(x: Any, *, root: int = 0, out: Any = None) -> Any:
     """`Communicator.broadcast` on the communicator init() made."""
-    return current().broadcast(x, root=root)
+    return current().broadcast(x, root=root, out=out)
 
 
 def reduce(x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None) -> Any:

@@ -16,7 +16,6 @@ import numpy as np
 from . import report
 from .data import corrupt, count_wrong, make_input, tolerance
 from .metrics import (
-    OUT_OF_PLACE,
     Memory,
     bus_factor,
     copy_repeats,
@@ -38,7 +37,7 @@ __all__ = ["Case", "Measurer", "CORRUPT_ENV", "OFF_CACHE_SETS"]
 #: testing hook: with "1", rank 0 spoils one element of every checked result
 CORRUPT_ENV = "GPURING_BENCH_CORRUPT"
 #: the most buffer sets --off-cache rotates over
-OFF_CACHE_SETS = 64
+OFF_CACHE_SETS = 1024
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,8 @@ class Measurer:
 
     def sets(self, case: Case) -> int:
         """How many buffer sets the timed calls rotate over: one, or with --off-cache enough
-        for twice the largest cache (at most OFF_CACHE_SETS)."""
+        for twice the largest cache (at most OFF_CACHE_SETS: the smallest sizes still fit,
+        and the floor table says so)."""
         if not self.s.off_cache or case.collective == "barrier":
             return 1
         per_set = 3 * max(case.size, 1)  # input and output, all_gather's out n/(n-1) x
@@ -93,7 +93,7 @@ class Measurer:
             return None
         fn = rotating(calls)
         if s.blocking:
-            fn = blocking(fn, self.backend)
+            fn = blocking(fn, self.backend, system.sync)
         if s.per_iteration:
             times = time_calls(fn, iters=s.iters, warmup=1, backend=self.backend,
                                sync=system.sync)
@@ -158,23 +158,29 @@ class Measurer:
         return wrong
 
     # -- overlap with compute -----------------------------------------------------------
-    def overlap(self, system: System, case: Case, alone_us: float) -> dict[str, Any] | None:
-        """How much of `system`'s collective hides behind compute (--overlap): compute sized
-        to take about as long as the collective alone (`alone_us`), then each of `-n`
-        iterations starts the collective, computes, and waits. hidden = (collective +
-        compute - both) / the shorter of the two; 100 %: the shorter one was free."""
+    def overlap(self, system: System, case: Case, placement: str) -> dict[str, Any] | None:
+        """How much of `system`'s collective hides behind compute (--overlap), as OSU's
+        non-blocking benchmarks define it: the collective's non-blocking form started and
+        waited for at once (`pure`), compute sized to take about as long, then each of `-n`
+        iterations starts the collective, computes and waits (`both`); overlap = 100 x (1 -
+        (both - compute) / pure), at least 0: 100 % when the collective cost nothing beside
+        the compute, 0 % when it all came on top."""
         s = self.s
         try:
-            buffers = self._buffers(case, OUT_OF_PLACE)
+            buffers = self._buffers(case, placement)
             start = system.overlap(case.collective, buffers, case.op, case.root)
         except Unsupported as exc:
             self.notes.setdefault(f"{system.name} overlap", f"{system.name} --overlap: {exc}")
             return None
+
+        def pure() -> None:
+            start()()
+
+        pure_s = time_loop(pure, iters=s.iters, backend=self.backend, sync=system.sync)
         unit = self.backend.compute(1 << 20)
         unit_s = time_loop(unit, iters=5, backend=self.backend, sync=system.sync)
         # every rank computes as long as the slowest rank's estimate asks
-        passes = int(self.gather(np.array([max(1.0, alone_us * 1e-6 / max(unit_s, 1e-9))]))
-                     .max())
+        passes = int(self.gather(np.array([max(1.0, pure_s / max(unit_s, 1e-9))])).max())
 
         def compute() -> None:
             for _ in range(passes):
@@ -187,32 +193,33 @@ class Measurer:
 
         compute_s = time_loop(compute, iters=s.iters, backend=self.backend, sync=system.sync)
         both_s = time_loop(both, iters=s.iters, backend=self.backend, sync=system.sync)
-        table = self.gather(np.array([compute_s, both_s]))
-        compute_us = combine_ranks(table[:, 0], s.average) * 1e6
-        both_us = combine_ranks(table[:, 1], s.average) * 1e6
-        shorter = min(alone_us, compute_us)
-        hidden = 100.0 * (alone_us + compute_us - both_us) / shorter if shorter > 0 else 0.0
+        table = self.gather(np.array([pure_s, compute_s, both_s])) * 1e6
+        pure_us, compute_us, both_us = (combine_ranks(table[:, i], s.average)
+                                        for i in range(3))
+        overlap = max(0.0, 100.0 * (1.0 - (both_us - compute_us) / pure_us)) if pure_us else 0.0
         return {"system": system.name, "collective": case.collective, "size": case.size,
-                "type": case.dtype, "redop": case.op, "collective_us": alone_us,
-                "compute_us": compute_us, "both_us": both_us, "hidden_pct": hidden,
-                "compute_passes": passes}
+                "type": case.dtype, "redop": case.op, "root": case.root,
+                "placement": placement, "pure_us": pure_us, "compute_us": compute_us,
+                "both_us": both_us, "overlap_pct": overlap, "compute_passes": passes}
 
     # -- warm-up and the floor ----------------------------------------------------------
     def warm_up(self, systems: list[System], cases: list[Case]) -> None:
-        """nccl-tests' warm-up: `-w` untimed calls of each system at every size, before the
-        first measurement (results are not checked here; `measure` checks its own)."""
+        """nccl-tests' warm-up: `-w` untimed calls of each system in each placement at every
+        size of `cases` (one dtype, op and root), before they are measured (results are not
+        checked here; `measure` checks its own)."""
         if not self.s.warmup:
             return
         for system in systems:
             for case in cases:
-                try:
-                    buffers = self._buffers(case, system.placements(case.collective)[0])
-                    fn = system.call(case.collective, buffers, case.op, case.root)
-                except Unsupported:
-                    continue
-                for _ in range(self.s.warmup):
-                    fn()
-                self.backend.synchronize()
+                for placement in system.placements(case.collective):
+                    try:
+                        buffers = self._buffers(case, placement)
+                        fn = system.call(case.collective, buffers, case.op, case.root)
+                    except Unsupported:
+                        continue
+                    for _ in range(self.s.warmup):
+                        fn()
+                    self.backend.synchronize()
             system.sync()
 
     def _copies(self, nbytes: int, repeats: int) -> tuple[np.ndarray, list[Memory]]:
@@ -282,4 +289,11 @@ class Measurer:
                             memory_bytes=sum(traffic[r] for r in memory.ranks),
                             memory_GBps=memory.GBps, placement=gp.placement,
                             beats_floor=efficiency > 100.0, plan_bytes=plan,
-                            in_cache=2 * gp.size <= self._cache, type=gp.type, root=gp.root)
+                            in_cache=self.in_cache(Case(gp.collective, gp.size, gp.type,
+                                                        gp.redop, gp.root)),
+                            type=gp.type, root=gp.root)
+
+    def in_cache(self, case: Case) -> bool:
+        """Whether the data the timed calls rotate over (input and output, 2 x size per
+        set) fits in the largest cache."""
+        return 2 * case.size * self.sets(case) <= self._cache

@@ -38,8 +38,10 @@ class MpiPeer(System):
 
     def __init__(self) -> None:
         from mpi4py import MPI
+        from mpi4py.util.dtlib import from_numpy_dtype
 
         self.MPI = MPI
+        self.datatype = from_numpy_dtype
         self.comm = MPI.COMM_WORLD
         self.ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
@@ -67,6 +69,10 @@ class MpiPeer(System):
             return c.Barrier if blocking else c.Ibarrier
         if kind not in ("all_gather", "broadcast") and op not in self.ops:
             raise Unsupported(f"MPI has no {op} reduction")
+        try:
+            self.datatype(b.x.dtype)
+        except (ValueError, KeyError, TypeError):
+            raise Unsupported(f"mpi4py has no MPI datatype for {b.x.dtype}") from None
         mop = self.ops.get(op, MPI.SUM)
         in_place = b.placement == IN_PLACE
         send = MPI.IN_PLACE if in_place else b.x
@@ -204,6 +210,11 @@ class GlooPeer(System):
     gloo supports on CUDA in every torch version). Constructing it is collective."""
 
     name = "gloo"
+    #: what gloo reduces and moves (no int16, no unsigned wider than 8 bits; NumPy's bfloat16 is
+    #: not torch's)
+    _DTYPES: ClassVar[frozenset[str]] = frozenset((
+        "int8", "uint8", "int32", "int64", "float16", "float32", "float64",
+        "complex64", "complex128"))
 
     def __init__(self, comm: Any, device: str = "cpu"):
         why = None
@@ -250,6 +261,8 @@ class GlooPeer(System):
         dist = self.dist
         if kind == "barrier":
             return dist.barrier
+        if str(b.x.dtype) not in self._DTYPES:
+            raise Unsupported(f"gloo has no {b.x.dtype}")
         if kind == "reduce_scatter":
             raise Unsupported("gloo has no reduce_scatter")
         if self.device == "cuda" and kind not in ("all_reduce", "broadcast"):
@@ -293,8 +306,8 @@ def select_peers(names: list[str], comm: Any, device: str) -> tuple[list[System]
                 why = "skipped on cuda (a PyPI MPI is not CUDA-aware; it would stage via host)"
         elif name == "nccl" and device != "cuda":
             why = "skipped (NCCL needs --device cuda and GPUs)"
-        if why is not None:  # the same on every rank
-            notes.append(f"{name}: {why}")
+        if not all_ranks_ok(comm, why is None):  # every rank skips it, or none does
+            notes.append(f"{name}: {why or 'skipped (it cannot run on another rank)'}")
             continue
         peer: System | None = None
         try:

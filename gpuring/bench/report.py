@@ -157,7 +157,8 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
     lines.append(f"# in force: {config or 'the device defaults'}"
                  f"{'; per call: ' + per_call if per_call else ''}"
                  f"{'; environment: ' + env if env else ''}")
-    how = "each call waits for completion (-z 1)" if settings.get("blocking") else (
+    how = "each call waits for completion and a barrier (-z 1)" if settings.get(
+        "blocking") else (
         "calls enqueued back to back (-z 0)")
     if settings.get("off_cache"):
         cache = _bytes((bandwidth or {}).get("cache_bytes"))
@@ -170,8 +171,9 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
                    3: "the slowest rank's"}[settings.get("average", 1)]
         lines.append(f"# time: one barrier, then {settings['iters']} calls back to back, time "
                      f"per call; {combine} (-a {settings.get('average', 1)}); {how}")
-    lines.append(f"# warm-up: {settings['warmup']} calls of each system at every size, first; "
-                 "systems alternate going first; checks run apart from the timed calls")
+    lines.append(f"# warm-up: {settings['warmup']} calls of each system in each placement at "
+                 "every size of a dtype, op and root, before them, in every repeat; systems "
+                 "alternate going first; checks run apart from the timed calls")
     if bandwidth is not None:
         lines.append(f"# floor: the bytes the collective must move, over the copy bandwidth "
                      f"at each size; at 128 MiB: {floor_basis(bandwidth)} (each with all its "
@@ -250,17 +252,19 @@ def repeat_lines(summary: Sequence[Any]) -> list[str]:
 
 
 def overlap_lines(overlaps: list[dict[str, Any]]) -> list[str]:
-    """--overlap: how much of each collective hid behind compute."""
-    lines = ["# Overlap: the collective started without waiting, compute sized to take about "
-             "as long, then the wait; hidden = (collective + compute - both) / the shorter "
-             "(100 %: fully hidden, 0 %: none, below 0: they slowed each other)",
-             f"#{'size':>11}{'redop':>7}{'system':>8}{'collective':>12}{'compute':>11}"
-             f"{'both':>11}{'hidden':>9}",
-             f"#{'(B)':>11}{'':>7}{'':>8}{'(us)':>12}{'(us)':>11}{'(us)':>11}{'(%)':>9}"]
+    """--overlap: how much of each collective hid behind compute (OSU's definition)."""
+    lines = ["# Overlap (OSU's definition): pure = the non-blocking collective started and "
+             "waited for at once; compute sized to take about as long; both = start, compute, "
+             "wait; overlap = 100 x (1 - (both - compute) / pure), at least 0 (100 %: hidden "
+             "entirely, 0 %: none of it)",
+             f"#{'size':>11}{'redop':>7}{'system':>8}{'placement':>14}{'pure':>11}"
+             f"{'compute':>11}{'both':>11}{'overlap':>9}",
+             f"#{'(B)':>11}{'':>7}{'':>8}{'':>14}{'(us)':>11}{'(us)':>11}{'(us)':>11}"
+             f"{'(%)':>9}"]
     for o in overlaps:
-        lines.append(f"{o['size']:>12d}{o['redop']:>7}{o['system']:>8}"
-                     f"{o['collective_us']:>12.2f}{o['compute_us']:>11.2f}"
-                     f"{o['both_us']:>11.2f}{o['hidden_pct']:>9.1f}")
+        lines.append(f"{o['size']:>12d}{o['redop']:>7}{o['system']:>8}{o['placement']:>14}"
+                     f"{o['pure_us']:>11.2f}{o['compute_us']:>11.2f}{o['both_us']:>11.2f}"
+                     f"{o['overlap_pct']:>9.1f}")
     return lines
 
 
@@ -307,14 +311,16 @@ def peer_lines(notes: list[str], results: Sequence[Any]) -> list[str]:
         return lines
     by_key = {(q["peer"], q["size"], q["type"], q["redop"], q["root"], q["placement"]):
               q["ratio"] for q in ratios(results)}
-    lines.append(f"#{'size':>11}{'redop':>7}{'system':>8}{'placement':>14}{'time':>11}"
-                 f"{'algbw':>9}{'busbw':>9}{'#wrong':>7}{'ratio':>8}")
-    lines.append(f"#{'(B)':>11}{'':>7}{'':>8}{'':>14}{'(us)':>11}{'(GB/s)':>9}{'(GB/s)':>9}"
-                 f"{'':>7}{'':>8}")
+    lines.append(f"#{'size':>11}{'type':>9}{'redop':>7}{'root':>5}{'system':>8}"
+                 f"{'placement':>14}{'time':>11}{'algbw':>9}{'busbw':>9}{'#wrong':>7}"
+                 f"{'ratio':>8}")
+    lines.append(f"#{'(B)':>11}{'':>9}{'':>7}{'':>5}{'':>8}{'':>14}{'(us)':>11}{'(GB/s)':>9}"
+                 f"{'(GB/s)':>9}{'':>7}{'':>8}")
     for p in peers:
         ratio = by_key.get((p.system, p.size, p.type, p.redop, p.root, p.placement),
                            float("nan"))
-        lines.append(f"{p.size:>12d}{p.redop:>7}{p.system:>8}{p.placement:>14}"
+        lines.append(f"{p.size:>12d}{p.type:>9}{p.redop:>7}{p.root:>5d}{p.system:>8}"
+                     f"{p.placement:>14}"
                      f"{p.time_us:>11.2f}{p.algbw_GBps:>9.2f}{p.busbw_GBps:>9.2f}"
                      f"{_wrong(p.wrong):>7}{ratio:>8.2f}")
     return lines

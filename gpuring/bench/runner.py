@@ -158,13 +158,13 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     files = _Files(s, settings, machine, bandwidth, active=rank == 0)
     files.save(results, [], peer_notes, overlaps, complete=False)
     total, done = s.repeats * len(cases) * len(systems), 0
-    m.warm_up(systems, blocks[0])
     for repeat in range(s.repeats):
         if s.repeats > 1:
             out.line(f"# repeat {repeat + 1} of {s.repeats}")
         for line in report.table_header():
             out.line(line)
         for block in blocks:
+            m.warm_up(systems, block)
             for index, case in enumerate(block):
                 expected = None
                 if s.check_iters and case.collective != "barrier":
@@ -183,17 +183,19 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
                         results.append(result)
                         if system.name == "gpuring":
                             row[placement] = result
-                        if s.overlap and repeat == 0 and placement == OUT_OF_PLACE:
-                            found_overlap = m.overlap(system, case, result.time_us)
-                            if found_overlap is not None:
-                                overlaps.append(found_overlap)
+                    if s.overlap and repeat == 0:  # one placement: the first it offers
+                        found_overlap = m.overlap(system, case,
+                                                  system.placements(case.collective)[0])
+                        if found_overlap is not None:
+                            overlaps.append(found_overlap)
                     done += 1
                 if n > 1 and case.size:
                     m.memories_at(case.size)  # every rank, in step
                 if row:
                     out.line(report.table_row(row))
-                files.save(results, _floors(m, summarize(results)), peer_notes + list(
-                    m.notes.values()), overlaps, complete=False)
+                if files.active:  # rank 0 writes the files as the run goes
+                    files.save(results, _floors(m, summarize(results)),
+                               peer_notes + list(m.notes.values()), overlaps, complete=False)
     out.progress(total, total, "done")
     summary = summarize(results)
     floors = _floors(m, summary)

@@ -186,11 +186,14 @@ def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def blocking(fn: Callable[[], object], backend: Backend) -> Callable[[], object]:
-    """`fn`, then wait until the device has finished it (-z 1)."""
+def blocking(fn: Callable[[], object], backend: Backend,
+             sync: Callable[[], None]) -> Callable[[], object]:
+    """`fn`, then wait until the device has finished it and every rank has (`sync`, a
+    barrier): nccl-tests' blocking mode (-z 1)."""
     def call() -> None:
         fn()
         backend.synchronize()
+        sync()
 
     return call
 

@@ -284,3 +284,22 @@ def test_closed_communicator_refuses_work():
     c.close()  # idempotent
     with pytest.raises(gpuring.CommunicatorClosedError):
         c.all_reduce(np.ones(3))
+
+
+def test_in_place_forms(comm):
+    """x as out's slot (all_gather, also of a 0-d x), out as x's block (reduce_scatter),
+    broadcast into out or into a view of x's own memory; any other overlap is refused."""
+    out = np.arange(3, dtype=np.float32).reshape(1, 3)
+    assert comm.all_gather(out[0], out=out) is out
+    assert out.tolist() == [[0.0, 1.0, 2.0]]
+    scalar_out = np.full(1, 7.0, np.float32)
+    assert comm.all_gather(scalar_out[0, ...], out=scalar_out) is scalar_out
+    assert scalar_out.tolist() == [7.0]
+    x = np.arange(4, dtype=np.int32)
+    assert comm.reduce_scatter(x, out=x.reshape(1, 4)[0]).tolist() == [0, 1, 2, 3]
+    big = np.arange(5, dtype=np.int32)
+    with pytest.raises(ValueError, match=r"out=x.reshape\(size, -1\)\[rank\]"):
+        comm.reduce_scatter(big[:4], out=big[1:])
+    dest = np.zeros(4, np.int32)
+    assert comm.broadcast(x, out=dest) is dest and dest.tolist() == [0, 1, 2, 3]
+    assert comm.broadcast(x, out=x.view()) is x  # the same memory: in place

@@ -188,12 +188,13 @@ class _Comm:
 
     rank, size = 0, 2
 
-    def __init__(self, other_ok: bool = True):
-        self.other_ok = other_ok
+    def __init__(self, other_ok: bool | list[bool] = True):
+        self.other_ok = other_ok  # a list: one answer per agreement, in turn
 
     def all_reduce(self, x, op="sum"):
         assert op == "min"
-        return np.minimum(x, 1 if self.other_ok else 0)
+        ok = self.other_ok.pop(0) if isinstance(self.other_ok, list) else self.other_ok
+        return np.minimum(x, 1 if ok else 0)
 
 
 def test_missing_peers_are_named_and_skipped(monkeypatch):
@@ -227,9 +228,14 @@ def test_a_peer_runs_only_where_every_rank_started_it(monkeypatch):
             closed.append(True)
 
     monkeypatch.setattr(peers_module, "GlooPeer", Started)
-    found, notes = select_peers(["gloo"], _Comm(other_ok=False), "cpu")
+    # every rank could try it; it started here, not on the other rank
+    found, notes = select_peers(["gloo"], _Comm(other_ok=[True, False]), "cpu")
     assert found == [] and closed == [True]
     assert notes == ["gloo: skipped (it failed to start on another rank)"]
+    # another rank cannot even try it: nobody starts it
+    found, notes = select_peers(["gloo"], _Comm(other_ok=False), "cpu")
+    assert found == [] and closed == [True]
+    assert notes == ["gloo: skipped (it cannot run on another rank)"]
     found, notes = select_peers(["gloo"], _Comm(), "cpu")
     assert len(found) == 1 and notes == ["gloo: measured"]
 
