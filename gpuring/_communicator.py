@@ -205,6 +205,14 @@ class Communicator:
         return all_reduce_compressed(self, x, op=rop, out=out, compression=compression,
                                      chunk_bytes=chunk_bytes, channels=channels)
 
+    @property
+    def device_operations(self) -> int:
+        """Driver calls this rank's devices have made so far to enqueue work or make events
+        (kernel launches, copies, stream memory operations, event creations, records and
+        waits): on a GPU, the host cost of the collectives in calls. 0 on the host device,
+        which calls no driver. `gpuring bench` reports it per collective."""
+        return sum(engine.device.operations for engine in self._path.engines.values())
+
     # -- failures -----------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers

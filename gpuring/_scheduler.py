@@ -100,6 +100,8 @@ class Engine:
         self.timeout = timeout
         self._seq = 0
         self._last: Event | None = None
+        #: the stream `_last` was recorded on: work queued there later runs after it anyway
+        self._last_stream: Stream | None = None
         self._streams: list[Stream] = []
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
@@ -143,14 +145,19 @@ class Engine:
             raise GpuringError("this communicator has run 2^31 rounds, the most its flags can "
                                "count; close it and call gpuring.init() again")
         # after the caller's queued work, and after this engine's previous collective (on
-        # devices that do not block, streams of consecutive collectives are otherwise unordered)
-        before = [e for e in (after, self._last) if e is not None] if (
-            after is not None or self._last is not None) else []
+        # devices that do not block, streams of consecutive collectives are otherwise unordered;
+        # the stream that collective ended on needs no wait: it runs its work in order)
+        last, last_stream = self._last, self._last_stream
+
+        def waits_for(stream: Stream) -> list[Event]:
+            return [e for e in (after, None if stream is last_stream else last)
+                    if e is not None]
+
         try:
             if not rounds:  # an empty array: nothing to enqueue, the last event still stands
                 return None if self.device.blocking else self._last
             if launch.inline:  # one stream (in this thread where the device can): latency path
-                for event in before:
+                for event in waits_for(self._inline):
                     self._inline.wait_event(event)
                 for by_parity in launch.runners or self._compile_inline(launch):
                     self._seq += 1
@@ -167,7 +174,7 @@ class Engine:
                 for stream in streams:
                     if stream not in used:
                         used.append(stream)
-                        for event in before:
+                        for event in waits_for(stream):
                             stream.wait_event(event)
                 for c, stream in enumerate(streams):
                     self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor, stream,
@@ -199,7 +206,7 @@ class Engine:
         first = used[0]
         for other in used[1:]:
             first.wait_event(other.record())
-        self._last = first.record()
+        self._last, self._last_stream = first.record(), first
         return self._last
 
     def synchronize(self) -> None:

@@ -449,3 +449,21 @@ extern "C" __global__ void gpuring_write_flag(volatile u64* flag, u64 value,
     if (*flag < value) *flag = value;
     __threadfence_system();
 }
+
+// gpuring_write_flag for up to eight flags at once (the first `count`), all to `value`: one
+// launch where a rank tells every peer the same thing (a round done, a piece ready for several
+// readers). One fence makes everything before it visible to all of them.
+extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f1,
+                                               volatile u64* f2, volatile u64* f3,
+                                               volatile u64* f4, volatile u64* f5,
+                                               volatile u64* f6, volatile u64* f7, int count,
+                                               u64 value, const volatile int* abort) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    if (*abort) return;
+    volatile u64* flags[8] = {f0, f1, f2, f3, f4, f5, f6, f7};
+    __threadfence_system();
+    for (int i = 0; i < count && i < 8; ++i) {
+        if (*flags[i] < value) *flags[i] = value;
+    }
+    __threadfence_system();
+}

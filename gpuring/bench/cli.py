@@ -110,7 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validated Settings (ValueError or TypeError with a message for the user); the device
     stays as given ("auto" is resolved by the ranks)."""
     if args.iters < 1 or args.warmup_iters < 0 or args.check < 0 or args.repeats < 1:
-        raise ValueError("-n and -N must be at least 1, -w and -c at least 0")
+        raise ValueError("-n must be at least 1, -N at least 1, -w and -c at least 0")
     ops = list(_OPS) if args.op == "all" else [args.op]
     if args.datatype == "bfloat16":
         try:

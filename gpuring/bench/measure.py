@@ -101,9 +101,12 @@ class Measurer:
             times = np.array([time_loop(fn, iters=s.iters, backend=self.backend,
                                         sync=system.sync)])
         wrong = self.check(calls[0], all_buffers[0], system, case, expected)
-        table = self.gather(np.append(times, -1.0 if wrong is None else wrong))
-        times_of = table[:, :-1]
+        ops = self.operations_per_call(system, calls[0])
+        table = self.gather(np.append(times, [-1.0 if ops is None else ops,
+                                              -1.0 if wrong is None else wrong]))
+        times_of = table[:, :-2]
         wrongs = table[:, -1]
+        ops_of = table[:, -2]
         extra: dict[str, Any] = {}
         if s.per_iteration:
             it = per_iteration(times_of)
@@ -126,7 +129,20 @@ class Measurer:
             placement=placement, ranks=self.n, time_us=t * 1e6, min_us=fastest * 1e6,
             max_us=slowest * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(kind, self.n),
             wrong=None if wrongs.min() < 0 else int(wrongs.sum()),
-            rank_us=(rank_s * 1e6).tolist(), repeat=repeat, sets=len(calls), **extra)
+            rank_us=(rank_s * 1e6).tolist(), repeat=repeat, sets=len(calls),
+            device_ops=None if ops_of.min() < 0 else float(ops_of.max()), **extra)
+
+    def operations_per_call(self, system: System, fn: Any, calls: int = 4) -> float | None:
+        """The driver calls one call of `fn` makes on this rank (`System.operations`; None
+        where the system does not count them, or on the CPU): the average of `calls` calls
+        in a row. Collective: every rank makes the calls."""
+        if self.backend.name != "cuda" or system.operations() is None:
+            return None
+        before = system.operations()
+        for _ in range(calls):
+            fn()
+        self.backend.synchronize()
+        return ((system.operations() or 0) - (before or 0)) / calls
 
     def _buffers(self, case: Case, placement: str) -> Buffers:
         if case.collective == "barrier":

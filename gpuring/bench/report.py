@@ -14,9 +14,9 @@ from typing import IO, Any
 from .metrics import IN_PLACE, OUT_OF_PLACE
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
-           "footer_lines", "repeat_lines", "overlap_lines", "peer_lines", "floor_lines",
-           "floor_basis", "ratios", "avg_busbw", "to_json", "write_json", "write_csv",
-           "replace_file"]
+           "footer_lines", "driver_lines", "repeat_lines", "overlap_lines", "peer_lines",
+           "floor_lines", "floor_basis", "ratios", "avg_busbw", "to_json", "write_json",
+           "write_csv", "replace_file"]
 
 SCHEMA = "gpuring.bench/2"
 _PLACE = (OUT_OF_PLACE, IN_PLACE)
@@ -55,6 +55,8 @@ class Result:
     rank_max_us: list[float] | None = None
     repeat: int = 0
     sets: int = 1
+    #: driver calls per call on this rank, the largest of any rank (GPU; None elsewhere)
+    device_ops: float | None = None
 
 
 @dataclass
@@ -232,6 +234,21 @@ def footer_lines(results: list[Result]) -> list[str]:
         wrong_line = (f"# Wrong elements    : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
                       f"{f' ({each})' if len(by_system) > 1 else ''}")
     return [wrong_line, f"# Avg bus bandwidth : {avg_busbw(results):.4f} GB/s", "#"]
+
+
+def driver_lines(results: list[Result]) -> list[str]:
+    """gpuring's driver calls per collective (GPU), per size and placement: the host cost
+    in calls (kernel launches, copies, stream memory operations, event operations)."""
+    mine = [r for r in results if r.system == "gpuring" and r.device_ops is not None
+            and r.repeat == 0]
+    if not mine:
+        return []
+    lines = ["# Driver calls per collective (gpuring; the most of any rank): kernel launches, "
+             "copies, stream memory operations, event creations, records and waits",
+             f"#{'size':>11}{'type':>9}{'redop':>7}{'placement':>14}{'calls':>8}"]
+    lines += [f"{r.size:>12d}{r.type:>9}{r.redop:>7}{r.placement:>14}{r.device_ops:>8.1f}"
+              for r in mine]
+    return lines
 
 
 def repeat_lines(summary: Sequence[Any]) -> list[str]:

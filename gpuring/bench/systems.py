@@ -72,6 +72,10 @@ class System:
         """The placements measured for `kind` (every system runs the barrier once)."""
         return (OUT_OF_PLACE,) if kind == "barrier" else (OUT_OF_PLACE, IN_PLACE)
 
+    def operations(self) -> int | None:
+        """Driver calls this system has made so far (None: it does not say)."""
+        return None
+
     def overlap(self, kind: str, b: Buffers, op: str,
                 root: int) -> Callable[[], Callable[[], object]]:
         """The collective started without waiting: calling the result starts it and returns
@@ -97,6 +101,9 @@ class Gpuring(System):
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
         return self._verb(kind, b, op, root, "")
+
+    def operations(self) -> int | None:
+        return int(self.comm.device_operations)
 
     def overlap(self, kind: str, b: Buffers, op: str,
                 root: int) -> Callable[[], Callable[[], object]]:

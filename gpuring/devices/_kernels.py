@@ -36,6 +36,8 @@ __all__ = [
     "COPY_KERNEL",
     "WAIT_FLAG_KERNEL",
     "WRITE_FLAG_KERNEL",
+    "WRITE_FLAGS_KERNEL",
+    "MAX_FLAGS",
     "ALL_KERNEL_NAMES",
     "reduce_kernel_name",
     "reduce_n_kernel_name",
@@ -90,10 +92,13 @@ REDUCE_N_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_n_kernel_name(d, o) for d,
 MAX_SOURCES = 8
 COPY_KERNEL = "gpuring_copy_bytes"
 WAIT_FLAG_KERNEL = "gpuring_wait_flag"
+WRITE_FLAGS_KERNEL = "gpuring_write_flags"
+#: the most flags one WRITE_FLAGS_KERNEL launch sets
+MAX_FLAGS = 8
 WRITE_FLAG_KERNEL = "gpuring_write_flag"
 ALL_KERNEL_NAMES: tuple[str, ...] = (
     *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, COPY_KERNEL, WAIT_FLAG_KERNEL,
-    WRITE_FLAG_KERNEL)
+    WRITE_FLAG_KERNEL, WRITE_FLAGS_KERNEL)
 
 
 def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], bool]]:

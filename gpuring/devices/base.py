@@ -160,6 +160,12 @@ class Stream(abc.ABC):
         is aborted, writes to peers' memory are dropped: nothing computed after a failure
         reaches a peer."""
 
+    def write_flags(self, flags: Sequence[Flag], value: int) -> None:
+        """`write_flag` of each of `flags`, all to `value` (a device may do it in one
+        operation)."""
+        for flag in flags:
+            self.write_flag(flag, value)
+
     @abc.abstractmethod
     def record(self) -> Event:
         """An event that completes when everything enqueued so far has."""
@@ -191,6 +197,10 @@ class Device(abc.ABC):
     #: the arrays whose collectives it runs, and how it reaches its peers (for messages)
     arrays: str
     reach: str
+    #: driver calls made so far to enqueue work or make events (kernel launches, copies,
+    #: stream memory operations, event creations, records and waits): a GPU's host cost per
+    #: collective; a device that calls no driver (the host's) stays at 0
+    operations: int = 0
 
     @classmethod
     def for_job(cls, control: ControlPlane, timeout: float) -> Device:
@@ -245,7 +255,7 @@ class Device(abc.ABC):
                     return Span(mem, o.offset, o.nbytes)
                 return o
 
-            for ins in program:
+            for ins in steps:
                 if isinstance(ins, CopyI):
                     stream.copy(span(ins.dst), span(ins.src))
                 elif isinstance(ins, ReduceI):
@@ -256,9 +266,11 @@ class Device(abc.ABC):
                                     ins.divisor)
                 elif isinstance(ins, WaitI):  # early credits are <= 0: flags start at 0
                     stream.wait_flag(ins.flag, max(0, ins.rel + (seq << ins.shift)), ins.tag)
-                else:
-                    stream.write_flag(ins.flag, ins.rel + (seq << ins.shift))
+                else:  # consecutive writes of one value: one call
+                    stream.write_flags([w.flag for w in ins],
+                                       ins[0].rel + (seq << ins[0].shift))
 
+        steps = _group_writes(program)
         return run
 
     def detach_peers(self) -> None:
@@ -299,3 +311,19 @@ def open_peer(device: Device, handle: Any, rank: int) -> Memory:
     except FileNotFoundError:
         raise PeerFailureError(f"rank {rank} left before its memory could be mapped",
                                peer=rank) from None
+
+
+def _group_writes(program: tuple[Instruction, ...]) -> list[Any]:
+    """`program` with each run of consecutive WriteI of the same value (rel and shift) as one
+    tuple of them, so that a device can set them all in one operation."""
+    steps: list[Any] = []
+    for ins in program:
+        if isinstance(ins, WriteI):
+            last = steps[-1] if steps else None
+            if isinstance(last, list) and (last[0].rel, last[0].shift) == (ins.rel, ins.shift):
+                last.append(ins)
+            else:
+                steps.append([ins])
+        else:
+            steps.append(ins)
+    return [tuple(s) if isinstance(s, list) else s for s in steps]

@@ -10,7 +10,11 @@ later work, costing nothing on the GPU while it waits. Where they are unavailabl
 kernels spin on the flag instead (with a loud warning: on a GPU shared by processes without
 MPS a spinning kernel holds the GPU for its whole time slice). `GPURING_CUDA_FLAGS=
 memops|kernel|auto` (default auto) chooses. Flag writes are always a one-thread kernel, which
-publishes nothing once the device is aborted.
+publishes nothing once the device is aborted; consecutive writes of one value (a round's DONE
+to every rank, a piece for several readers) are one launch.
+
+Every driver call that enqueues work or makes an event is counted in `operations` (the host
+cost of a collective in calls; `Communicator.device_operations`).
 
 A stream waits only on words in memory this device allocated (the scheduler puts every flag
 with its reader; producers write through their IPC mappings). That is what makes abort work:
@@ -231,6 +235,7 @@ class _CudaStream(Stream):
                 runtime = _cupy().cuda.runtime
                 runtime.memcpyAsync(_addr(dst), _addr(src), dst.nbytes, _MEMCPY_DEFAULT,
                                     self.raw.ptr)
+        dev.operations += 1
 
     def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
                divisor: int = 1) -> None:
@@ -246,6 +251,7 @@ class _CudaStream(Stream):
                    (np.uint64(_addr(dst)), np.uint64(_addr(a)), np.uint64(_addr(b)),
                     np.uint64(n), np.int64(divisor), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
+        dev.operations += 1
 
     def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
                  divisor: int = 1) -> None:
@@ -268,6 +274,7 @@ class _CudaStream(Stream):
                        (np.uint64(out), *pointers, np.int32(len(sources)), np.uint64(n),
                         np.int64(divisor if last else 1), np.uint64(dev.abort_ptr)),
                        stream=self.raw)
+        dev.operations += len(launches)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
         dev = self._device
@@ -291,6 +298,7 @@ class _CudaStream(Stream):
                     (np.uint64(addr), np.uint64(value), np.uint64(dev.timeout_ns),
                      np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
                     stream=self.raw)
+        dev.operations += 1
 
     def write_flag(self, flag: Flag, value: int) -> None:
         """A one-thread kernel in either flag mode: it publishes nothing once the device is
@@ -303,12 +311,32 @@ class _CudaStream(Stream):
             _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, dev.device_id)(
                 (1,), (1,), (np.uint64(addr), np.uint64(value), np.uint64(dev.abort_ptr)),
                 stream=self.raw)
+        dev.operations += 1
+
+    def write_flags(self, flags: Sequence[Flag], value: int) -> None:
+        """`write_flag` of several flags: one launch per `MAX_FLAGS` of them."""
+        if len(flags) == 1:
+            self.write_flag(flags[0], value)
+            return
+        dev = self._device
+        dev.check()
+        addrs = [_flag_addr(flag) for flag in flags]
+        kernel = _kernels.get_function(_kernels.WRITE_FLAGS_KERNEL, dev.device_id)
+        with dev.scope():
+            for first in range(0, len(addrs), _kernels.MAX_FLAGS):
+                batch = addrs[first:first + _kernels.MAX_FLAGS]
+                pointers = [np.uint64(a) for a in batch]
+                pointers += [np.uint64(0)] * (_kernels.MAX_FLAGS - len(batch))
+                kernel((1,), (1,), (*pointers, np.int32(len(batch)), np.uint64(value),
+                                    np.uint64(dev.abort_ptr)), stream=self.raw)
+                dev.operations += 1
 
     def record(self) -> Event:
         dev = self._device
         with dev.scope():
             raw = _cupy().cuda.Event(block=False, disable_timing=True)
             raw.record(self.raw)
+        dev.operations += 2  # the event's creation and its record
         return _CudaEvent(raw, dev)
 
     def wait_event(self, event: Event) -> None:
@@ -316,6 +344,7 @@ class _CudaStream(Stream):
             raise TypeError(f"not a CUDA event: {event!r}")
         with self._device.scope():
             self.raw.wait_event(event.raw)
+        self._device.operations += 1
 
     def synchronize(self) -> None:
         """Poll the stream with backoff until it is idle, bounded by the device's timeout."""
@@ -523,6 +552,7 @@ class CudaDevice(Device):
         with self.scope():
             raw = cupy.cuda.Event(block=False, disable_timing=True)
             raw.record(cupy.cuda.get_current_stream())
+        self.operations += 2
         return _CudaEvent(raw, self)
 
     def order_caller_after(self, event: Event) -> None:
@@ -530,6 +560,7 @@ class CudaDevice(Device):
             raise TypeError(f"not a CUDA event: {event!r}")
         with self.scope():
             _cupy().cuda.get_current_stream().wait_event(event.raw)
+        self.operations += 1
 
     # -- memory -----------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> CudaMemory:

@@ -51,6 +51,10 @@ typedef void (*emu_reduce_n_fn)(void*, const void*, const void*, const void*, co
 typedef void (*emu_copy_fn)(void*, const void*, emu_u64, const volatile int*);
 typedef void (*emu_wait_fn)(volatile emu_u64*, emu_u64, emu_u64, volatile int*, volatile int*);
 typedef void (*emu_write_fn)(volatile emu_u64*, emu_u64, const volatile int*);
+typedef void (*emu_write_many_fn)(volatile emu_u64*, volatile emu_u64*, volatile emu_u64*,
+                                  volatile emu_u64*, volatile emu_u64*, volatile emu_u64*,
+                                  volatile emu_u64*, volatile emu_u64*, int, emu_u64,
+                                  const volatile int*);
 
 #define EMU_GRID(grid, block, CALL)                    \
     do {                                               \
@@ -101,4 +105,14 @@ extern "C" void emu_launch_write(void* kernel, unsigned grid, unsigned block, vo
                                  emu_u64 value, const void* abort) {
     EMU_GRID(grid, block,
              ((emu_write_fn)kernel)((volatile emu_u64*)flag, value, (const volatile int*)abort));
+}
+
+extern "C" void emu_launch_write_many(void* kernel, unsigned grid, unsigned block, void* f0,
+                                      void* f1, void* f2, void* f3, void* f4, void* f5,
+                                      void* f6, void* f7, int count, emu_u64 value,
+                                      const void* abort) {
+    typedef volatile emu_u64* P;
+    EMU_GRID(grid, block,
+             ((emu_write_many_fn)kernel)((P)f0, (P)f1, (P)f2, (P)f3, (P)f4, (P)f5, (P)f6,
+                                         (P)f7, count, value, (const volatile int*)abort));
 }

@@ -138,6 +138,10 @@ class _Worker(threading.Thread):
 
 
 _streams: dict[int, Stream] = {}
+#: driver calls that enqueued work or made events in this process, as a GPU would count them:
+#: every operation queued on a stream (kernel launch, copy, memset, stream memory operation,
+#: event record or wait) and every event created; tests compare CudaDevice's own count with it
+driver_calls = [0]
 #: CUDA_DEVICE_MAX_CONNECTIONS: how many hardware work queues the streams share (CUDA's
 #: default is 8). Streams beyond that share a queue in turn, and work on a shared queue runs
 #: in the order it was queued, whatever its stream: a stream blocked in a wait holds the
@@ -174,10 +178,12 @@ class Stream:
         _streams[self.ptr] = self
 
     def _put(self, op: Callable[[], None]) -> None:
-        """Queue `op`. The legacy default stream and the blocking streams of its device
-        order each other implicitly (CUDA's legacy semantics): work on the legacy stream waits
-        for what every blocking stream has queued, and work on a blocking stream waits for
-        what the legacy stream has queued. Non-blocking streams are left alone."""
+        """Queue `op` (one driver call: see `driver_calls`). The legacy default stream and the
+        blocking streams of its device order each other implicitly (CUDA's legacy
+        semantics): work on the legacy stream waits for what every blocking stream has
+        queued, and work on a blocking stream waits for what the legacy stream has queued.
+        Non-blocking streams are left alone."""
+        driver_calls[0] += 1
         if self.ptr != 0 and self.non_blocking:
             self._worker.put(op)
             return
@@ -204,6 +210,8 @@ class Stream:
         marker = event._marker
         if marker is not None:
             self._put(marker.reached.wait)
+        else:  # an event never recorded: the call returns at once, but it was made
+            driver_calls[0] += 1
 
     def synchronize(self) -> None:
         event = Event()
@@ -316,6 +324,7 @@ _event_ids = itertools.count(0x10_0000, 0x10)
 class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False):
+        driver_calls[0] += 1
         self._marker: _Marker | None = None
         self._stream: Stream | None = None
         self.ptr = next(_event_ids)
@@ -660,10 +669,11 @@ def _device_stack() -> list[int]:
 # kernel name prefix: (launcher family, argument count); the first matching prefix wins
 _FAMILIES = {"gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
              "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
-             "gpuring_write_flag": ("write", 3)}
-#: which arguments of each family are addresses (a null source of reduce_n is unused)
+             "gpuring_write_flags": ("write_many", 11), "gpuring_write_flag": ("write", 3)}
+#: which arguments of each family are addresses (a null source of reduce_n, or a flag of
+#: write_many beyond its count, is unused)
 _POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
-             "wait": (0, 3, 4), "write": (0, 2)}
+             "wait": (0, 3, 4), "write": (0, 2), "write_many": (*range(8), 10)}
 #: live array buffers: id -> (start, end, device)
 _array_ranges: dict[int, tuple[int, int, int]] = {}
 #: (device, peer device): kernels on the first may reach the second's memory
@@ -759,6 +769,7 @@ class RawKernel:
         device = target.device_id if target.device_id >= 0 else _Runtime.getDevice()
         bad = [why for i in _POINTERS[self._family]
                if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
+               and not (self._family == "write_many" and values[8] <= i < 8)
                and (why := _bad_address(values[i], device))]
         if bad:  # the launch succeeds; the kernel faults when it runs, killing the context
             target._put(lambda: _fault(f"{self.name}: {bad[0]}"))

@@ -342,6 +342,33 @@ def test_events_order_streams_and_caller(device: CudaDevice) -> None:
     assert float(x.sum()) == 4.0 * n  # read on the caller's stream, after the reduce
 
 
+def test_the_device_counts_each_driver_call(device: CudaDevice) -> None:
+    """`operations` grows by the driver calls each stream operation makes: one per copy,
+    reduce, flag wait, flag write and event wait, two per event (created, then recorded). On
+    the CUDA simulator, which counts the calls it receives, the two counts agree."""
+    simulated = getattr(cp, "driver_calls", None)
+    n = 4096
+    x, y = cp.arange(n, dtype=cp.float32), cp.ones(n, dtype=cp.float32)
+    mx, my = device.wrap(x), device.wrap(y)
+    flags = device.alloc(64)
+    stream = _ready_stream(device)
+    stream.synchronize()
+    start, start_sim = device.operations, simulated[0] if simulated else 0
+    stream.copy(_span(mx, 0, 4 * n), _span(my, 0, 4 * n))
+    stream.reduce(_span(mx, 0, 4 * n), _span(mx, 0, 4 * n), _span(my, 0, 4 * n), "float32",
+                  ReduceOp.SUM)
+    stream.write_flag(Flag(flags, 8), 3)
+    stream.wait_flag(Flag(flags, 8), 3)
+    event = stream.record()
+    stream.wait_event(event)
+    device.order_caller_after(device.caller_event())
+    assert device.operations - start == 1 + 1 + 1 + 1 + 2 + 1 + 2 + 1
+    if simulated:
+        assert simulated[0] - start_sim == device.operations - start
+    stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(x), np.ones(n, np.float32) * 2)
+
+
 def test_wait_times_out() -> None:
     for mode in FLAG_MODES:
         dev = CudaDevice(0, timeout=0.5, flags=mode)

@@ -5,6 +5,7 @@ path on every CI run; it says nothing of speed, and a real GPU still runs tests/
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -66,13 +67,19 @@ def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> N
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])
-def test_bench_cuda_path_on_the_simulator(sim_env: dict[str, str], collective: str) -> None:
+def test_bench_cuda_path_on_the_simulator(sim_env: dict[str, str], collective: str,
+                                          tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "gpuring", "bench", collective, "--ranks", "2",
          "--device", "cuda", "-b", "1K", "-e", "256K", "-f", "16", "-n", "2", "-w", "1",
-         "--peers", "nccl,gloo"],
+         "--peers", "nccl,gloo", "--json", str(tmp_path / "r.json")],
         cwd=ROOT, env=sim_env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     assert "# Wrong elements    : 0 OK" in output, output[-3000:]
     assert "nccl: skipped" in output and "gloo: skipped" in output  # no NCCL, no CUDA torch
+    # every gpuring line says how many driver calls one collective made
+    doc = json.loads((tmp_path / "r.json").read_text())
+    mine = [r for r in doc["results"] if r["system"] == "gpuring"]
+    assert mine and all(r["device_ops"] >= 1 for r in mine)
+    assert "# Driver calls per collective" in output
