@@ -18,7 +18,10 @@ stream blocked on a word only that peer could write.
 Round `seq` (1, 2, ... across all collectives) uses half `seq % 2`. Flag values are absolute:
 READY = seq << 32 | piece index, DONE = seq; both only grow, so nothing is ever reset. Before a
 round writes its half it waits until every rank's DONE >= seq - 2, i.e. every rank has finished
-reading that half from two rounds ago (the write-after-read hazard across rounds).
+reading that half from two rounds ago (the write-after-read hazard across rounds). Those
+waits are left out where they are known to hold: when the round before, on the same (inline)
+stream, waited for a piece of every other rank, each of them had started that round, so had
+finished the one before it (each rank runs its rounds in order).
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ class Launch:
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
-    __slots__ = ("_per_round", "divisor", "dtype", "engine", "inline", "itemsize", "op",
-                 "rounds", "runners")
+    __slots__ = ("_per_round", "divisor", "dtype", "engine", "hears_all", "inline",
+                 "itemsize", "op", "rounds", "runners")
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
                  itemsize: int, op: ReduceOp, inline: bool):
@@ -76,8 +79,14 @@ class Launch:
         self.op = op
         self.divisor = engine.size if op is ReduceOp.AVG else 1
         self.inline = inline
-        #: inline runners per round, per buffer half (seq parity), per channel
-        self.runners: tuple[tuple[tuple[Runner, ...], ...], ...] | None = None
+        #: inline runners per round, per buffer half (seq parity), without or with the
+        #: buffer credits (see `Engine.run`), per channel
+        self.runners: tuple[tuple[tuple[tuple[Runner, ...], ...], ...], ...] | None = None
+        #: per round: whether its (one) channel waits for a piece of every other rank
+        self.hears_all = tuple(
+            len(plan.channels) == 1 and {o.peer for o in plan.channels[0]
+                                         if isinstance(o, Wait)} == set(range(engine.size))
+            - {engine.rank} for plan in rounds)
         self._per_round: tuple[Launch, ...] | None = None
 
     def per_round(self) -> tuple[Launch, ...]:
@@ -102,6 +111,9 @@ class Engine:
         self._last: Event | None = None
         #: the stream `_last` was recorded on: work queued there later runs after it anyway
         self._last_stream: Stream | None = None
+        #: the round after which the inline stream knows every rank finished the round
+        #: before it (-1: none; see `run`)
+        self._heard_all = -1
         self._streams: list[Stream] = []
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
@@ -159,12 +171,21 @@ class Engine:
             if launch.inline:  # one stream (in this thread where the device can): latency path
                 for event in waits_for(self._inline):
                     self._inline.wait_event(event)
-                for by_parity in launch.runners or self._compile_inline(launch):
+                runners = launch.runners or self._compile_inline(launch)
+                for by_parity, hears_all in zip(runners, launch.hears_all, strict=True):
                     self._seq += 1
                     seq = self._seq
-                    for runner in by_parity[seq & 1]:
+                    # A round that waited on a piece of every other rank (round seq - 1, on
+                    # this stream) saw each of them start that round, so finish the one
+                    # before: the buffer credits of this round (every rank done with round
+                    # seq - 2) are known, and its waits for them are left out; so are those
+                    # of the first two rounds (no round before them used the buffers).
+                    known = seq <= 2 or self._heard_all == seq - 1
+                    for runner in by_parity[seq & 1][known]:
                         runner(in_mem, out_mem, seq)
+                    self._heard_all = seq if hears_all else -1
                 return self._finish([self._inline])
+            self._heard_all = -1
             dtype, itemsize, op, divisor = launch.dtype, launch.itemsize, launch.op, launch.divisor
             used: list[Stream] = []
             for plan in rounds:
@@ -230,21 +251,25 @@ class Engine:
             timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
             raise (timeouts or errors)[0]
 
-    def _compile_inline(self, launch: Launch) -> tuple[tuple[tuple[Runner, ...], ...], ...]:
+    def _compile_inline(self, launch: Launch
+                        ) -> tuple[tuple[tuple[tuple[Runner, ...], ...], ...], ...]:
         """The inline stream's runners of every round of `launch`, for either buffer half:
         compiled once, so a repeated small collective costs no lookup at all."""
         launch.runners = tuple(
-            tuple(tuple(self._compile(plan, c, parity, launch.dtype, launch.itemsize, launch.op,
-                                      launch.divisor, self._inline,
-                                      c == len(plan.channels) - 1)
-                        for c in range(len(plan.channels)))
+            tuple(tuple(tuple(self._compile(plan, c, parity, launch.dtype, launch.itemsize,
+                                            launch.op, launch.divisor, self._inline,
+                                            c == len(plan.channels) - 1, credits=not known)
+                              for c in range(len(plan.channels)))
+                        for known in (False, True))
                   for parity in (0, 1))
             for plan in launch.rounds)
         return launch.runners
 
     def _compile(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
-                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:
-        program = self._program(plan.channels[c], c, parity, itemsize, divisor, with_done)
+                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool, *,
+                 credits: bool = True) -> Runner:
+        program = self._program(plan.channels[c], c, parity, itemsize, divisor, with_done,
+                                credits=credits)
         return self.device.compile(program, dtype, op, stream)
 
     def _runner(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
@@ -261,9 +286,10 @@ class Engine:
         return runner
 
     def _program(self, ops: ChannelPlan, c: int, parity: int, itemsize: int, divisor: int,
-                 with_done: bool) -> tuple[Instruction, ...]:
+                 with_done: bool, *, credits: bool = True) -> tuple[Instruction, ...]:
         """Device instructions for one channel of a round: plan locations become spans of
-        the buffers (input/output stay arguments), relative flag values stay relative."""
+        the buffers (input/output stay arguments), relative flag values stay relative.
+        Without `credits` the round does not wait for the buffer credits (known already)."""
         base = self._flag_bytes + parity * 2 * self.capacity
         mems = self._mems
         local = mems[self.rank]
@@ -278,7 +304,8 @@ class Engine:
         # Credit: every rank, this one included (its other channels), has finished round
         # seq - 2, which used the buffer half this round is about to write.
         program: list[Instruction] = [WaitI(flag, -2, 0, (peer, "buffer credit"))
-                                      for peer, flag in enumerate(self._done_from)]
+                                      for peer, flag in enumerate(self._done_from)
+                                      if credits]
         for o in ops:
             if isinstance(o, Copy):
                 program.append(CopyI(operand(o.dst, o.length), operand(o.src, o.length)))

@@ -14,7 +14,8 @@ publishes nothing once the device is aborted; consecutive writes of one value (a
 to every rank, a piece for several readers) are one launch.
 
 Every driver call that enqueues work or makes an event is counted in `operations` (the host
-cost of a collective in calls; `Communicator.device_operations`).
+cost of a collective in calls; `Communicator.device_operations`). Events are reused: once
+nothing holds an event recorded earlier, the next record takes it instead of creating one.
 
 A stream waits only on words in memory this device allocated (the scheduler puts every flag
 with its reader; producers write through their IPC mappings). That is what makes abort work:
@@ -44,6 +45,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -154,10 +156,24 @@ class CudaHandle(NamedTuple):
     ipc: bytes
 
 
+#: events kept for reuse per device (creating one is a driver call)
+_SPARE_EVENTS = 64
+
+
+def _give_back(spare: list[Any], raw: Any) -> None:
+    if len(spare) < _SPARE_EVENTS:
+        spare.append(raw)
+
+
 class _CudaEvent(Event):
-    def __init__(self, raw: Any, device: CudaDevice):
+    def __init__(self, raw: Any, device: CudaDevice, *, reuse: bool = False):
+        """`reuse`: `raw` came from `CudaDevice._event` and goes back to it once this object
+        is gone. Nothing else holds it then, so recording it again is safe: the waits queued
+        on it already took the record they saw."""
         self.raw = raw
         self._device = device
+        if reuse:
+            weakref.finalize(self, _give_back, device._spare_events, raw)
 
     def query(self) -> bool:
         """True once the stream passed the event; raises the CUDA error of a failed kernel
@@ -334,10 +350,10 @@ class _CudaStream(Stream):
     def record(self) -> Event:
         dev = self._device
         with dev.scope():
-            raw = _cupy().cuda.Event(block=False, disable_timing=True)
+            raw = dev._event()
             raw.record(self.raw)
-        dev.operations += 2  # the event's creation and its record
-        return _CudaEvent(raw, dev)
+        dev.operations += 1
+        return _CudaEvent(raw, dev, reuse=True)
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, _CudaEvent):
@@ -448,6 +464,7 @@ class CudaDevice(Device):
         self._reduce_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
         self._reduce_n_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
         self._blocks_per_sm: dict[Any, int] = {}  # kernel -> blocks that fit on one SM
+        self._spare_events: list[Any] = []  # recorded before, free to record again
 
     # -- helpers ------------------------------------------------------------------------------
     def scope(self) -> Scope:
@@ -550,10 +567,19 @@ class CudaDevice(Device):
     def caller_event(self) -> Event | None:
         cupy = _cupy()
         with self.scope():
-            raw = cupy.cuda.Event(block=False, disable_timing=True)
+            raw = self._event()
             raw.record(cupy.cuda.get_current_stream())
-        self.operations += 2
-        return _CudaEvent(raw, self)
+        self.operations += 1
+        return _CudaEvent(raw, self, reuse=True)
+
+    def _event(self) -> Any:
+        """An event to record: one given back by a collected `_CudaEvent`, else a new one
+        (a driver call, counted). Call inside `scope()`."""
+        try:
+            return self._spare_events.pop()
+        except IndexError:
+            self.operations += 1
+            return _cupy().cuda.Event(block=False, disable_timing=True)
 
     def order_caller_after(self, event: Event) -> None:
         if not isinstance(event, _CudaEvent):

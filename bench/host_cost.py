@@ -1,0 +1,96 @@
+"""gpuring's own host time per small CuPy all_reduce, driver calls excluded.
+
+    gpuring run -n 2 python bench/host_cost.py [--size 1K] [--iters 5000]
+
+Every rank first runs real collectives (warm-up, and a check of the result), then replaces
+each driver call CudaDevice makes (kernel launches, copies, stream memory operations, event
+creations, records and waits) with a call that does nothing, and times `--iters`
+all_reduce calls back to back: what remains is gpuring's own Python on the call path
+(argument checks, the prepared call, the scheduler, the instruction runner), plus one
+Python call per driver call it would make. Reported per rank: the median of 5 runs of the
+loop, and the driver calls one all_reduce makes (`comm.device_operations`). Needs CuPy: a
+GPU, or the CUDA simulator of tests/cudasim (see tests/multiproc/test_cuda_simulated.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import gpuring
+from gpuring._config import parse_size
+from gpuring.devices import cuda
+
+
+class _Done:
+    """An event that has completed."""
+
+    def query(self) -> bool:
+        return True
+
+
+def _without_driver() -> None:
+    """Every CudaDevice call that reaches the driver becomes a no-op (events: done)."""
+    stream = cuda._CudaStream
+    for name in ("copy", "reduce", "reduce_n", "wait_flag", "write_flag", "write_flags",
+                 "wait_event"):
+        setattr(stream, name, lambda self, *args, **kwargs: None)
+    stream.record = lambda self: _Done()  # type: ignore[method-assign,assignment]
+    device = cuda.CudaDevice
+    device.caller_event = lambda self: _Done()  # type: ignore[method-assign,assignment]
+    device.order_caller_after = lambda self, event: None  # type: ignore[method-assign]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="1K", help="bytes of float32 (default 1K)")
+    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--profile", action="store_true",
+                   help="rank 0 also prints where the time goes (cProfile, top 25)")
+    args = p.parse_args()
+    import cupy
+
+    n = parse_size(args.size) // 4
+    with gpuring.init() as comm:
+        x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(n, np.float32))
+        out = cupy.empty_like(x)
+        want = comm.all_gather(x).sum(axis=0)
+        for _ in range(20):
+            comm.all_reduce(x, out=out)
+        cupy.cuda.Device().synchronize()
+        assert float(abs(out - want).max()) < 1e-3, "a wrong result before timing"
+        before = comm.device_operations
+        for _ in range(100):
+            comm.all_reduce(x, out=out)
+        calls = (comm.device_operations - before) / 100
+        comm.barrier()
+        cupy.cuda.Device().synchronize()
+        _without_driver()
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                comm.all_reduce(x, out=out)
+            runs.append((time.perf_counter() - t0) / args.iters * 1e6)
+        if args.profile and comm.rank == 0:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        for _ in range(args.iters if args.profile else 0):
+            comm.all_reduce(x, out=out)
+        if args.profile and comm.rank == 0:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        print(f"rank {comm.rank}: all_reduce of {n * 4} B float32 on {comm.size} ranks: "
+              f"{statistics.median(runs):.2f} us of gpuring's Python per call without the "
+              f"driver (runs: {', '.join(f'{r:.2f}' for r in runs)}), {calls:.0f} driver "
+              "calls per call", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The scheduler's programs, on a device that only records them: which waits a round makes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuring._ops import ReduceOp
+from gpuring._scheduler import Engine
+from gpuring.algorithms.collectives import plan_collective
+from gpuring.devices.base import WaitI, WriteI, _group_writes
+
+
+class _Stream:
+    def wait_event(self, event: Any) -> None:
+        raise AssertionError("a blocking device orders nothing with events")
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Device:
+    """Blocking, and compiles a program into a runner that notes what it ran."""
+
+    blocking = True
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[tuple[Any, ...], int]] = []
+
+    def alloc(self, nbytes: int) -> object:
+        return object()
+
+    def export(self, mem: object) -> int:
+        return 0
+
+    def open(self, handle: int) -> object:
+        return object()
+
+    def seal(self, mem: object) -> None:
+        pass
+
+    def create_stream(self, *, inline: bool = False) -> _Stream:
+        return _Stream()
+
+    def compile(self, program: tuple[Any, ...], dtype: str, op: ReduceOp, stream: Any) -> Any:
+        return lambda inp, out, seq: self.ran.append((program, seq))
+
+
+class _Control:
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def exchange(self, what: str, value: Any, timeout: float) -> list[Any]:
+        return [value] * self.size
+
+    def barrier(self, timeout: float, what: str) -> None:
+        pass
+
+
+def _credits(program: tuple[Any, ...]) -> int:
+    return sum(isinstance(i, WaitI) and i.tag[1] == "buffer credit" for i in program)
+
+
+def _launch(engine: Engine, kind: str, count: int, channels: int = 1) -> Any:
+    rounds = plan_collective(kind, engine.size, engine.rank, count, itemsize=4,
+                             capacity_bytes=1 << 16, chunk_bytes=1 << 14, channels=channels,
+                             one_shot_bytes=4096)
+    return engine.prepare(rounds, dtype="float32", itemsize=4, op=ReduceOp.SUM,
+                          inline=channels == 1)
+
+
+def _run(engine: Engine, device: _Device, launch: Any) -> list[int]:
+    """The credit waits of each round `launch` ran."""
+    device.ran.clear()
+    engine.run(launch, None, None, "test", 1)
+    return [_credits(program) for program, _ in device.ran]
+
+
+def test_a_round_after_one_that_heard_every_rank_skips_its_credits() -> None:
+    """A one-shot all_reduce waits for every other rank's piece: the next round on the same
+    stream knows every rank finished the round before, and waits for no credit."""
+    device = _Device()
+    engine = Engine(device, _Control(0, 3), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    small = _launch(engine, "all_reduce", 64)  # one-shot: hears ranks 1 and 2
+    assert small.hears_all == (True,)
+    ring = _launch(engine, "all_reduce", 3 * 16384)  # 3 ranks: a ring hears its left only
+    assert not any(ring.hears_all) and len(ring.rounds) == 3
+    assert _run(engine, device, ring) == [0, 0, 3]  # rounds 1 and 2: no buffer used before
+    assert _run(engine, device, small) == [3]  # after a ring round: nothing known
+    assert _run(engine, device, small) == [0]
+    assert _run(engine, device, small) == [0]
+    assert _run(engine, device, ring) == [0, 3, 3]  # after the one-shot, then none known
+    wide = _launch(engine, "all_reduce", 64, channels=2)  # channel streams: nothing known
+    device.ran.clear()
+    engine.run(wide, None, None, "test", 1)
+    assert _run(engine, device, small) == [3]
+
+
+def test_two_ranks_every_round_hears_the_other() -> None:
+    device = _Device()
+    engine = Engine(device, _Control(1, 2), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    ring = _launch(engine, "all_reduce", 2 * 16384)  # several rounds of a 2-rank ring
+    assert len(ring.rounds) > 1 and all(ring.hears_all)
+    wide = _launch(engine, "all_reduce", 64, channels=2)
+    for _ in range(3):  # rounds on channel streams: nothing known after them
+        engine.run(wide, None, None, "test", 1)
+    assert _run(engine, device, ring) == [2] + [0] * (len(ring.rounds) - 1)
+
+
+def test_consecutive_writes_of_one_value_are_grouped() -> None:
+    device = _Device()
+    engine = Engine(device, _Control(0, 4), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    _run(engine, device, _launch(engine, "all_reduce", 64))
+    (program, _), = device.ran
+    steps = _group_writes(program)
+    groups = [s for s in steps if isinstance(s, tuple) and s and isinstance(s[0], WriteI)]
+    # the piece for the three readers, and DONE to all four ranks: one step each
+    assert [len(g) for g in groups] == [3, 4]
+    assert sum(isinstance(i, WriteI) for i in program) == 7
