@@ -7,9 +7,11 @@ each driver call CudaDevice makes (kernel launches, copies, stream memory operat
 creations, records and waits) with a call that does nothing, and times `--iters`
 all_reduce calls back to back: what remains is gpuring's own Python on the call path
 (argument checks, the prepared call, the scheduler, the instruction runner), plus one
-Python call per driver call it would make. Reported per rank: the median of 5 runs of the
-loop, and the driver calls one all_reduce makes (`comm.device_operations`). Needs CuPy: a
-GPU, or the CUDA simulator of tests/cudasim (see tests/multiproc/test_cuda_simulated.py).
+Python call per driver call it would make (an event record still runs gpuring's own
+wrapper, reuse and bookkeeping, with a raw event that records nothing). Reported per rank: the
+median of 5 runs of the loop, and the driver calls one all_reduce makes
+(`comm.device_operations`). Needs CuPy: a GPU, or the CUDA simulator of tests/cudasim (see
+tests/multiproc/test_cuda_simulated.py).
 """
 
 from __future__ import annotations
@@ -25,23 +27,28 @@ from gpuring._config import parse_size
 from gpuring.devices import cuda
 
 
-class _Done:
-    """An event that has completed."""
+class _RawEvent:
+    """A CUDA event whose record is a no-op."""
 
-    def query(self) -> bool:
-        return True
+    ptr = 0
+
+    def record(self, stream: object = None) -> None:
+        pass
 
 
 def _without_driver() -> None:
-    """Every CudaDevice call that reaches the driver becomes a no-op (events: done)."""
+    """Every CudaDevice call that reaches the driver becomes a no-op: the stream operations
+    (copies, kernels, flag waits and writes, event waits), and the raw event under an event
+    record, whose wrapper, reuse and bookkeeping still run as gpuring runs them; every event
+    has completed."""
     stream = cuda._CudaStream
     for name in ("copy", "reduce", "reduce_n", "wait_flag", "write_flag", "write_flags",
                  "wait_event"):
         setattr(stream, name, lambda self, *args, **kwargs: None)
-    stream.record = lambda self: _Done()  # type: ignore[method-assign,assignment]
-    device = cuda.CudaDevice
-    device.caller_event = lambda self: _Done()  # type: ignore[method-assign,assignment]
-    device.order_caller_after = lambda self, event: None  # type: ignore[method-assign]
+    cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]
+    cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]
+        lambda self, event: None)
+    cuda._CudaEvent.query = lambda self: True  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -207,10 +207,11 @@ class Communicator:
 
     @property
     def device_operations(self) -> int:
-        """Driver calls this rank's devices have made so far to enqueue work or make events
-        (kernel launches, copies, stream memory operations, event creations, records and
-        waits): on a GPU, the host cost of the collectives in calls. 0 on the host device,
-        which calls no driver. `gpuring bench` reports it per collective."""
+        """Driver calls this rank's collectives have made so far to enqueue work or make
+        events (kernel launches, copies, stream memory operations, event creations, records
+        and waits; setup, abort and close not counted): on a GPU, the host cost of the
+        collectives in calls. 0 on the host device, which calls no driver. `gpuring bench`
+        reports it per collective."""
         return sum(engine.device.operations for engine in self._path.engines.values())
 
     # -- failures -----------------------------------------------------------------------

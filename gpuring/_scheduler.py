@@ -204,8 +204,7 @@ class Engine:
                     first = streams[0]
                     for other in streams[1:]:
                         first.wait_event(other.record())
-                    for flag in self._done_to:
-                        first.write_flag(flag, seq)
+                    first.write_flags(self._done_to, seq)
             return self._finish(used)
         except FlagWaitTimeout as exc:
             peer, what = exc.tag

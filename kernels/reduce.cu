@@ -450,9 +450,10 @@ extern "C" __global__ void gpuring_write_flag(volatile u64* flag, u64 value,
     __threadfence_system();
 }
 
-// gpuring_write_flag for up to eight flags at once (the first `count`), all to `value`: one
-// launch where a rank tells every peer the same thing (a round done, a piece ready for several
-// readers). One fence makes everything before it visible to all of them.
+// gpuring_write_flag for up to GPURING_MAX_FLAGS flags at once (the first `count`), all to
+// `value`: one launch where a rank tells every peer the same thing (a round done, a piece ready
+// for several readers). One fence makes everything before it visible to all of them.
+#define GPURING_MAX_FLAGS 8
 extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f1,
                                                volatile u64* f2, volatile u64* f3,
                                                volatile u64* f4, volatile u64* f5,
@@ -460,9 +461,9 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
                                                u64 value, const volatile int* abort) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     if (*abort) return;
-    volatile u64* flags[8] = {f0, f1, f2, f3, f4, f5, f6, f7};
+    volatile u64* flags[GPURING_MAX_FLAGS] = {f0, f1, f2, f3, f4, f5, f6, f7};
     __threadfence_system();
-    for (int i = 0; i < count && i < 8; ++i) {
+    for (int i = 0; i < count && i < GPURING_MAX_FLAGS; ++i) {
         if (*flags[i] < value) *flags[i] = value;
     }
     __threadfence_system();

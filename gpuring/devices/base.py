@@ -197,9 +197,10 @@ class Device(abc.ABC):
     #: the arrays whose collectives it runs, and how it reaches its peers (for messages)
     arrays: str
     reach: str
-    #: driver calls made so far to enqueue work or make events (kernel launches, copies,
-    #: stream memory operations, event creations, records and waits): a GPU's host cost per
-    #: collective; a device that calls no driver (the host's) stays at 0
+    #: driver calls the collectives' stream operations have made so far to enqueue work or
+    #: make events (kernel launches, copies, stream memory operations, event creations,
+    #: records and waits; not setup, abort or close): a GPU's host cost per collective; a
+    #: device that calls no driver (the host's) stays at 0
     operations: int = 0
 
     @classmethod

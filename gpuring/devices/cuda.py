@@ -13,8 +13,9 @@ memops|kernel|auto` (default auto) chooses. Flag writes are always a one-thread 
 publishes nothing once the device is aborted; consecutive writes of one value (a round's DONE
 to every rank, a piece for several readers) are one launch.
 
-Every driver call that enqueues work or makes an event is counted in `operations` (the host
-cost of a collective in calls; `Communicator.device_operations`). Events are reused: once
+Every driver call a stream operation makes to enqueue work or make an event is counted in
+`operations` (the host cost of a collective in calls; `Communicator.device_operations`; setup,
+abort and close are not counted). Events are reused: once
 nothing holds an event recorded earlier, the next record takes it instead of creating one.
 
 A stream waits only on words in memory this device allocated (the scheduler puts every flag

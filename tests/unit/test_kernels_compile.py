@@ -59,6 +59,7 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
     assert len(set(_kernels.ALL_KERNEL_NAMES)) == len(_kernels.ALL_KERNEL_NAMES) == (
         2 * reduce_kernels + 4)  # copy, wait, write one flag, write several
     assert f"#define GPURING_MAX_SOURCES {_kernels.MAX_SOURCES}\n" in source
+    assert f"#define GPURING_MAX_FLAGS {_kernels.MAX_FLAGS}\n" in source
 
 
 def test_fold_launches_take_every_source_once_in_order() -> None:

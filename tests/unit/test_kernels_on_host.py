@@ -410,6 +410,21 @@ def test_write_flag_publishes_only_while_not_aborted(lib: ctypes.CDLL) -> None:
     assert f.flag[0] == 11
 
 
+def test_write_flags_sets_the_first_count_flags_while_not_aborted(lib: ctypes.CDLL) -> None:
+    """Several flags in one launch: the first `count`, to one value, never lowered, nothing
+    once aborted, nothing from extra threads; the unused pointers are never touched."""
+    kernel = _kernel(lib, _kernels.WRITE_FLAGS_KERNEL)
+    words = np.zeros(_kernels.MAX_FLAGS, dtype=np.uint64)
+    words[2] = RELEASED
+    abort = np.zeros(1, dtype=np.int32)
+    pointers = [words[i:].ctypes.data for i in range(5)] + [0] * (_kernels.MAX_FLAGS - 5)
+    lib.emu_launch_write_many(kernel, 2, 3, *pointers, 5, 7, abort.ctypes.data)
+    assert words.tolist() == [7, 7, RELEASED, 7, 7, 0, 0, 0]
+    abort[0] = 1
+    lib.emu_launch_write_many(kernel, 1, 1, *pointers, 5, 9, abort.ctypes.data)
+    assert words.tolist() == [7, 7, RELEASED, 7, 7, 0, 0, 0]
+
+
 def test_write_flag_never_lowers_a_word(lib: ctypes.CDLL) -> None:
     """A released wait word (raised to the largest value by an abort) stays released even
     when a late producer writes its ordinary value."""
