@@ -68,10 +68,12 @@ def all_gather(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
     x = input_array(x)
     check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
     # in place: x is this rank's slot of out
+    given = out is not None
     out = output_array(out, x, (size, *x.shape), "all_gather",
                        in_place=lambda out: _arrays.same_memory(out[rank, ...], x),
                        hint="x=out[rank]")
-    return Call("all_gather", x, out, ReduceOp.SUM, 0, chunk_bytes, channels)
+    in_place = given and bool(_arrays.array_module(x).may_share_memory(out, x))
+    return Call("all_gather", x, out, ReduceOp.SUM, 0, chunk_bytes, channels, in_place)
 
 
 def broadcast(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: int | None,

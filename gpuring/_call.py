@@ -29,6 +29,8 @@ class Call:
     root: int = 0
     chunk_bytes: int | None = None
     channels: int | None = None
+    #: all_gather: x is out's block of this rank (nothing to copy into it)
+    in_place: bool = False
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""
@@ -36,7 +38,7 @@ class Call:
         if x is None:
             return (self.collective,)
         return (self.collective, x.shape, x.dtype, type(x), self.op, self.root,
-                self.chunk_bytes, self.channels, self.copies_to_out())
+                self.chunk_bytes, self.channels, self.copies_to_out(), self.in_place)
 
     def copies_to_out(self) -> bool:
         """An out-of-place broadcast: its root also copies x into out."""

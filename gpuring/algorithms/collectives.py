@@ -24,12 +24,16 @@ __all__ = ["plan_collective"]
 @functools.lru_cache(maxsize=512)
 def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                     capacity_bytes: int, chunk_bytes: int, channels: int, root: int = 0,
-                    one_shot_bytes: int = 0, root_copies: bool = False) -> tuple[RoundPlan, ...]:
+                    one_shot_bytes: int = 0, root_copies: bool = False,
+                    own_copy: bool = True) -> tuple[RoundPlan, ...]:
     """The rounds `rank` runs for one collective.
 
     `count` is the element count of the input (all_reduce, reduce_scatter: whole input;
     all_gather: one rank's block; broadcast, reduce: the array). `capacity_bytes` is the size of
-    one buffer region; `one_shot_bytes` the largest all_reduce that runs one-shot.
+    one buffer region; `one_shot_bytes` the largest all_reduce that runs one-shot;
+    `root_copies`: the root of a broadcast also copies its input to its output (out of
+    place); without `own_copy` an all_gather does not copy this rank's input into its own
+    block of the output (in place, where the input is that block).
     """
     if n < 2:
         raise ValueError("collectives across one rank need no plan")
@@ -66,7 +70,7 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         for j in range(0, count, step):
             length = min(step, count - j)
             segs = tuple(Segment(j, b * length, b * count + j, length) for b in range(n))
-            rounds.append(ring_round(kind, n, rank, segs, chunk, channels))
+            rounds.append(ring_round(kind, n, rank, segs, chunk, channels, own_copy=own_copy))
     elif kind in (BROADCAST, REDUCE):
         for a in range(0, count, cap):
             length = min(cap, count - a)

@@ -64,9 +64,10 @@ def piece_ranges(count: int, channel: int, channels: int, chunk: int) -> list[tu
 
 def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, channels: int,
                   chunk: int, left_index: dict[tuple[int, int, int], int] | None,
-                  ) -> tuple[list[Op], dict[tuple[int, int, int], int]]:
+                  own_copy: bool = True) -> tuple[list[Op], dict[tuple[int, int, int], int]]:
     """Ops of rank `x` on channel `c`, and the READY index of every piece it publishes, keyed
-    by (region, segment, piece). `left_index` is the left neighbour's map (None: keys only)."""
+    by (region, segment, piece). `left_index` is the left neighbour's map (None: keys only);
+    `own_copy` as in `ring_round`."""
     left = (x - 1) % n
     readers = ((x + 1) % n,)  # the right neighbour pulls from this rank's buffer
     ops: list[Op] = []
@@ -112,7 +113,8 @@ def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, 
         for p, (o, k) in enumerate(pieces(x)):
             ops.append(Copy(Loc(BUF, seg.buf_off + o, x, AG), Loc(IN, seg.in_off + o), k))
             publish(AG, x, p)
-            ops.append(Copy(Loc(OUT, seg.out_off + o), Loc(IN, seg.in_off + o), k))
+            if own_copy:
+                ops.append(Copy(Loc(OUT, seg.out_off + o), Loc(IN, seg.in_off + o), k))
     if kind in (ALL_REDUCE, ALL_GATHER):
         for t in range(n - 1):
             g = (x - 1 - t) % n
@@ -131,10 +133,12 @@ def _ring_channel(kind: str, n: int, x: int, segs: tuple[Segment, ...], c: int, 
 
 
 def ring_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: int,
-               channels: int) -> RoundPlan:
+               channels: int, *, own_copy: bool = True) -> RoundPlan:
     """One round of a ring all_reduce, reduce_scatter or all_gather for `rank`.
 
     `segs[g]` describes segment g (all_reduce, reduce_scatter) or rank g's block (all_gather).
+    Without `own_copy` an all_gather leaves out the copy of this rank's input into its own
+    block of the output (in place: the input is that block).
     """
     if kind not in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER):
         raise ValueError(f"not a ring collective: {kind}")
@@ -144,7 +148,7 @@ def ring_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: i
     left = (rank - 1) % n
     for c in range(channels):
         _, left_index = _ring_channel(kind, n, left, segs, c, channels, chunk, None)
-        ops, _ = _ring_channel(kind, n, rank, segs, c, channels, chunk, left_index)
+        ops, _ = _ring_channel(kind, n, rank, segs, c, channels, chunk, left_index, own_copy)
         plans.append(tuple(ops))
     return RoundPlan(tuple(plans))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -261,3 +262,21 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="too small"):
         plan_collective("all_reduce", 8, 0, 10, itemsize=8, capacity_bytes=16,
                         chunk_bytes=4, channels=1)
+
+
+def test_an_all_gather_in_place_does_not_copy_into_its_own_block() -> None:
+    """In place, the input is this rank's block of the output: the plan leaves out exactly
+    the copies from the input into the output, and nothing else changes."""
+    from gpuring.algorithms.plan import IN, OUT, Copy
+
+    def ops(rounds: tuple[Any, ...]) -> list[Any]:
+        return [op for r in rounds for channel in r.channels for op in channel]
+
+    for n in (2, 3):
+        for rank in range(n):
+            kw = dict(itemsize=4, capacity_bytes=1 << 12, chunk_bytes=64, channels=2)
+            out_of_place = ops(plan_collective("all_gather", n, rank, 700, **kw))
+            in_place = ops(plan_collective("all_gather", n, rank, 700, own_copy=False, **kw))
+            own = [op for op in out_of_place
+                   if isinstance(op, Copy) and op.src.space == IN and op.dst.space == OUT]
+            assert own and in_place == [op for op in out_of_place if op not in own]
