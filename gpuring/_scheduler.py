@@ -79,9 +79,9 @@ class Launch:
         self.op = op
         self.divisor = engine.size if op is ReduceOp.AVG else 1
         self.inline = inline
-        #: inline runners per round, per buffer half (seq parity), without or with the
-        #: buffer credits (see `Engine.run`), per channel
-        self.runners: tuple[tuple[tuple[tuple[Runner, ...], ...], ...], ...] | None = None
+        #: inline runners, per channel, of (round, buffer half (seq parity), credits known
+        #: (see `Engine.run`)), each compiled on its first use
+        self.runners: dict[tuple[int, int, bool], tuple[Runner, ...]] = {}
         #: per round: whether its (one) channel waits for a piece of every other rank
         self.hears_all = tuple(
             len(plan.channels) == 1 and {o.peer for o in plan.channels[0]
@@ -171,8 +171,8 @@ class Engine:
             if launch.inline:  # one stream (in this thread where the device can): latency path
                 for event in waits_for(self._inline):
                     self._inline.wait_event(event)
-                runners = launch.runners or self._compile_inline(launch)
-                for by_parity, hears_all in zip(runners, launch.hears_all, strict=True):
+                runners = launch.runners
+                for r, hears_all in enumerate(launch.hears_all):
                     self._seq += 1
                     seq = self._seq
                     # A round that waited on a piece of every other rank (round seq - 1, on
@@ -181,7 +181,8 @@ class Engine:
                     # seq - 2) are known, and its waits for them are left out; so are those
                     # of the first two rounds (no round before them used the buffers).
                     known = seq <= 2 or self._heard_all == seq - 1
-                    for runner in by_parity[seq & 1][known]:
+                    key = (r, seq & 1, known)
+                    for runner in runners.get(key) or self._compile_inline(launch, key):
                         runner(in_mem, out_mem, seq)
                     self._heard_all = seq if hears_all else -1
                 return self._finish([self._inline])
@@ -250,19 +251,18 @@ class Engine:
             timeouts = [e for e in errors if isinstance(e, FlagWaitTimeout)]
             raise (timeouts or errors)[0]
 
-    def _compile_inline(self, launch: Launch
-                        ) -> tuple[tuple[tuple[tuple[Runner, ...], ...], ...], ...]:
-        """The inline stream's runners of every round of `launch`, for either buffer half:
-        compiled once, so a repeated small collective costs no lookup at all."""
-        launch.runners = tuple(
-            tuple(tuple(tuple(self._compile(plan, c, parity, launch.dtype, launch.itemsize,
-                                            launch.op, launch.divisor, self._inline,
-                                            c == len(plan.channels) - 1, credits=not known)
-                              for c in range(len(plan.channels)))
-                        for known in (False, True))
-                  for parity in (0, 1))
-            for plan in launch.rounds)
-        return launch.runners
+    def _compile_inline(self, launch: Launch,
+                        key: tuple[int, int, bool]) -> tuple[Runner, ...]:
+        """The inline stream's runners of round `key[0]` of `launch` for buffer half `key[1]`,
+        without its credit waits where `key[2]`: compiled once, kept by the launch."""
+        r, parity, known = key
+        plan = launch.rounds[r]
+        runners = tuple(self._compile(plan, c, parity, launch.dtype, launch.itemsize,
+                                      launch.op, launch.divisor, self._inline,
+                                      c == len(plan.channels) - 1, credits=not known)
+                        for c in range(len(plan.channels)))
+        launch.runners[key] = runners
+        return runners
 
     def _compile(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
                  op: ReduceOp, divisor: int, stream: Stream, with_done: bool, *,
