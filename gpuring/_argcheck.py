@@ -91,7 +91,7 @@ def broadcast(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: in
         if _arrays.same_memory(out, x):  # in place after all: nothing to copy on the root
             out = x
     check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
-    return Call("broadcast", x, out, ReduceOp.SUM, root, chunk_bytes, channels)
+    return Call("broadcast", x, out, ReduceOp.SUM, root, chunk_bytes, channels, out is x)
 
 
 def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | None,

@@ -29,7 +29,8 @@ class Call:
     root: int = 0
     chunk_bytes: int | None = None
     channels: int | None = None
-    #: all_gather: x is out's block of this rank (nothing to copy into it)
+    #: the output already holds the input where the plan would copy it (broadcast into x
+    #: itself; all_gather with x as out's block of this rank), so that copy is left out
     in_place: bool = False
 
     def key(self) -> tuple[Any, ...]:
@@ -38,11 +39,7 @@ class Call:
         if x is None:
             return (self.collective,)
         return (self.collective, x.shape, x.dtype, type(x), self.op, self.root,
-                self.chunk_bytes, self.channels, self.copies_to_out(), self.in_place)
-
-    def copies_to_out(self) -> bool:
-        """An out-of-place broadcast: its root also copies x into out."""
-        return self.collective == "broadcast" and self.out is not self.x
+                self.chunk_bytes, self.channels, self.in_place)
 
 
 class Signature(NamedTuple):

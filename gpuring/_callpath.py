@@ -126,7 +126,8 @@ class CallPath:
                 name, self.size, self.rank, count, itemsize=itemsize,
                 capacity_bytes=capacity, chunk_bytes=chunk, channels=nchannels,
                 root=call.root, one_shot_bytes=config.one_shot_bytes,
-                root_copies=call.copies_to_out(), own_copy=not call.in_place)
+                root_copies=name == "broadcast" and not call.in_place,
+                own_copy=not call.in_place)
         except BaseException as exc:  # after agreement the peers go on: tell them
             self.give_up(exc, name)
             raise

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .report import Floor
+from .report import Floor, size_label
 from .stats import Summary
 
-__all__ = ["plot", "size_label"]
-
-
-def size_label(size: float) -> str:
-    """8 -> "8 B", 4096 -> "4 KiB", 3 << 20 -> "3 MiB"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size >= 1 << shift:
-            value = size / (1 << shift)
-            return f"{value:g} {unit}"
-    return f"{size:g} B"
+__all__ = ["plot"]
 
 
 def plot(path: str, summary: Sequence[Summary], floors: Sequence[Floor], title: str) -> str:

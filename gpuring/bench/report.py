@@ -1,22 +1,18 @@
-"""The table (nccl-tests' layout), the peer and floor sections, JSON, CSV and the plot."""
+"""What a run found, as records (Result, Floor) and as text: the table (nccl-tests' layout)
+and the footer, repeat, peer, overlap, driver-call and floor sections."""
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import json
-import os
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from .metrics import IN_PLACE, OUT_OF_PLACE
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
            "footer_lines", "driver_lines", "repeat_lines", "overlap_lines", "peer_lines",
-           "floor_lines", "floor_basis", "ratios", "avg_busbw", "to_json", "write_json",
-           "write_csv", "replace_file"]
+           "floor_lines", "floor_basis", "ratios", "avg_busbw", "size_label"]
 
 SCHEMA = "gpuring.bench/2"
 _PLACE = (OUT_OF_PLACE, IN_PLACE)
@@ -109,7 +105,8 @@ def floor_basis(bandwidth: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _bytes(n: float | None) -> str:
+def size_label(n: float | None) -> str:
+    """8 -> "8 B", 4096 -> "4 KiB", 3 << 20 -> "3 MiB" ("?" when unknown)."""
     if not n:
         return "?"
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
@@ -120,8 +117,8 @@ def _bytes(n: float | None) -> str:
 
 def _sizes(sizes: list[int]) -> str:
     if len(sizes) <= 6:
-        return ", ".join(_bytes(x) for x in sizes)
-    return f"{len(sizes)} sizes, {_bytes(sizes[0])} .. {_bytes(sizes[-1])}"
+        return ", ".join(size_label(x) for x in sizes)
+    return f"{len(sizes)} sizes, {size_label(sizes[0])} .. {size_label(sizes[-1])}"
 
 
 def header_lines(machine: dict[str, Any], settings: dict[str, Any],
@@ -141,11 +138,11 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
         f"{settings['warmup']} warm-up, {settings['check_iters']} checked, "
         f"{settings.get('repeats', 1)} repeat(s)",
         f"# machine: {machine.get('host')}, {machine.get('cpu')}, {machine.get('cpus')} CPUs, "
-        f"{_bytes(machine.get('memory_bytes'))} memory, {machine.get('os')}",
+        f"{size_label(machine.get('memory_bytes'))} memory, {machine.get('os')}",
     ]
     g = machine.get("gpus")
     if g:
-        memory = ", ".join(_bytes(b) for b in g.get("memory_bytes", []))
+        memory = ", ".join(size_label(b) for b in g.get("memory_bytes", []))
         lines.append(f"# GPUs: {', '.join(g['names']) or 'none'} ({memory}); driver "
                      f"{g['driver']}")
     libs = ", ".join(f"{k} {val}" for k, val in v.items() if val)
@@ -163,7 +160,7 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
         "blocking") else (
         "calls enqueued back to back (-z 0)")
     if settings.get("off_cache"):
-        cache = _bytes((bandwidth or {}).get("cache_bytes"))
+        cache = size_label((bandwidth or {}).get("cache_bytes"))
         how += f"; buffers rotate over sets of twice the {cache} cache (--off-cache)"
     if settings.get("per_iteration"):
         lines.append("# time: each call timed on its own after a barrier; an iteration's time "
@@ -371,81 +368,3 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
                      "apart from it; within a few percent that is noise, beyond it the floor's "
                      "byte count or its bandwidth is wrong for this size")
     return lines
-
-
-def to_json(*, settings: dict[str, Any], machine: dict[str, Any], bandwidth: dict[str, Any],
-            peers: list[str], results: list[Result], floors: list[Floor],
-            overlap: list[dict[str, Any]] | None = None,
-            complete: bool = True) -> dict[str, Any]:
-    """The document --json writes (schema "gpuring.bench/2"): every repeat's results,
-    their summary over repeats, the ratios to the peers (per repeat), the floor, the
-    overlap; `complete` is False while the run goes on (what was not measured yet is
-    missing)."""
-    from .stats import summarize
-
-    return {
-        "schema": SCHEMA,
-        "complete": complete,
-        "settings": settings,
-        "machine": machine,
-        "memory_bandwidth": bandwidth,
-        "peers": peers,
-        "results": [asdict(r) for r in results],
-        "summary": [asdict(r) for r in summarize(results)],
-        "ratios": ratios(results),
-        "floor": [asdict(f) for f in floors],
-        "overlap": overlap or [],
-        "avg_busbw_GBps": avg_busbw(results),
-        "wrong_total": sum(r.wrong or 0 for r in results),
-        "checked": any(r.wrong is not None for r in results),
-    }
-
-
-def replace_file(path: str, write: Callable[[IO[str]], None]) -> None:
-    """Write a new file beside `path` with `write`, then rename it over `path`: a reader
-    (or a run killed meanwhile) sees the old file or the new one, never half of one."""
-    folder, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "w", newline="") as f:
-            write(f)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-
-
-def write_json(path: str, document: dict[str, Any]) -> None:
-    def write(f: IO[str]) -> None:
-        json.dump(document, f, indent=1)
-        f.write("\n")
-
-    replace_file(path, write)
-
-
-#: the CSV's columns after the Result's: the floor of the gpuring row it is of (else empty)
-CSV_FLOOR = ("floor_us", "efficiency_pct", "beats_floor", "in_cache")
-_PER_RANK = ("rank_us", "rank_p99_us", "rank_max_us")
-
-
-def write_csv(path: str, results: list[Result], floors: Sequence[Floor] = ()) -> None:
-    """One row per result and repeat (the per-rank lists are left out: they are in the
-    JSON), with the floor's time, efficiency, `beats_floor` and `in_cache` on the gpuring
-    rows each floor is of."""
-    names = [k for k in Result.__dataclass_fields__ if k not in _PER_RANK]
-    by_row = {(f.size, f.type, f.redop, f.root, f.placement): f for f in floors}
-
-    def write(f: IO[str]) -> None:
-        writer = csv.DictWriter(f, fieldnames=[*names, *CSV_FLOOR], extrasaction="ignore")
-        writer.writeheader()
-        for r in results:
-            row = asdict(r)
-            floor = (by_row.get((r.size, r.type, r.redop, r.root, r.placement))
-                     if r.system == "gpuring" else None)
-            if floor is not None:
-                row.update(floor_us=floor.floor_us, efficiency_pct=floor.efficiency_pct,
-                           beats_floor=floor.beats_floor, in_cache=floor.in_cache)
-            writer.writerow(row)
-
-    replace_file(path, write)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import report
+from . import files, report
 from .data import expected_for_rank
 from .measure import CORRUPT_ENV, Case, Measurer
 from .metrics import (
@@ -60,13 +60,6 @@ class Settings:
     csv: str | None = None
     plot: str | None = None
     membw_bytes: int = 128 << 20
-
-
-def _human(size: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if size >= 1 << shift and size % (1 << shift) == 0:
-            return f"{size >> shift}{unit}"
-    return f"{size}B"
 
 
 def cases_of(s: Settings, n: int) -> list[list[Case]]:
@@ -175,7 +168,7 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
                 # systems take turns going first from one size to the next
                 for system in systems if (index + repeat) % 2 == 0 else systems[::-1]:
                     out.progress(done, total, f"{case.collective} {case.op} "
-                                              f"{_human(case.size)} {system.name}")
+                                              f"{report.size_label(case.size)} {system.name}")
                     for placement in system.placements(case.collective):
                         result = m.measure(system, case, placement, expected, repeat)
                         if result is None:
@@ -246,7 +239,7 @@ def _launcher() -> str:
 
 
 class _Files:
-    """Rank 0's --json and --csv, rewritten whole (`report.replace_file`) before the first
+    """Rank 0's --json and --csv, rewritten whole (`files.replace_file`) before the first
     size, after every size with "complete": false, and at the end with "complete": true: a
     run stopped part-way (a timeout) leaves every finished size in files a reader can parse.
     The plot is drawn at the end only."""
@@ -261,12 +254,12 @@ class _Files:
         if not self.active:
             return
         if self.s.json:
-            report.write_json(self.s.json, report.to_json(
+            files.write_json(self.s.json, files.to_json(
                 settings=self.settings, machine=self.machine, bandwidth=self.bandwidth,
                 peers=notes, results=results, floors=floors, overlap=overlaps,
                 complete=complete))
         if self.s.csv:
-            report.write_csv(self.s.csv, results, floors)
+            files.write_csv(self.s.csv, results, floors)
 
     def finish(self, results: list[report.Result], floors: list[report.Floor],
                notes: list[str], overlaps: list[dict[str, Any]], out: Output) -> None:

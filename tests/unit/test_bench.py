@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpuring._cli import build_parser
-from gpuring.bench import data, metrics, preflight, report
+from gpuring.bench import data, files, metrics, preflight, report
 from gpuring.bench.cli import settings_from_args, to_argv
 from gpuring.bench.machine import cpu_model
 from gpuring.bench.peers import parse_peers, select_peers
@@ -151,11 +151,11 @@ def test_json_schema_and_csv(tmp_path):
     floor = report.Floor(size=1 << 20, redop="sum", traffic_bytes=4.5 * (1 << 20),
                          traffic_over_size=4.5, floor_us=200.0, time_us=250.0,
                          efficiency_pct=80.0)
-    doc = report.to_json(settings={"collective": "all_reduce"}, machine={"cpu": "x"},
+    doc = files.to_json(settings={"collective": "all_reduce"}, machine={"cpu": "x"},
                          bandwidth={"GBps_per_rank": 20.0, "per_rank": [20.0], "method": "m"},
                          peers=["mpi: measured"], results=rows, floors=[floor])
     path = tmp_path / "r.json"
-    report.write_json(str(path), doc)
+    files.write_json(str(path), doc)
     back = json.loads(path.read_text())
     assert back["schema"] == report.SCHEMA
     assert set(back) >= {"settings", "machine", "memory_bandwidth", "peers", "results",
@@ -168,7 +168,7 @@ def test_json_schema_and_csv(tmp_path):
                                "gpuring_placement": "out-of-place", "ratio": 2.0,
                                "repeat": 0}]
     csv_path = tmp_path / "r.csv"
-    report.write_csv(str(csv_path), rows)
+    files.write_csv(str(csv_path), rows)
     lines = csv_path.read_text().splitlines()
     assert lines[0].startswith("system,collective,size") and len(lines) == 3
 
@@ -352,16 +352,16 @@ def test_a_missing_dependency_or_directory_fails_before_measuring(tmp_path, monk
 def test_files_are_replaced_whole_or_not_at_all(tmp_path):
     """A writer that fails half-way (as a killed run would) leaves the previous file whole."""
     path = tmp_path / "r.json"
-    report.write_json(str(path), {"complete": False, "results": [1]})
+    files.write_json(str(path), {"complete": False, "results": [1]})
     with pytest.raises(TypeError):
-        report.write_json(str(path), {"complete": True, "results": [1, object()]})
+        files.write_json(str(path), {"complete": True, "results": [1, object()]})
     assert json.loads(path.read_text()) == {"complete": False, "results": [1]}
     csv_path = tmp_path / "r.csv"
-    report.write_csv(str(csv_path), [result("in-place")])
+    files.write_csv(str(csv_path), [result("in-place")])
     before = csv_path.read_text()
     rows: list = [result("out-of-place"), _Unwritable()]
     with pytest.raises(TypeError):
-        report.write_csv(str(csv_path), rows)
+        files.write_csv(str(csv_path), rows)
     assert csv_path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.json"]
 
@@ -524,11 +524,11 @@ def test_efficiency_above_100_percent_is_marked_as_cache_not_dram():
 def test_efficiency_above_100_percent_is_flagged_in_json_and_csv(tmp_path):
     floors = [_floor(1 << 20, 180.0)]
     rows = [result("out-of-place"), result("in-place"), result("out-of-place", system="mpi")]
-    doc = report.to_json(settings={}, machine={}, bandwidth={}, peers=[], results=rows,
+    doc = files.to_json(settings={}, machine={}, bandwidth={}, peers=[], results=rows,
                          floors=floors)
     assert doc["floor"][0]["beats_floor"] is True
     path = tmp_path / "r.csv"
-    report.write_csv(str(path), rows, floors)
+    files.write_csv(str(path), rows, floors)
     import csv
 
     back = list(csv.DictReader(path.open()))
