@@ -57,6 +57,8 @@ class Signature(NamedTuple):
     one_shot_bytes: int | None = None
     buffer_bytes: int | None = None
     verify: bool | None = None
+    #: the device's settings that shape its schedule (`Device.schedule_settings`)
+    device_settings: tuple[tuple[str, str], ...] | None = None
 
 
 def check_alike(signatures: list[Signature], name: str, rank: int) -> None:

@@ -117,7 +117,8 @@ class CallPath:
         else:
             signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
                                        one_shot_bytes=config.one_shot_bytes,
-                                       buffer_bytes=capacity, verify=config.verify)
+                                       buffer_bytes=capacity, verify=config.verify,
+                                       device_settings=devices.schedule_settings())
         self._ensure_watchdog()
         self._agree(signature)
         try:
@@ -134,8 +135,12 @@ class CallPath:
         text = "barrier()" if x is None else (
             f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
             f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
+        fused = name == "all_reduce" and 0 < count * itemsize <= min(
+            config.one_shot_bytes, engine.fused_bytes)
+        if fused:
+            text += " as one operation"
         launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
-                                inline=nchannels == 1)
+                                inline=nchannels == 1, fused=fused)
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
@@ -207,7 +212,6 @@ class CallPath:
         one round of it), and turn any failure into this call's error (the communicator is
         unusable afterwards)."""
         engine = launch.engine
-        device = engine.device
         watchdog = self.watchdog
         assert watchdog is not None
         seq = self.seq
@@ -216,7 +220,7 @@ class CallPath:
             if self.life.cause is not None:
                 raise self.life.cause
             watchdog.enter(seq, name, prepared.text, prepared.digest)
-            finished = engine.run(launch, in_mem, out_mem, name, seq, device.caller_event())
+            finished = engine.run(launch, in_mem, out_mem, name, seq)
         except BaseException as exc:  # whatever it is, the round counters are now unusable
             error: BaseException = exc
             if self.life.cause is not None:
@@ -237,7 +241,6 @@ class CallPath:
             watchdog.leave()
         if finished is not None:
             watchdog.track(finished, name, seq)
-            device.order_caller_after(finished)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
     def _agree(self, signature: Signature) -> None:

@@ -5,8 +5,8 @@ per device owns that device's communication buffer, the peers' mapped buffers an
 
 Buffer layout of every rank (the same on all ranks, n ranks):
 
-    [inbox: DONE[q] for every rank q, READY[c][q] per channel c and rank q | half 0: RS, AG |
-     half 1: RS, AG]
+    [inbox: DONE[q] for every rank q, READY[c][q] per channel c and rank q | the device's
+     region for one-operation all_reduces (if it has them) | half 0: RS, AG | half 1: RS, AG]
 
 Flags live with the rank that waits on them: the inbox holds exactly the words this rank's
 streams wait on, and a producer writes into its readers' inboxes through their mapped
@@ -22,6 +22,11 @@ reading that half from two rounds ago (the write-after-read hazard across rounds
 waits are left out where they are known to hold: when the round before, on the same (inline)
 stream, waited for a piece of every other rank, each of them had started that round, so had
 finished the one before it (each rank runs its rounds in order).
+
+A small all_reduce on a device that offers it (`Device.fused_bytes`) is one operation on the
+caller's stream instead (`Stream.all_reduce`): no round, no event to order the caller, its
+flags and counters the device's own, in its region. Consecutive collectives of a rank never
+overlap: each waits for the one before where it runs on another stream.
 """
 
 from __future__ import annotations
@@ -67,12 +72,14 @@ class Launch:
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
-    __slots__ = ("_per_round", "divisor", "dtype", "engine", "hears_all", "inline",
+    __slots__ = ("_per_round", "divisor", "dtype", "engine", "fused", "hears_all", "inline",
                  "itemsize", "op", "rounds", "runners")
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
-                 itemsize: int, op: ReduceOp, inline: bool):
+                 itemsize: int, op: ReduceOp, inline: bool, fused: bool = False):
         self.engine = engine
+        #: an all_reduce that runs as one operation on the caller's stream, not in rounds
+        self.fused = fused
         self.rounds = rounds
         self.dtype = dtype
         self.itemsize = itemsize
@@ -90,7 +97,10 @@ class Launch:
         self._per_round: tuple[Launch, ...] | None = None
 
     def per_round(self) -> tuple[Launch, ...]:
-        """One launch per round (the timeline runs and times them one by one)."""
+        """One launch per round (the timeline runs and times them one by one); a fused launch
+        is one step."""
+        if self.fused:
+            return (self,)
         if self._per_round is None:
             self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
                                            self.op, self.inline) for plan in self.rounds)
@@ -118,14 +128,21 @@ class Engine:
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
-        # the inbox: DONE per rank, READY per channel and rank; data starts on a new page
+        # the inbox: DONE per rank, READY per channel and rank; then the device's region for
+        # one-operation all_reduces; data starts on a new page
         self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
-        local = device.alloc(self._flag_bytes + 4 * capacity_bytes)
+        region = (device.fused_region_bytes()
+                  if 1 < self.size <= device.fused_max_ranks else 0)
+        self._data_offset = self._flag_bytes + -(-region // _PAGE) * _PAGE
+        local = device.alloc(self._data_offset + 4 * capacity_bytes)
         handles = control.exchange("setup (buffer handles)", device.export(local), timeout)
         self._mems: list[Memory] = [
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
         control.barrier(timeout, "setup (buffers mapped)")
         device.seal(local)
+        #: the largest all_reduce (bytes) that runs as one operation (0: none)
+        self.fused_bytes = device.fused_bytes(handles) if region else 0
+        self._regions = tuple(Span(mem, self._flag_bytes, region) for mem in self._mems)
         # where this rank waits for each rank's DONE, and where it tells each rank its own
         self._done_from = [Flag(local, self._done_offset(q)) for q in range(self.size)]
         self._done_to = [Flag(mem, self._done_offset(self.rank)) for mem in self._mems]
@@ -142,16 +159,64 @@ class Engine:
         return self._streams[c]
 
     def prepare(self, rounds: tuple[RoundPlan, ...], *, dtype: str, itemsize: int,
-                op: ReduceOp, inline: bool) -> Launch:
+                op: ReduceOp, inline: bool, fused: bool = False) -> Launch:
         """`rounds` ready to run on this engine (`inline`: on one stream, in the calling
-        thread where the device can)."""
-        return Launch(self, rounds, dtype, itemsize, op, inline)
+        thread where the device can; `fused`: an all_reduce of at most `fused_bytes`, run as
+        one operation instead of `rounds`)."""
+        if fused and not 0 < self.fused_bytes:
+            raise ValueError("this engine runs no all_reduce as one operation")
+        return Launch(self, rounds, dtype, itemsize, op, inline, fused)
 
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
-            collective_seq: int, after: Event | None = None) -> Event | None:
-        """Enqueue every round of `launch`, after `after` if given. Blocking devices return
-        once the result is complete; others return an event that completes with the
-        collective. `name` and `collective_seq` name the collective in errors."""
+            collective_seq: int) -> Event | None:
+        """Enqueue `launch` after the work already on the caller's stream, and order the
+        caller's stream after it. Blocking devices return once the result is complete;
+        others return an event that completes with the collective. `name` and
+        `collective_seq` name the collective in errors."""
+        if launch.fused:
+            return self._run_fused(launch, in_mem, out_mem, name, collective_seq)
+        finished = self._run_rounds(launch, in_mem, out_mem, name, collective_seq,
+                                    self.device.caller_event())
+        if finished is not None:
+            self.device.order_caller_after(finished)
+        return finished
+
+    def _run_fused(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None,
+                   name: str, collective_seq: int) -> Event:
+        """The all_reduce as one operation on the caller's stream, after this engine's
+        previous collective where that ran on another stream."""
+        assert in_mem is not None and out_mem is not None
+        stream = self.device.caller_stream()
+        nbytes = out_mem.nbytes
+        try:
+            if self._last is not None and self._last_stream is not stream:
+                stream.wait_event(self._last)
+            stream.all_reduce(Span(out_mem, 0, nbytes), Span(in_mem, 0, nbytes), self._regions,
+                              self.rank, launch.dtype, launch.op, launch.divisor)
+            self._last, self._last_stream = stream.record(), stream
+        except FlagWaitTimeout as exc:
+            raise self._timeout_error(exc, name, collective_seq) from None
+        except FlagWaitAborted as exc:
+            raise self._aborted_error(exc, name, collective_seq) from None
+        return self._last
+
+    def _timeout_error(self, exc: FlagWaitTimeout, name: str,
+                       collective_seq: int) -> CollectiveTimeoutError:
+        peer, what = exc.tag
+        return CollectiveTimeoutError(
+            f"{name} #{collective_seq} timed out after {self.timeout} s on rank {self.rank} "
+            f"waiting for rank {peer} ({what}); that rank is stalled, dead, or called a "
+            f"different collective", collective=name, seq=collective_seq, peer=peer)
+
+    def _aborted_error(self, exc: FlagWaitAborted, name: str,
+                       collective_seq: int) -> PeerFailureError:
+        return PeerFailureError(
+            f"{name} #{collective_seq} aborted on rank {self.rank}: {exc.reason}",
+            collective=name, seq=collective_seq)
+
+    def _run_rounds(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None,
+                    name: str, collective_seq: int, after: Event | None) -> Event | None:
+        """Enqueue every round of `launch`, after `after` if given (see `run`)."""
         rounds = launch.rounds
         if self._seq + len(rounds) >= _MAX_SEQ:
             raise GpuringError("this communicator has run 2^31 rounds, the most its flags can "
@@ -208,15 +273,9 @@ class Engine:
                     first.write_flags(self._done_to, seq)
             return self._finish(used)
         except FlagWaitTimeout as exc:
-            peer, what = exc.tag
-            raise CollectiveTimeoutError(
-                f"{name} #{collective_seq} timed out after {self.timeout} s on rank {self.rank} "
-                f"waiting for rank {peer} ({what}); that rank is stalled, dead, or called a "
-                f"different collective", collective=name, seq=collective_seq, peer=peer) from None
+            raise self._timeout_error(exc, name, collective_seq) from None
         except FlagWaitAborted as exc:
-            raise PeerFailureError(
-                f"{name} #{collective_seq} aborted on rank {self.rank}: {exc.reason}",
-                collective=name, seq=collective_seq) from None
+            raise self._aborted_error(exc, name, collective_seq) from None
 
     def _finish(self, used: list[Stream]) -> Event | None:
         """Blocking devices: wait for the streams (the first error wins, a timeout before an
@@ -233,7 +292,10 @@ class Engine:
     def synchronize(self) -> None:
         """Block the host until everything enqueued so far has completed; raise the root
         cause of a failure (see `_wait_for`)."""
-        self._wait_for([self._inline, *self._streams])
+        own = [self._inline, *self._streams]
+        if self._last is not None and self._last_stream not in own:  # on a caller's stream
+            self._inline.wait_event(self._last)
+        self._wait_for(own)
 
     def _wait_for(self, streams: list[Stream]) -> None:
         """Wait for every stream. Once one fails the device is aborted, so that the others
@@ -289,7 +351,7 @@ class Engine:
         """Device instructions for one channel of a round: plan locations become spans of
         the buffers (input/output stay arguments), relative flag values stay relative.
         Without `credits` the round does not wait for the buffer credits (known already)."""
-        base = self._flag_bytes + parity * 2 * self.capacity
+        base = self._data_offset + parity * 2 * self.capacity
         mems = self._mems
         local = mems[self.rank]
 

@@ -243,15 +243,20 @@ __device__ __forceinline__ bool try_width(const Body& body, u64 n, u64 tid, u64 
     }
 }
 
+// The loop over n elements by the threads tid, tid + stride, ... (the whole grid, or one block).
 template <typename T, typename Body>
-__device__ void elementwise(const Body& body, u64 n) {
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
+__device__ void elementwise_by(const Body& body, u64 n, u64 tid, u64 stride) {
     if (try_width<T, 16>(body, n, tid, stride)) return;
     if (try_width<T, 8>(body, n, tid, stride)) return;
     if (try_width<T, 4>(body, n, tid, stride)) return;
     GPURING_VECTOR_WIDTH(0);
     for (u64 i = tid; i < n; i += stride) body.scalar(i);
+}
+
+template <typename T, typename Body>
+__device__ void elementwise(const Body& body, u64 n) {
+    elementwise_by<T>(body, n, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+                      (u64)gridDim.x * blockDim.x);
 }
 
 template <typename T, int W>
@@ -468,3 +473,156 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
     }
     __threadfence_system();
 }
+
+// ---------------------------------------------------------------------------------------
+// One-kernel all_reduce of a small array (the fused path): every rank launches
+//
+//   gpuring_all_reduce_<dtype>_<op>(out, in, n, divisor, rank, nranks, r0, ..., r7,
+//                                   slot_bytes, timeout_ns, status, abort)
+//
+// once, with the same grid on every rank, and out = in(rank 0) op in(rank 1) op ... in rank
+// order (every step rounded as gpuring_reduce_n rounds it, the divisor at the last step): the
+// same bits on every rank and as the other paths. r<q> is rank q's fused region, mapped into
+// this process (r<rank> is this rank's own); the first `nranks` are used. A region is
+//
+//   [counters: MAX_BLOCKS words | inbox: MAX_BLOCKS x MAX_RANKS words | data at
+//    GPURING_FUSED_DATA: two slots of slot_bytes]
+//
+// and the same on every rank. Block b handles one contiguous range of the elements:
+// (1) it counts this call in its own counter (epoch e, kept on the device, so a CUDA graph
+//     replays the kernel correctly: nothing in its arguments changes from call to call);
+// (2) copies its range of `in` into this rank's slot e % 2;
+// (3) thread q (q != rank) tells rank q "block b published epoch e" in rank q's inbox, with
+//     a system-scope fence first (the copy is visible before the flag), then waits until
+//     rank q's block b said the same in this rank's inbox (fence after: acquire);
+// (4) folds every rank's range, in rank order, into out (its own part straight from `in`).
+// Slot e % 2 is written again at epoch e + 2 only after this block saw every peer's block b
+// reach e + 1, which each peer published after its whole kernel of epoch e (which read the
+// slot) was done: no rank overwrites data a peer still reads. The grid must fit on the GPU
+// at once (every block waits for the peers' block of the same index).
+// Waits give up after timeout_ns (then status[0] = 1, status[1] = 1 + the peer waited for,
+// and *abort = 1), and return when the host sets status[0] (abort); the block then writes
+// nothing into out. Launch with at least `nranks` threads a block.
+#define GPURING_FUSED_MAX_BLOCKS 32
+#define GPURING_FUSED_MAX_RANKS GPURING_MAX_SOURCES
+#define GPURING_FUSED_INBOX (8 * GPURING_FUSED_MAX_BLOCKS)
+#define GPURING_FUSED_DATA 4096
+
+__device__ __forceinline__ u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
+
+// Thread `peer` of a block: publish this block's epoch to `peer` and wait for the peer's.
+// Returns false when the wait gave up (timeout or abort).
+__device__ __forceinline__ bool fused_handshake(unsigned char* const* regions, int rank,
+                                                int peer, unsigned block, u64 epoch,
+                                                u64 timeout_ns, volatile int* status,
+                                                volatile int* abort) {
+    volatile u64* to = reinterpret_cast<volatile u64*>(regions[peer] + GPURING_FUSED_INBOX) +
+                       block * GPURING_FUSED_MAX_RANKS + rank;
+    volatile u64* from =
+        reinterpret_cast<volatile u64*>(regions[rank] + GPURING_FUSED_INBOX) +
+        block * GPURING_FUSED_MAX_RANKS + peer;
+    __threadfence_system();  // release: the block's copy (ordered by the barrier) first
+    *to = epoch;
+    const u64 start = global_ns();
+    unsigned int sleep_ns = 32;
+    while (*from < epoch) {
+        if (*status != 0) {  // aborted by the host
+            *abort = 1;
+            __threadfence_system();
+            return false;
+        }
+        if (timeout_ns != 0 && global_ns() - start > timeout_ns) {
+            *abort = 1;
+            __threadfence_system();
+            status[1] = 1 + peer;
+            status[0] = 1;
+            return false;
+        }
+        __nanosleep(sleep_ns);
+        if (sleep_ns < 256) sleep_ns *= 2;
+    }
+    __threadfence_system();  // acquire: the peer's slot as it published it
+    return true;
+}
+
+template <typename T, typename Op>
+__device__ void fused_all_reduce(T* out, const T* in, u64 n, long long divisor, int rank,
+                                 int nranks, unsigned char* const* regions, u64 slot_bytes,
+                                 u64 timeout_ns, volatile int* status, volatile int* abort) {
+    __shared__ u64 epoch;
+    __shared__ int failed;
+    if (*abort || nranks < 1 || nranks > GPURING_FUSED_MAX_RANKS || rank < 0 ||
+        rank >= nranks || gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks)
+        return;
+    const unsigned b = blockIdx.x;
+    if (threadIdx.x == 0) {
+        volatile u64* counter = reinterpret_cast<volatile u64*>(regions[rank]) + b;
+        epoch = *counter + 1;
+        *counter = epoch;
+        failed = 0;
+    }
+    __syncthreads();
+    // this block's range: whole packs of 16 elements (16-byte aligned in the slots)
+    const u64 per = ((n + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
+    const u64 lo = min_u64(n, b * per), count = min_u64(n, lo + per) - lo;
+    const u64 half = GPURING_FUSED_DATA + (epoch & 1) * slot_bytes;
+    unsigned char* mine = regions[rank] + half + lo * sizeof(T);
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(in + lo);
+    elementwise_by<unsigned char>(
+        BinaryBody<unsigned char, TakeFirst>(mine, src, src, TakeFirst()), count * sizeof(T),
+        threadIdx.x, blockDim.x);
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < nranks && t != rank &&
+        !fused_handshake(regions, rank, t, b, epoch, timeout_ns, status, abort))
+        failed = 1;
+    __syncthreads();
+    if (failed) return;
+    const T* sources[GPURING_MAX_SOURCES] = {};
+    for (int q = 0; q < nranks; ++q)
+        sources[q] = q == rank ? in + lo
+                               : reinterpret_cast<const T*>(regions[q] + half) + lo;
+    elementwise_by<T>(FoldBody<T, Op>(out + lo, sources, nranks, divisor), count, threadIdx.x,
+                      blockDim.x);
+}
+
+#define GPURING_FUSED(NAME, T, OPNAME, OP) \
+    extern "C" __global__ void gpuring_all_reduce_##NAME##_##OPNAME( \
+        T* out, const T* in, u64 n, long long divisor, int rank, int nranks, \
+        unsigned char* r0, unsigned char* r1, unsigned char* r2, unsigned char* r3, \
+        unsigned char* r4, unsigned char* r5, unsigned char* r6, unsigned char* r7, \
+        u64 slot_bytes, u64 timeout_ns, volatile int* status, volatile int* abort) { \
+        unsigned char* const regions[GPURING_FUSED_MAX_RANKS] = {r0, r1, r2, r3, \
+                                                                 r4, r5, r6, r7}; \
+        fused_all_reduce<T, OP>(out, in, n, divisor, rank, nranks, regions, slot_bytes, \
+                                timeout_ns, status, abort); \
+    }
+
+#define GPURING_FUSED_REAL(NAME, T) \
+    GPURING_FUSED(NAME, T, sum, OpSum) \
+    GPURING_FUSED(NAME, T, prod, OpProd) \
+    GPURING_FUSED(NAME, T, min, OpMin) \
+    GPURING_FUSED(NAME, T, max, OpMax)
+
+#define GPURING_FUSED_COMPLEX(NAME, T) \
+    GPURING_FUSED(NAME, T, sum, OpSum) \
+    GPURING_FUSED(NAME, T, prod, OpProd)
+
+GPURING_FUSED_REAL(int8, signed char)
+GPURING_FUSED_REAL(int16, short)
+GPURING_FUSED_REAL(int32, int)
+GPURING_FUSED_REAL(int64, long long)
+GPURING_FUSED_REAL(uint8, unsigned char)
+GPURING_FUSED_REAL(uint16, unsigned short)
+GPURING_FUSED_REAL(uint32, unsigned int)
+GPURING_FUSED_REAL(uint64, u64)
+GPURING_FUSED_REAL(float16, __half)
+GPURING_FUSED_REAL(bfloat16, __nv_bfloat16)
+GPURING_FUSED_REAL(float32, float)
+GPURING_FUSED_REAL(float64, double)
+GPURING_FUSED_COMPLEX(complex64, cfloat)
+GPURING_FUSED_COMPLEX(complex128, cdouble)
+
+#undef GPURING_FUSED_COMPLEX
+#undef GPURING_FUSED_REAL
+#undef GPURING_FUSED

@@ -247,6 +247,31 @@ class _CudaStream(Stream):
                                     np.uint64(dev.abort_ptr)), stream=self.raw)
                 dev.operations += 1
 
+    def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
+                   dtype: str, op: ReduceOp, divisor: int = 1) -> None:
+        """One launch of the one-kernel all_reduce (kernels/reduce.cu): a block per 4 KiB, at
+        most `FUSED_MAX_BLOCKS`, the same grid on every rank (it depends on the size only)."""
+        dev = self._device
+        dev.check()
+        if out.nbytes != inp.nbytes or out.nbytes > dev.fused_max_bytes:
+            raise ValueError(f"one-kernel all_reduce of {inp.nbytes} bytes into {out.nbytes} "
+                             f"(at most {dev.fused_max_bytes})")
+        kernel = dev.all_reduce_kernel(dtype, op)
+        n = _elements(out, np.dtype(dtype).itemsize, dtype)
+        if n == 0:
+            return
+        blocks = max(1, min(_kernels.FUSED_MAX_BLOCKS, -(-out.nbytes // 4096)))
+        pointers = [np.uint64(_addr(region)) for region in regions]
+        pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
+        with dev.scope():
+            kernel((blocks,), (THREADS,),
+                   (np.uint64(_addr(out)), np.uint64(_addr(inp)), np.uint64(n),
+                    np.int64(divisor), np.int32(rank), np.int32(len(regions)), *pointers,
+                    np.uint64(dev.fused_max_bytes), np.uint64(dev.timeout_ns),
+                    np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
+                   stream=self.raw)
+        dev.operations += 1
+
     def record(self) -> Event:
         dev = self._device
         with dev.scope():

@@ -32,6 +32,10 @@ __all__ = [
     "KernelCompileError",
     "REDUCE_KERNEL_NAMES",
     "REDUCE_N_KERNEL_NAMES",
+    "ALL_REDUCE_KERNEL_NAMES",
+    "FUSED_MAX_BLOCKS",
+    "FUSED_MAX_RANKS",
+    "fused_region_bytes",
     "MAX_SOURCES",
     "COPY_KERNEL",
     "WAIT_FLAG_KERNEL",
@@ -53,6 +57,7 @@ __all__ = [
     "get_function",
     "get_kernel",
     "get_reduce_n_kernel",
+    "get_all_reduce_kernel",
 ]
 
 SOURCE_NAME = "reduce.cu"
@@ -82,12 +87,25 @@ def reduce_n_kernel_name(dtype: str, op: ReduceOp | str) -> str:
     return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_reduce_n_", 1)
 
 
+def all_reduce_kernel_name(dtype: str, op: ReduceOp | str) -> str:
+    """Symbol of the one-kernel all_reduce of `dtype` with `op` (avg uses the sum kernel)."""
+    return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_all_reduce_", 1)
+
+
 _OP_PAIRS = tuple((dtype, op) for dtype in SUPPORTED_DTYPES
                   for op in (_COMPLEX_OPS if dtype in COMPLEX_DTYPES else _REAL_OPS))
 #: every binary reduce kernel in reduce.cu, one per (dtype, op)
 REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_kernel_name(d, o) for d, o in _OP_PAIRS)
 #: every n-input reduce kernel in reduce.cu, one per (dtype, op)
 REDUCE_N_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_n_kernel_name(d, o) for d, o in _OP_PAIRS)
+#: every one-kernel all_reduce in reduce.cu, one per (dtype, op)
+ALL_REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(
+    all_reduce_kernel_name(d, o) for d, o in _OP_PAIRS)
+#: the one-kernel all_reduce's most blocks and ranks, and where its data starts in a rank's
+#: region (GPURING_FUSED_MAX_BLOCKS, GPURING_FUSED_MAX_RANKS, GPURING_FUSED_DATA in reduce.cu)
+FUSED_MAX_BLOCKS = 32
+FUSED_MAX_RANKS = 8
+FUSED_DATA = 4096
 #: the most sources one launch of an n-input kernel folds (GPURING_MAX_SOURCES in reduce.cu)
 MAX_SOURCES = 8
 COPY_KERNEL = "gpuring_copy_bytes"
@@ -97,8 +115,8 @@ WRITE_FLAGS_KERNEL = "gpuring_write_flags"
 MAX_FLAGS = 8
 WRITE_FLAG_KERNEL = "gpuring_write_flag"
 ALL_KERNEL_NAMES: tuple[str, ...] = (
-    *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, COPY_KERNEL, WAIT_FLAG_KERNEL,
-    WRITE_FLAG_KERNEL, WRITE_FLAGS_KERNEL)
+    *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, *ALL_REDUCE_KERNEL_NAMES, COPY_KERNEL,
+    WAIT_FLAG_KERNEL, WRITE_FLAG_KERNEL, WRITE_FLAGS_KERNEL)
 
 
 def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], bool]]:
@@ -113,6 +131,12 @@ def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], 
     for start in range(MAX_SOURCES, len(srcs), MAX_SOURCES - 1):
         launches.append((dst, *srcs[start:start + MAX_SOURCES - 1]))
     return [(launch, i == len(launches) - 1) for i, launch in enumerate(launches)]
+
+
+def fused_region_bytes(slot_bytes: int) -> int:
+    """Bytes of one rank's region for the one-kernel all_reduce of up to `slot_bytes` bytes
+    (a multiple of 16): counters and inbox, then two slots."""
+    return FUSED_DATA + 2 * slot_bytes
 
 
 # ------------------------------------------------------------------------------- source
@@ -335,3 +359,10 @@ def get_reduce_n_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     """The n-input reduce kernel for (dtype, op) on GPU `device_id`, with the signature
     `(dst, s0, ..., s7, nsrc: int32, n: uint64, divisor: int64, abort)`."""
     return get_function(reduce_n_kernel_name(dtype, op), device_id)
+
+
+def get_all_reduce_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
+    """The one-kernel all_reduce for (dtype, op) on GPU `device_id`, with the signature
+    `(out, in, n: uint64, divisor: int64, rank: int32, nranks: int32, r0, ..., r7,
+    slot_bytes: uint64, timeout_ns: uint64, status, abort)`."""
+    return get_function(all_reduce_kernel_name(dtype, op), device_id)

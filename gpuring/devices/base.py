@@ -166,6 +166,15 @@ class Stream(abc.ABC):
         for flag in flags:
             self.write_flag(flag, value)
 
+    def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
+                   dtype: str, op: ReduceOp, divisor: int = 1) -> None:
+        """out = the rank-order fold of every rank's `inp` (the bits of `reduce_n`), as one
+        operation that every rank enqueues alike (`Device.fused_bytes`): `regions[q]` is rank
+        q's region of `Device.fused_region_bytes`, mapped here, which only these operations
+        use. The operation waits for the peers itself, each wait bounded; a device that
+        offers none raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-operation all_reduce")
+
     @abc.abstractmethod
     def record(self) -> Event:
         """An event that completes when everything enqueued so far has."""
@@ -202,6 +211,33 @@ class Device(abc.ABC):
     #: records and waits; not setup, abort or close): a GPU's host cost per collective; a
     #: device that calls no driver (the host's) stays at 0
     operations: int = 0
+
+    #: the largest all_reduce (bytes) the device can run as one operation (`Stream.all_reduce`)
+    #: among at most `fused_max_ranks` ranks; 0: it has no such operation
+    fused_max_bytes: int = 0
+    fused_max_ranks: int = 0
+
+    @classmethod
+    def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
+        """The device's settings that shape what every rank enqueues, as (name, value): the
+        ranks agree on them with each call's signature."""
+        return ()
+
+    def fused_region_bytes(self) -> int:
+        """Bytes of each rank's region that `Stream.all_reduce` uses (allocated once with the
+        communication buffer)."""
+        return 0
+
+    def fused_bytes(self, handles: Sequence[Any]) -> int:
+        """The largest all_reduce (bytes) to run as one `Stream.all_reduce` among the ranks
+        whose `export` handles these are (each rank's, in rank order); 0: none. The same on
+        every rank: it depends on the handles and the agreed settings only."""
+        return 0
+
+    def caller_stream(self) -> Stream:
+        """The caller's current stream, as a stream of this device (the same object for the
+        same stream): what `Stream.all_reduce` is enqueued on."""
+        raise NotImplementedError(f"{type(self).__name__} has no caller's stream")
 
     @classmethod
     def for_job(cls, control: ControlPlane, timeout: float) -> Device:

@@ -30,6 +30,12 @@ releases them again until the streams are idle. A timeout is the host's: `Stream
 and the communicator's watchdog bound every wait, and a spinning wait kernel gives up by
 itself after the device's timeout.
 
+A small all_reduce may run as one kernel on the caller's stream (`Stream.all_reduce`, see
+`gpuring_all_reduce_*` in kernels/reduce.cu): per-block flags and counters on the device, one
+launch and one event record per call. Its waits spin inside the kernel, so it is chosen only
+where that costs nothing (`GPURING_CUDA_FUSED=auto`: no two ranks on one GPU; processes that
+share a GPU without MPS take turns on it, and a spinning kernel holds its turn).
+
 The device never synchronizes the host in a collective: `blocking` is False, and the caller's
 stream is ordered with events (`caller_event`, `order_caller_after`). Every CUDA call runs with
 this device current in the calling thread, and a thread that had no CUDA context is left with
@@ -87,6 +93,10 @@ __all__ = ["CudaDevice", "CudaMemory", "CudaHandle", "FLAGS_ENV"]
 
 #: environment variable that selects how copies run: "memcpy" (default) or "kernel"
 COPY_ENV = "GPURING_CUDA_COPY"
+#: the setting that selects when a small all_reduce runs as one kernel: "auto", "on", "off"
+FUSED_ENV = "GPURING_CUDA_FUSED"
+#: caller's streams remembered (`caller_stream`): each holds its CuPy stream alive
+_CALLER_STREAMS = 64
 
 # CUDA runtime constants (stable ABI values)
 _HOST_ALLOC_PORTABLE = 1
@@ -122,10 +132,12 @@ _LEAKED: list[Any] = []
 
 class CudaHandle(NamedTuple):
     """What `export` hands to peers (picklable). `process` is a random token of the exporting
-    process and `host` its node: only an equal token means "my own memory"."""
+    process and `host` its node: only an equal token means "my own memory"; `gpu` is the
+    GPU's PCI bus id (the same GPU whatever each process's device numbering)."""
 
     process: str
     host: str
+    gpu: str
     device_id: int
     ptr: int
     nbytes: int
@@ -150,6 +162,8 @@ class CudaDevice(Device):
     default_channels = 1
     default_buffer_bytes = 64 << 20
     blocking = False
+    fused_max_bytes = 256 << 10
+    fused_max_ranks = _kernels.FUSED_MAX_RANKS
 
     @classmethod
     def _for_rank(cls, control: ControlPlane, timeout: float) -> CudaDevice:
@@ -202,6 +216,9 @@ class CudaDevice(Device):
             self._side.synchronize()
         self._status = ctypes.c_int32.from_address(self.status_ptr)
         self._status.value = _STATUS_OK
+        # the peer a one-kernel all_reduce gave up on, plus one (reduce.cu)
+        self._fused_peer = ctypes.c_int32.from_address(self.status_ptr + 4)
+        self._fused_peer.value = 0
         ctypes.c_uint64.from_address(self._released_ptr).value = RELEASED
         self._owned: list[CudaMemory] = []
         self._opened: dict[bytes, CudaMemory] = {}
@@ -215,6 +232,9 @@ class CudaDevice(Device):
         self._reduce_n_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
         self._blocks_per_sm: dict[Any, int] = {}  # kernel -> blocks that fit on one SM
         self._spare_events: list[Any] = []  # recorded before, free to record again
+        self._callers: dict[int, _CudaStream] = {}  # caller's streams by pointer
+        self._all_reduce_kernels: dict[tuple[str, ReduceOp], Any] = {}
+        self._pci_bus_id = str(self.gpu.pci_bus_id)
 
     # -- helpers ------------------------------------------------------------------------------
     def scope(self) -> Scope:
@@ -237,6 +257,14 @@ class CudaDevice(Device):
             found = (_kernels.get_reduce_n_kernel(dtype, op, self.device_id),
                      np.dtype(dtype).itemsize)
             self._reduce_n_kernels[(dtype, op)] = found
+        return found
+
+    def all_reduce_kernel(self, dtype: str, op: ReduceOp) -> Any:
+        """The one-kernel all_reduce for (dtype, op) on this GPU; looked up once."""
+        found = self._all_reduce_kernels.get((dtype, op))
+        if found is None:
+            found = _kernels.get_all_reduce_kernel(dtype, op, self.device_id)
+            self._all_reduce_kernels[(dtype, op)] = found
         return found
 
     def grid_for(self, kernel: Any, n: int, per_thread: int) -> int:
@@ -297,8 +325,13 @@ class CudaDevice(Device):
             yield from stream.waits
 
     def timeout_error(self, stream: _CudaStream | None) -> Exception:
-        """FlagWaitTimeout for the first recent wait whose flag is still short (this stream's
-        first), else a CollectiveTimeoutError."""
+        """FlagWaitTimeout for the peer a one-kernel all_reduce gave up on, else for the first
+        recent wait whose flag is still short (this stream's first), else a
+        CollectiveTimeoutError."""
+        peer = self._fused_peer.value - 1
+        if peer >= 0:
+            return FlagWaitTimeout(Flag(CudaMemory(0, 0, "peer"), 0), -1, -1,
+                                   (peer, "its part of a one-kernel all_reduce"))
         last = None
         for flag, value, tag in self._recent_waits(stream):
             try:
@@ -312,6 +345,36 @@ class CudaDevice(Device):
             return FlagWaitTimeout(*last)  # the flag arrived after the kernel gave up
         return CollectiveTimeoutError(
             f"CUDA stream did not finish within {self.timeout} s on device {self.device_id}")
+
+    # -- one-kernel all_reduce ------------------------------------------------------------------
+    @classmethod
+    def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
+        return ((FUSED_ENV, str(settings.get(FUSED_ENV))),)
+
+    def fused_region_bytes(self) -> int:
+        return _kernels.fused_region_bytes(self.fused_max_bytes)
+
+    def fused_bytes(self, handles: Any) -> int:
+        """`fused_max_bytes` where GPURING_CUDA_FUSED is on, or auto and no two of the ranks
+        share a GPU; else 0."""
+        mode = str(settings.get(FUSED_ENV)).lower()
+        gpus = {(h.host, h.gpu) for h in (CudaHandle(*h) for h in handles)}
+        if mode == "on" or (mode == "auto" and len(gpus) == len(handles)):
+            return self.fused_max_bytes
+        return 0
+
+    def caller_stream(self) -> _CudaStream:
+        """The caller's current CuPy stream, wrapped once (the wrapper keeps it alive, so no
+        later stream reuses its pointer while this device may still order work after it)."""
+        raw = _cupy().cuda.get_current_stream()
+        stream = self._callers.get(raw.ptr)
+        if stream is None or stream.raw is not raw:
+            if len(self._callers) >= _CALLER_STREAMS:
+                del self._callers[next(iter(self._callers))]
+            with self.scope():
+                stream = _CudaStream(self, raw)
+            self._callers[raw.ptr] = stream
+        return stream
 
     # -- caller ordering ------------------------------------------------------------------------
     def caller_event(self) -> Event | None:
@@ -354,8 +417,8 @@ class CudaDevice(Device):
             raise TypeError(f"only memory from CudaDevice.alloc can be exported, not {mem!r}")
         with self.scope():
             ipc = bytes(_cupy().cuda.runtime.ipcGetMemHandle(mem.ptr))
-        return CudaHandle(_PROCESS_TOKEN, socket.gethostname(), self.device_id, mem.ptr,
-                          mem.nbytes, ipc)
+        return CudaHandle(_PROCESS_TOKEN, socket.gethostname(), self._pci_bus_id,
+                          self.device_id, mem.ptr, mem.nbytes, ipc)
 
     def open(self, handle: Any) -> CudaMemory:
         handle = CudaHandle(*handle)
@@ -458,7 +521,7 @@ class CudaDevice(Device):
         try:
             with self.scope():
                 events: list[Event] = [_CudaEvent(self._side.record(), self)]
-            events += [s.record() for s in self._streams]
+            events += [s.record() for s in [*self._streams, *self._callers.values()]]
             return self._poll(events, seconds, release=True)
         except Exception as exc:
             warnings.warn(f"gpuring: CUDA error while closing: {exc}", RuntimeWarning,
@@ -508,6 +571,7 @@ class CudaDevice(Device):
                 mem.release()  # drops the cupy.cuda.Memory: cudaFree (unless leaked above)
             self._owned.clear()
             self._streams.clear()
+            self._callers.clear()
             self._side = None
             self._abort_mem = None
             self._status = None  # type: ignore[assignment]

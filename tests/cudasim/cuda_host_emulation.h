@@ -1,21 +1,34 @@
 // Host emulation of the CUDA built-ins that kernels/reduce.cu uses, so that its kernels
 // compile with a host C++ compiler and run on the CPU in tests (see test_kernels_on_host.py).
-// A launch runs every (block, thread) of the grid in turn on the calling thread; the kernels
-// have no barriers or inter-thread communication, so this computes what the GPU computes.
-// Compile with -ffp-contract=off: the device code relies on no FMA contraction too.
+// A launch of a kernel without barriers runs every (block, thread) of the grid in turn on the
+// calling thread: they do not communicate, so this computes what the GPU computes. A kernel
+// with `__syncthreads` (the one-kernel all_reduce) runs its blocks in turn, and the threads
+// of a block as coroutines: each runs until it reaches the barrier or returns, and none goes
+// past a barrier before every thread of its block has reached it or returned, as on the GPU
+// (sm_70 and later: threads that returned no longer count). `__shared__` variables are
+// shared by the threads of the running block (every block starts them anew, as it sets
+// them first). Compile with -ffp-contract=off: the device code relies on no FMA contraction
+// too.
 #pragma once
 #include <vector_types.h>  // uint3, dim3 (and the CUDA host defines)
 
+#include <ucontext.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <functional>
 #include <thread>
+#include <vector>
 
 #undef __global__
 #undef __device__
 #undef __forceinline__
+#undef __shared__
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __shared__ static thread_local
 
 static thread_local uint3 threadIdx, blockIdx;
 static thread_local dim3 blockDim, gridDim;
@@ -33,6 +46,69 @@ inline unsigned long long gpuring_host_globaltimer() {
     return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
+}
+
+// Blocks whose threads run as coroutines (EMU_BLOCK_THREADS): the running block's threads,
+// their contexts and stacks (kept for the next launch on this host thread).
+struct EmuBlock {
+    ucontext_t scheduler;
+    std::vector<ucontext_t> threads;
+    std::vector<char> stacks;
+    std::vector<char> returned;
+    const std::function<void()>* body = nullptr;
+    unsigned running = 0;
+};
+static const size_t EMU_STACK_BYTES = 64 << 10;
+static thread_local EmuBlock* emu_block = nullptr;
+
+// A barrier: back to the block's scheduler, which resumes this thread once every thread of
+// the block has reached a barrier or returned.
+inline void __syncthreads() {
+    EmuBlock* block = emu_block;
+    if (block == nullptr) std::abort();  // a barrier in a kernel launched without coroutines
+    swapcontext(&block->threads[block->running], &block->scheduler);
+}
+
+static void emu_thread_entry() {
+    EmuBlock* block = emu_block;
+    (*block->body)();
+    block->returned[block->running] = 1;  // then back to the scheduler (uc_link)
+}
+
+// Run `grid` blocks of `threads` coroutines each, every one calling `body`.
+inline void emu_run_blocks(unsigned grid, unsigned threads, const std::function<void()>& body) {
+    static thread_local EmuBlock block;
+    block.threads.resize(threads);
+    block.stacks.resize(threads * EMU_STACK_BYTES);
+    block.body = &body;
+    emu_block = &block;
+    gridDim = dim3(grid);
+    blockDim = dim3(threads);
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        blockIdx.y = blockIdx.z = 0;
+        block.returned.assign(threads, 0);
+        for (unsigned t = 0; t < threads; ++t) {
+            ucontext_t& context = block.threads[t];
+            getcontext(&context);
+            context.uc_stack.ss_sp = &block.stacks[t * EMU_STACK_BYTES];
+            context.uc_stack.ss_size = EMU_STACK_BYTES;
+            context.uc_link = &block.scheduler;
+            makecontext(&context, emu_thread_entry, 0);
+        }
+        for (bool waiting = true; waiting;) {  // one pass: every thread to its next barrier
+            waiting = false;
+            for (unsigned t = 0; t < threads; ++t) {
+                if (block.returned[t]) continue;
+                block.running = t;
+                threadIdx.x = t;
+                threadIdx.y = threadIdx.z = 0;
+                swapcontext(&block.scheduler, &block.threads[t]);
+                waiting = waiting || !block.returned[t];
+            }
+        }
+    }
+    emu_block = nullptr;
 }
 
 // The vector width the element-wise driver chose in the calling thread's last launch (0:
@@ -115,4 +191,23 @@ extern "C" void emu_launch_write_many(void* kernel, unsigned grid, unsigned bloc
     EMU_GRID(grid, block,
              ((emu_write_many_fn)kernel)((P)f0, (P)f1, (P)f2, (P)f3, (P)f4, (P)f5, (P)f6,
                                          (P)f7, count, value, (const volatile int*)abort));
+}
+
+typedef void (*emu_all_reduce_fn)(void*, const void*, emu_u64, long long, int, int, void*, void*,
+                                  void*, void*, void*, void*, void*, void*, emu_u64, emu_u64,
+                                  volatile int*, volatile int*);
+
+extern "C" void emu_launch_all_reduce(void* kernel, unsigned grid, unsigned block, void* out,
+                                      const void* in, emu_u64 n, long long divisor, int rank,
+                                      int nranks, void* r0, void* r1, void* r2, void* r3,
+                                      void* r4, void* r5, void* r6, void* r7,
+                                      emu_u64 slot_bytes, emu_u64 timeout_ns, void* status,
+                                      void* abort) {
+    emu_vector_width = -1;
+    const std::function<void()> body = [&] {
+        ((emu_all_reduce_fn)kernel)(out, in, n, divisor, rank, nranks, r0, r1, r2, r3, r4, r5,
+                                    r6, r7, slot_bytes, timeout_ns, (volatile int*)status,
+                                    (volatile int*)abort);
+    };
+    emu_run_blocks(grid, block, body);
 }

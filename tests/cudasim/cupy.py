@@ -632,6 +632,7 @@ class Device:
             raise CUDARuntimeError("cudaErrorInvalidDevice", str(self.id))
         self.attributes = _Attributes(MultiProcessorCount=_SM_COUNT)
         self.compute_capability = "90"
+        self.pci_bus_id = f"0000:{0x18 + self.id:02x}:00.0"
 
     def __enter__(self) -> Device:
         # as CuPy: switch only when needed, but always restore on exit (which, in a thread
@@ -667,13 +668,15 @@ def _device_stack() -> list[int]:
 # ------------------------------------------------------------------------------ kernels
 
 # kernel name prefix: (launcher family, argument count); the first matching prefix wins
-_FAMILIES = {"gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
+_FAMILIES = {"gpuring_all_reduce_": ("all_reduce", 18),
+             "gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
              "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
              "gpuring_write_flags": ("write_many", 11), "gpuring_write_flag": ("write", 3)}
 #: which arguments of each family are addresses (a null source of reduce_n, or a flag of
 #: write_many beyond its count, is unused)
 _POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
-             "wait": (0, 3, 4), "write": (0, 2), "write_many": (*range(8), 10)}
+             "wait": (0, 3, 4), "write": (0, 2), "write_many": (*range(8), 10),
+             "all_reduce": (0, 1, *range(6, 14), 16, 17)}
 #: live array buffers: id -> (start, end, device)
 _array_ranges: dict[int, tuple[int, int, int]] = {}
 #: (device, peer device): kernels on the first may reach the second's memory
@@ -770,6 +773,7 @@ class RawKernel:
         bad = [why for i in _POINTERS[self._family]
                if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
                and not (self._family == "write_many" and values[8] <= i < 8)
+               and not (self._family == "all_reduce" and values[5] <= i - 6 < 8)
                and (why := _bad_address(values[i], device))]
         if bad:  # the launch succeeds; the kernel faults when it runs, killing the context
             target._put(lambda: _fault(f"{self.name}: {bad[0]}"))

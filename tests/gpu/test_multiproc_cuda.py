@@ -37,6 +37,19 @@ def test_cuda_collectives(case, n, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_small_all_reduce_as_one_kernel(n, mode, tmp_path):
+    """GPURING_CUDA_FUSED=on: every small all_reduce is one kernel on the caller's stream;
+    auto: only where no two ranks share a GPU (the worker checks which it got by the driver
+    calls each call made)."""
+    proc = launch("gpuring", n, [str(WORKER), "one_kernel", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"one_kernel-{r}.txt").read_text() for r in range(n)]
+    assert all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
 def test_close_waits_until_every_peer_unmapped(tmp_path):
     """A rank frees its buffers only once every peer has unmapped them (the simulator aborts
     a process that frees memory a live peer still maps: undefined behaviour on a GPU)."""

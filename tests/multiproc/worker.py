@@ -315,6 +315,52 @@ def case_sizes(c: Checker) -> None:
     c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"), "64 MiB")
 
 
+def case_one_kernel(c: Checker) -> None:
+    """Small all_reduces on CuPy arrays, which run as one kernel on the caller's stream where
+    GPURING_CUDA_FUSED says so (on; auto: no two ranks on one GPU): the bits of the rank-order
+    fold, from one element to 64 KiB, several calls with fresh inputs, out of place and in
+    place, on the default stream and on another, between collectives that run in rounds on
+    the engine's streams; at most 4 driver calls each where fused, more where not."""
+    comm, n, xp = c.comm, c.comm.size, c.xp
+    mode = os.environ.get("GPURING_CUDA_FUSED", "auto")
+    fused = mode == "on" or (mode == "auto" and xp.cuda.runtime.getDeviceCount() >= n)
+    other = xp.cuda.Stream(non_blocking=True)
+    seed = 9000
+    for size in (1, 3, 17, 1000, 4099, 16384):  # 16384 float32: 64 KiB
+        for dtype, op in (("float32", "sum"), ("int32", "max"), ("float32", "avg"),
+                          ("float16", "sum")):
+            seed += 1
+            ins = c.inputs(dtype, (size,), seed)
+            fold = ins[0].copy()
+            for k, a in enumerate(ins[1:], 2):  # each step rounded, as the kernels do
+                if op == "max":
+                    fold = np.maximum(fold, a)
+                else:
+                    fold = (fold.astype(np.float32) + a.astype(np.float32)).astype(a.dtype)
+                if op == "avg" and k == n:
+                    fold = (fold / np.float32(n)).astype(a.dtype)
+            x = dev(c, ins[c.comm.rank])
+            calls = comm.device_operations
+            if seed % 2:
+                with other:
+                    got = comm.all_reduce(x, op=op, out=x)
+                    assert got is x
+                    other.synchronize()
+            else:
+                got = comm.all_reduce(x, op=op)
+            calls = comm.device_operations - calls
+            label = f"one kernel {dtype} {op} {size}"
+            assert (calls <= 4) == fused, f"{label}: {calls} driver calls (fused: {fused})"
+            c.expect(got, fold, label, copy=True)
+        # a collective in rounds between them (its streams ordered after the kernel's)
+        ins = c.inputs("int32", (70000,), seed)
+        c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"),
+                 f"all_reduce in rounds after {size}")
+        x = dev(c, ins[comm.rank].copy())
+        c.expect(comm.broadcast(x, root=n - 1), ins[n - 1], f"broadcast after {size}",
+                 copy=True)
+
+
 def case_back_to_back(c: Checker) -> None:
     """Hundreds of collectives of varying size and kind, back to back, never waiting between."""
     comm, n = c.comm, c.comm.size

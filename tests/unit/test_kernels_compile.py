@@ -51,14 +51,22 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
             name = _kernels.reduce_kernel_name(dtype, op)
             assert name in _kernels.REDUCE_KERNEL_NAMES
             assert _kernels.reduce_n_kernel_name(dtype, op) in _kernels.REDUCE_N_KERNEL_NAMES
+            assert _kernels.all_reduce_kernel_name(dtype, op) in \
+                _kernels.ALL_REDUCE_KERNEL_NAMES
+            assert f"GPURING_FUSED_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
+                f"({dtype}," in source
             assert f"GPURING_REDUCE_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
                 f"({dtype}," in source
     assert _kernels.reduce_kernel_name("float32", "avg") == "gpuring_reduce_float32_sum"
     assert _kernels.reduce_n_kernel_name("float16", "avg") == "gpuring_reduce_n_float16_sum"
     reduce_kernels = sum(2 if d in COMPLEX_DTYPES else 4 for d in SUPPORTED_DTYPES)
     assert len(set(_kernels.ALL_KERNEL_NAMES)) == len(_kernels.ALL_KERNEL_NAMES) == (
-        2 * reduce_kernels + 4)  # copy, wait, write one flag, write several
+        3 * reduce_kernels + 4)  # copy, wait, write one flag, write several
     assert f"#define GPURING_MAX_SOURCES {_kernels.MAX_SOURCES}\n" in source
+    assert f"#define GPURING_FUSED_MAX_BLOCKS {_kernels.FUSED_MAX_BLOCKS}\n" in source
+    assert "#define GPURING_FUSED_MAX_RANKS GPURING_MAX_SOURCES\n" in source
+    assert _kernels.FUSED_MAX_RANKS == _kernels.MAX_SOURCES
+    assert f"#define GPURING_FUSED_DATA {_kernels.FUSED_DATA}\n" in source
     assert f"#define GPURING_MAX_FLAGS {_kernels.MAX_FLAGS}\n" in source
 
 

@@ -433,3 +433,110 @@ def test_write_flag_never_lowers_a_word(lib: ctypes.CDLL) -> None:
     lib.emu_launch_write(_kernel(lib, _kernels.WRITE_FLAG_KERNEL), 1, 1, f.flag.ctypes.data,
                          (7 << 32) | 3, f.abort.ctypes.data)
     assert f.flag[0] == RELEASED
+
+
+# ------------------------------------------------------------------ one-kernel all_reduce
+
+class _FusedRank:
+    """One rank of the one-kernel all_reduce: its region, status and abort words."""
+
+    def __init__(self, slot_bytes: int):
+        self.region = np.zeros(_kernels.fused_region_bytes(slot_bytes), np.uint8)
+        self.status = np.zeros(2, np.int32)
+        self.abort = np.zeros(1, np.int32)
+
+
+def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[np.ndarray]],
+                 grid: int, *, in_place: bool = False, timeout_ns: int = 10**10,
+                 ranks: list[_FusedRank] | None = None) -> list[list[np.ndarray]]:
+    """Every rank (a thread each) launches the kernel once per call, inputs[call][rank];
+    returns outputs[call][rank]."""
+    nranks = len(inputs[0])
+    slot = -(-max(x.nbytes for call in inputs for x in call) // 16) * 16
+    ranks = ranks or [_FusedRank(slot) for _ in range(nranks)]
+    regions = [r.region.ctypes.data for r in ranks]
+    regions += [0] * (_kernels.FUSED_MAX_RANKS - nranks)
+    kernel = _kernel(lib, _kernels.all_reduce_kernel_name(dtype, op))
+    divisor = nranks if op is ReduceOp.AVG else 1
+    outputs = [[np.empty(0)] * nranks for _ in inputs]
+
+    def rank_main(r: int) -> None:
+        for c, call in enumerate(inputs):
+            x = call[r].copy()
+            out = x if in_place else np.zeros_like(x)
+            lib.emu_launch_all_reduce(kernel, grid, 32, out.ctypes.data, x.ctypes.data, x.size,
+                                      divisor, r, nranks, *regions, slot, timeout_ns,
+                                      ranks[r].status.ctypes.data, ranks[r].abort.ctypes.data)
+            outputs[c][r] = out
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(nranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outputs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "complex128", "float64"])
+@pytest.mark.parametrize("nranks", [2, 3, 8])
+def test_one_kernel_all_reduce_folds_every_rank_in_rank_order(lib: ctypes.CDLL, dtype: str,
+                                                              nranks: int) -> None:
+    """Every rank gets the bits of the rank-order chain of binary reduces, over several calls
+    with fresh inputs (the slots alternate, the block counters move on), for sizes that leave
+    blocks empty, ragged and full, each op; in place too."""
+    dt = _np_dtype(dtype)
+    rng = np.random.default_rng(nranks * 100 + sum(map(ord, dtype)))
+    for op in _ops_of(dtype)[:3]:
+        divisor = nranks if op is ReduceOp.AVG else 1
+        for n, grid in ((1, 1), (37, 3), (300, 4)):
+            calls = [[_operand(rng, dt, n, op) for _ in range(nranks)] for _ in range(3)]
+            got = _fused_calls(lib, dtype, op, calls, grid, in_place=n == 37)
+            for c, call in enumerate(calls):
+                expected = _chain(call, op, divisor)
+                for r in range(nranks):
+                    where = f"{dtype} {op.value} n={n} grid={grid} call {c} rank {r}"
+                    assert _same(got[c][r], expected), where
+
+
+def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> None:
+    """A rank whose peer never launches gives up after the timeout: the status words say
+    "timed out" and which peer, the abort word is set, the output is left alone."""
+    ranks = [_FusedRank(64) for _ in range(3)]
+    kernel = _kernel(lib, _kernels.all_reduce_kernel_name("float32", "sum"))
+    regions = [r.region.ctypes.data for r in ranks] + [0] * 5
+    x = np.arange(16, dtype=np.float32)
+    out = np.full(16, -1, np.float32)
+    start = time.monotonic()
+    lib.emu_launch_all_reduce(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 3,
+                              *regions, 64, 20_000_000, ranks[0].status.ctypes.data,
+                              ranks[0].abort.ctypes.data)
+    assert time.monotonic() - start >= 0.02
+    assert ranks[0].status[0] == 1 and ranks[0].status[1] in (2, 3)
+    assert ranks[0].abort[0] == 1
+    assert (out == -1).all()
+    # once aborted, a launch does nothing at all (its counters do not move)
+    counters = ranks[0].region[:8].copy()
+    lib.emu_launch_all_reduce(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 3,
+                              *regions, 64, 0, ranks[0].status.ctypes.data,
+                              ranks[0].abort.ctypes.data)
+    assert (ranks[0].region[:8] == counters).all() and (out == -1).all()
+
+
+def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) -> None:
+    rank = _FusedRank(64)
+    other = _FusedRank(64)
+    kernel = _kernel(lib, _kernels.all_reduce_kernel_name("int32", "max"))
+    regions = [rank.region.ctypes.data, other.region.ctypes.data] + [0] * 6
+    x = np.arange(16, dtype=np.int32)
+    out = np.full(16, -1, np.int32)
+
+    def abort_soon() -> None:
+        time.sleep(0.05)
+        rank.status[0] = 2
+
+    helper = threading.Thread(target=abort_soon)
+    helper.start()
+    lib.emu_launch_all_reduce(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 2,
+                              *regions, 64, 0, rank.status.ctypes.data, rank.abort.ctypes.data)
+    helper.join()
+    assert rank.abort[0] == 1 and (out == -1).all()

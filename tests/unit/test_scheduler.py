@@ -22,9 +22,13 @@ class _Device:
     """Blocking, and compiles a program into a runner that notes what it ran."""
 
     blocking = True
+    fused_max_ranks = 0
 
     def __init__(self) -> None:
         self.ran: list[tuple[tuple[Any, ...], int]] = []
+
+    def caller_event(self) -> None:
+        return None
 
     def alloc(self, nbytes: int) -> object:
         return object()
@@ -116,3 +120,85 @@ def test_consecutive_writes_of_one_value_are_grouped() -> None:
     # the piece for the three readers, and DONE to all four ranks: one step each
     assert [len(g) for g in groups] == [3, 4]
     assert sum(isinstance(i, WriteI) for i in program) == 7
+
+
+class _Event:
+    def __init__(self, stream: _Caller):
+        self.stream = stream
+
+
+class _Caller:
+    """A stream that notes what is enqueued on it."""
+
+    def __init__(self, log: list[tuple[str, Any]]):
+        self.log = log
+
+    def all_reduce(self, out: Any, inp: Any, regions: Any, rank: int, dtype: str,
+                   op: ReduceOp, divisor: int) -> None:
+        self.log.append(("all_reduce", self))
+
+    def record(self) -> _Event:
+        self.log.append(("record", self))
+        return _Event(self)
+
+    def wait_event(self, event: _Event) -> None:
+        self.log.append(("wait", self))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self))
+
+
+class _FusedDevice(_Device):
+    """Not blocking, with a one-operation all_reduce on the caller's stream."""
+
+    blocking = False
+    fused_max_ranks = 8
+    fused_max_bytes = 1024
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, Any]] = []
+        self.inline = _Caller(self.log)
+        self.callers = [_Caller(self.log), _Caller(self.log)]
+        self.current = self.callers[0]
+
+    def fused_region_bytes(self) -> int:
+        return 4096
+
+    def fused_bytes(self, handles: Any) -> int:
+        return self.fused_max_bytes
+
+    def caller_stream(self) -> _Caller:
+        return self.current
+
+    def caller_event(self) -> None:
+        raise AssertionError("a fused all_reduce needs no event on the caller's stream")
+
+    def create_stream(self, *, inline: bool = False) -> Any:
+        return self.inline
+
+
+class _Mem:
+    nbytes = 64
+
+
+def test_a_fused_all_reduce_is_one_operation_on_the_callers_stream() -> None:
+    """One operation and one record on the caller's stream; a wait for the previous
+    collective only where that ran on another stream; synchronize waits for it too."""
+    device = _FusedDevice()
+    engine = Engine(device, _Control(1, 4), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    assert engine.fused_bytes == 1024
+    assert engine._data_offset - engine._flag_bytes == 4096  # the region, before the data
+    launch = engine.prepare((), dtype="float32", itemsize=4, op=ReduceOp.SUM, inline=True,
+                            fused=True)
+    first, second = device.callers
+    engine.run(launch, _Mem(), _Mem(), "all_reduce", 1)  # type: ignore[arg-type]
+    engine.run(launch, _Mem(), _Mem(), "all_reduce", 2)  # type: ignore[arg-type]
+    assert device.log == [("all_reduce", first), ("record", first)] * 2
+    device.log.clear()
+    device.current = second
+    engine.run(launch, _Mem(), _Mem(), "all_reduce", 3)  # type: ignore[arg-type]
+    assert device.log == [("wait", second), ("all_reduce", second), ("record", second)]
+    device.log.clear()
+    engine.synchronize()
+    assert device.log == [("wait", device.inline), ("synchronize", device.inline)]
