@@ -26,6 +26,15 @@ def device_kind(x: Any) -> str:
         "convert it with numpy.asarray() or cupy.asarray()")
 
 
+def capturing(x: Any) -> bool:
+    """Whether the current stream of `x`'s GPU records work into a CUDA graph (False for
+    NumPy arrays)."""
+    if not _is_cupy(x):
+        return False
+    stream = sys.modules["cupy"].cuda.get_current_stream(x.device.id)
+    return bool(stream.is_capturing())
+
+
 def array_module(x: Any) -> Any:
     if _is_cupy(x):
         return sys.modules["cupy"]

@@ -82,10 +82,23 @@ class CallPath:
         with self.lock:
             prepared = self.prepared.get(key)
             if prepared is None:
+                if _arrays.capturing(call.x) or (call.x is None and self._capturing()):
+                    raise GpuringError(
+                        f"{call.collective}: its first call with these arguments is being "
+                        "captured into a CUDA graph, but a first call allocates and "
+                        "synchronizes: call it once outside the capture first")
                 prepared = self._prepare(call)
                 if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
                     self.prepared.clear()
                 self.prepared[key] = prepared
+            launch = prepared.launch
+            if launch is not None and (not launch.fused or self.timeline is not None or
+                                       self.config.verify) and launch.engine.device.capturing():
+                raise GpuringError(
+                    f"{call.collective} cannot be captured into a CUDA graph: only an "
+                    "all_reduce that runs as one kernel can (of at most GPURING_ONE_SHOT_BYTES "
+                    "and 4 MiB, where GPURING_CUDA_FUSED allows it), without GPURING_VERIFY "
+                    "or a recording timeline (GPURING_TIMELINE)")
             self.seq += 1
             return _ROUTES[prepared.route](self, prepared, call)
 
@@ -93,6 +106,7 @@ class CallPath:
         """Agree with the peers on the call's signature (every setting that shapes the plan
         included), pick its route, and for the engine, the engine and the plan."""
         name, x, config = call.collective, call.x, self.config
+        chunk: int | None
         if x is None:  # a barrier: no array, on an engine this rank has (else the host's)
             kind = next(iter(self.engines), "cpu")
             plain = Signature(name, None, (), None, None, 0)
@@ -105,8 +119,8 @@ class CallPath:
             self._agree(plain)
             return PreparedCall(Route.ALONE if self.size == 1 else Route.MPI)
         devices = device_class(kind)
-        if x is not None:
-            chunk = call.chunk_bytes or config.chunk_bytes or devices.default_chunk_bytes
+        if x is not None:  # chunk None: the engine's default (the device's, for this job)
+            chunk = call.chunk_bytes or config.chunk_bytes
             nchannels = call.channels or config.channels or devices.default_channels
             Config(chunk_bytes=chunk, channels=nchannels).validate()
         engine = self.engines.get(kind)
@@ -123,9 +137,10 @@ class CallPath:
         self._agree(signature)
         try:
             engine = self._engine(kind, capacity)
+            piece = chunk or engine.default_chunk_bytes
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
-                capacity_bytes=capacity, chunk_bytes=chunk, channels=nchannels,
+                capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
                 root=call.root, one_shot_bytes=config.one_shot_bytes,
                 root_copies=name == "broadcast" and not call.in_place,
                 own_copy=not call.in_place)
@@ -134,7 +149,7 @@ class CallPath:
             raise
         text = "barrier()" if x is None else (
             f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
-            f"device={kind}, chunk_bytes={chunk}, channels={nchannels})")
+            f"device={kind}, chunk_bytes={piece}, channels={nchannels})")
         fused = name == "all_reduce" and 0 < count * itemsize <= min(
             config.one_shot_bytes, engine.fused_bytes)
         if fused:
@@ -142,6 +157,10 @@ class CallPath:
         launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                 inline=nchannels == 1, fused=fused)
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
+
+    def _capturing(self) -> bool:
+        """Whether the caller's stream of any engine's device captures a graph."""
+        return any(engine.device.capturing() for engine in self.engines.values())
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
         x, out = call.x, call.out
@@ -240,7 +259,7 @@ class CallPath:
         finally:
             watchdog.leave()
         if finished is not None:
-            watchdog.track(finished, name, seq)
+            watchdog.track(finished, name, seq, engine.device.check)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
     def _agree(self, signature: Signature) -> None:
@@ -293,7 +312,8 @@ class CallPath:
             device = device_class(kind).for_job(self.control, self.config.timeout)
             try:
                 engine = Engine(device, self.control, capacity_bytes=capacity,
-                                timeout=self.config.timeout)
+                                timeout=self.config.timeout,
+                                fused_limit=self.config.one_shot_bytes)
             except BaseException:  # peers may have mapped what this rank exported by now
                 device.close(peers_may_read=True)
                 raise

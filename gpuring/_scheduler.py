@@ -23,7 +23,7 @@ waits are left out where they are known to hold: when the round before, on the s
 stream, waited for a piece of every other rank, each of them had started that round, so had
 finished the one before it (each rank runs its rounds in order).
 
-A small all_reduce on a device that offers it (`Device.fused_bytes`) is one operation on the
+A small all_reduce on a device that offers it (`Schedule.fused_bytes`) is one operation on the
 caller's stream instead (`Stream.all_reduce`): no round, no event to order the caller, its
 flags and counters the device's own, in its region. Consecutive collectives of a rank never
 overlap: each waits for the one before where it runs on another stream.
@@ -111,7 +111,9 @@ class Engine:
     """Communication resources of one device, and the enqueueing of rounds on them."""
 
     def __init__(self, device: Device, control: ControlPlane, *, capacity_bytes: int,
-                 timeout: float):
+                 timeout: float, fused_limit: int = 0):
+        """`fused_limit`: the largest all_reduce (bytes) to run as one operation where the
+        device can (GPURING_ONE_SHOT_BYTES; the same on every rank)."""
         self.device = device
         self.rank = control.rank
         self.size = control.size
@@ -125,13 +127,15 @@ class Engine:
         #: before it (-1: none; see `run`)
         self._heard_all = -1
         self._streams: list[Stream] = []
+        #: the caller's stream that last captured a one-kernel all_reduce
+        self._captured_on: Stream | None = None
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
             collections.OrderedDict())
         # the inbox: DONE per rank, READY per channel and rank; then the device's region for
         # one-operation all_reduces; data starts on a new page
         self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
-        region = (device.fused_region_bytes()
+        region = (device.fused_region_bytes(fused_limit)
                   if 1 < self.size <= device.fused_max_ranks else 0)
         self._data_offset = self._flag_bytes + -(-region // _PAGE) * _PAGE
         local = device.alloc(self._data_offset + 4 * capacity_bytes)
@@ -140,8 +144,12 @@ class Engine:
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
         control.barrier(timeout, "setup (buffers mapped)")
         device.seal(local)
+        schedule = device.schedule(handles)
         #: the largest all_reduce (bytes) that runs as one operation (0: none)
-        self.fused_bytes = device.fused_bytes(handles) if region else 0
+        self.fused_bytes = min(schedule.fused_bytes, fused_limit) if region else 0
+        #: the piece size where the user set none
+        self.default_chunk_bytes = (capacity_bytes if schedule.whole_pieces
+                                    else device.default_chunk_bytes)
         self._regions = tuple(Span(mem, self._flag_bytes, region) for mem in self._mems)
         # where this rank waits for each rank's DONE, and where it tells each rank its own
         self._done_from = [Flag(local, self._done_offset(q)) for q in range(self.size)]
@@ -182,17 +190,38 @@ class Engine:
         return finished
 
     def _run_fused(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None,
-                   name: str, collective_seq: int) -> Event:
+                   name: str, collective_seq: int) -> Event | None:
         """The all_reduce as one operation on the caller's stream, after this engine's
-        previous collective where that ran on another stream."""
+        previous collective where that ran on another stream.
+
+        While the stream captures a graph, the operation is recorded there, with no event
+        (the host could never wait for it), and None is returned. A rank's one-kernel
+        all_reduces must never run at once (they share the device's counters), and nothing
+        here sees when a graph is launched: the capturing stream must already be ordered
+        after the communicator's earlier collectives (the warm-up call on it, or a
+        synchronize), and each replay after the collectives before it, as any work on a
+        stream. Two streams of one capture are refused (their kernels would be parallel
+        nodes of the graph)."""
         assert in_mem is not None and out_mem is not None
         stream = self.device.caller_stream()
         nbytes = out_mem.nbytes
+        out, inp = Span(out_mem, 0, nbytes), Span(in_mem, 0, nbytes)
         try:
+            if stream.capturing():
+                other = self._captured_on
+                if other is not None and other is not stream and other.capturing():
+                    raise GpuringError(
+                        f"{name} #{collective_seq} is captured on a second stream while another "
+                        "stream's capture holds one already: capture the communicator's "
+                        "collectives on one stream")
+                self._captured_on = stream
+                stream.all_reduce(out, inp, self._regions, self.rank, launch.dtype, launch.op,
+                                  launch.divisor, captured=True)
+                return None
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            stream.all_reduce(Span(out_mem, 0, nbytes), Span(in_mem, 0, nbytes), self._regions,
-                              self.rank, launch.dtype, launch.op, launch.divisor)
+            stream.all_reduce(out, inp, self._regions, self.rank, launch.dtype, launch.op,
+                              launch.divisor)
             self._last, self._last_stream = stream.record(), stream
         except FlagWaitTimeout as exc:
             raise self._timeout_error(exc, name, collective_seq) from None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, GpuringError, PeerFailureError
 from ._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard
-from .devices.base import Event
+from .devices.base import Event, FlagWaitAborted
 from .devices.host import HostDevice
 from .rendezvous.base import ControlPlane
 
@@ -44,7 +44,8 @@ class Watchdog:
         self._current: tuple[int, str, float] | None = None
         self._expecting: tuple[int, str] | None = None  # in the control-plane check of a call
         self._warned_seq = 0
-        self._pending: collections.deque[tuple[Event, float, str, int]] = collections.deque()
+        self._pending: collections.deque[
+            tuple[Event, float, str, int, Callable[[], None] | None]] = collections.deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpuring-watchdog", daemon=True)
         self._thread.start()
@@ -80,7 +81,7 @@ class Watchdog:
         """Whether this rank has a collective in flight: on the host, or queued on the GPU."""
         if self._current is not None:
             return True
-        for event, _deadline, _name, _seq in list(self._pending):
+        for event, _deadline, _name, _seq, _check in list(self._pending):
             try:
                 if not event.query():
                     return True
@@ -88,9 +89,12 @@ class Watchdog:
                 return True
         return False
 
-    def track(self, event: Event, name: str, seq: int) -> None:
-        """Fail the communicator if `event` has not completed within the timeout."""
-        self._pending.append((event, time.monotonic() + self._timeout, name, seq))
+    def track(self, event: Event, name: str, seq: int,
+              check: Callable[[], None] | None = None) -> None:
+        """Fail the communicator if `event` has not completed within the timeout, or if
+        `check` raises once it has (a device whose work gives up by itself: a kernel whose
+        wait timed out completes, and says so in the device's status)."""
+        self._pending.append((event, time.monotonic() + self._timeout, name, seq, check))
 
     def blame(self, error: CollectiveTimeoutError, name: str,
               seq: int) -> CollectiveTimeoutError:
@@ -173,7 +177,7 @@ class Watchdog:
         current = self._current
         waiting = current[:2] if current is not None else self._expecting
         if waiting is None and self._pending:
-            _event, _deadline, name, seq = self._pending[0]
+            _event, _deadline, name, seq, _check = self._pending[0]
             waiting = (seq, name)
         if waiting is not None:
             gone = self.board.left_before(waiting[0])
@@ -187,7 +191,7 @@ class Watchdog:
 
     def _check_pending(self) -> None:
         while self._pending:
-            event, deadline, name, seq = self._pending[0]
+            event, deadline, name, seq, check = self._pending[0]
             try:
                 done = event.query()
             except Exception as exc:  # the GPU reported an error: the collective is lost
@@ -198,6 +202,8 @@ class Watchdog:
                 return
             if done:
                 self._pending.popleft()
+                if check is not None and self._failed_by_itself(check, name, seq):
+                    return
             elif time.monotonic() > deadline:
                 message = (f"{name} #{seq} did not complete on rank {self.rank} within "
                            f"{self._timeout} s")
@@ -206,6 +212,20 @@ class Watchdog:
                 return
             else:
                 return
+
+    def _failed_by_itself(self, check: Callable[[], None], name: str, seq: int) -> bool:
+        """Run a completed collective's `check`; fail the communicator if it raises (an
+        abort it raises for is already known)."""
+        try:
+            check()
+        except FlagWaitAborted:
+            return False
+        except Exception as exc:
+            message = f"{name} #{seq} failed on rank {self.rank}: {exc}"
+            self.board.give_up(TIMED_OUT, message)
+            self._fail(CollectiveTimeoutError(message, collective=name, seq=seq))
+            return True
+        return False
 
     def _check_stall(self) -> None:
         current = self._current

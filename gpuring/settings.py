@@ -74,7 +74,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_TIMEOUT", float, 300.0, "300",
             "seconds any wait may take before the collective fails"),
     Setting("GPURING_CHUNK_BYTES", parse_size, None, "1M (CPU), 8M (GPU)",
-            "piece size of the pipeline"),
+            "piece size of the pipeline (GPU ranks that share one GPU: a whole buffer region, "
+            "as pipelining overlaps nothing there)"),
     Setting("GPURING_CHANNELS", int, None, "1 (CPU), 1 (GPU)",
             "parallel rings, each on its own stream"),
     Setting("GPURING_BUFFER_BYTES", parse_size, None, "16M (CPU), 64M (GPU)",
@@ -96,7 +97,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
             "`auto` (memops where available, else kernel with a warning)"),
     Setting("GPURING_CUDA_FUSED", _choice("auto", "on", "off"), "auto", "auto",
-            "GPU all_reduce up to `GPURING_ONE_SHOT_BYTES` (at most 256K, 8 ranks) as one kernel "
+            "GPU all_reduce up to `GPURING_ONE_SHOT_BYTES` (at most 4M, 8 ranks) as one kernel "
             "on the caller's stream: `on`, `off`, or `auto` (on when no two ranks share a GPU: "
             "its waits spin, and processes sharing a GPU without MPS take turns on it)"),
     Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",

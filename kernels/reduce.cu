@@ -485,24 +485,26 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 // same bits on every rank and as the other paths. r<q> is rank q's fused region, mapped into
 // this process (r<rank> is this rank's own); the first `nranks` are used. A region is
 //
-//   [counters: MAX_BLOCKS words | inbox: MAX_BLOCKS x MAX_RANKS words | data at
-//    GPURING_FUSED_DATA: two slots of slot_bytes]
+//   [epoch: the calls done | blocks done in this call | ... | inbox at GPURING_FUSED_INBOX:
+//    MAX_BLOCKS x MAX_RANKS words | data at GPURING_FUSED_DATA: two slots of slot_bytes]
 //
-// and the same on every rank. Block b handles one contiguous range of the elements:
-// (1) it counts this call in its own counter (epoch e, kept on the device, so a CUDA graph
-//     replays the kernel correctly: nothing in its arguments changes from call to call);
-// (2) copies its range of `in` into this rank's slot e % 2;
-// (3) thread q (q != rank) tells rank q "block b published epoch e" in rank q's inbox, with
+// and the same on every rank. The call's epoch e is the count of calls done, plus one, kept on
+// the device (the last block to finish moves it on), so a CUDA graph replays the kernel
+// correctly: nothing in its arguments changes from call to call. Block b handles one
+// contiguous range of the elements:
+// (1) it copies its range of `in` into this rank's slot e % 2;
+// (2) thread q (q != rank) tells rank q "block b published epoch e" in rank q's inbox, with
 //     a system-scope fence first (the copy is visible before the flag), then waits until
 //     rank q's block b said the same in this rank's inbox (fence after: acquire);
-// (4) folds every rank's range, in rank order, into out (its own part straight from `in`).
-// Slot e % 2 is written again at epoch e + 2 only after this block saw every peer's block b
-// reach e + 1, which each peer published after its whole kernel of epoch e (which read the
-// slot) was done: no rank overwrites data a peer still reads. The grid must fit on the GPU
-// at once (every block waits for the peers' block of the same index).
+// (3) folds every rank's range, in rank order, into out (its own part straight from `in`).
+// Slot e % 2 is written again at epoch e + 2 only after this rank finished call e + 1, in
+// which it heard every peer start call e + 1, so finish call e, the last that read the slot:
+// no rank overwrites data a peer still reads, whatever the grids of the calls. The grid must
+// fit on the GPU at once (every block waits for the peers' block of the same index).
 // Waits give up after timeout_ns (then status[0] = 1, status[1] = 1 + the peer waited for,
-// and *abort = 1), and return when the host sets status[0] (abort); the block then writes
-// nothing into out. Launch with at least `nranks` threads a block.
+// and *abort = 1), and return when the host sets the abort word or status[0]; the block then
+// writes nothing into out and publishes nothing. Launch with at least `nranks` threads a
+// block.
 #define GPURING_FUSED_MAX_BLOCKS 32
 #define GPURING_FUSED_MAX_RANKS GPURING_MAX_SOURCES
 #define GPURING_FUSED_INBOX (8 * GPURING_FUSED_MAX_BLOCKS)
@@ -521,21 +523,25 @@ __device__ __forceinline__ bool fused_handshake(unsigned char* const* regions, i
     volatile u64* from =
         reinterpret_cast<volatile u64*>(regions[rank] + GPURING_FUSED_INBOX) +
         block * GPURING_FUSED_MAX_RANKS + peer;
+    if (*abort) return false;  // nothing is published after a failure
     __threadfence_system();  // release: the block's copy (ordered by the barrier) first
     *to = epoch;
     const u64 start = global_ns();
     unsigned int sleep_ns = 32;
-    while (*from < epoch) {
-        if (*status != 0) {  // aborted by the host
+    for (unsigned int spin = 1; *from < epoch; ++spin) {
+        // the abort word (device memory) every time, the host's status word (over PCIe)
+        // now and then: the host sets the abort word first
+        if (*abort || (spin % 64 == 0 && *status != 0)) {
             *abort = 1;
             __threadfence_system();
             return false;
         }
         if (timeout_ns != 0 && global_ns() - start > timeout_ns) {
             *abort = 1;
-            __threadfence_system();
             status[1] = 1 + peer;
+            __threadfence_system();  // the peer before the verdict the host reads first
             status[0] = 1;
+            __threadfence_system();
             return false;
         }
         __nanosleep(sleep_ns);
@@ -551,17 +557,17 @@ __device__ void fused_all_reduce(T* out, const T* in, u64 n, long long divisor, 
                                  u64 timeout_ns, volatile int* status, volatile int* abort) {
     __shared__ u64 epoch;
     __shared__ int failed;
-    if (*abort || nranks < 1 || nranks > GPURING_FUSED_MAX_RANKS || rank < 0 ||
-        rank >= nranks || gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks)
+    if (nranks < 1 || nranks > GPURING_FUSED_MAX_RANKS || rank < 0 || rank >= nranks ||
+        gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks)
         return;
     const unsigned b = blockIdx.x;
-    if (threadIdx.x == 0) {
-        volatile u64* counter = reinterpret_cast<volatile u64*>(regions[rank]) + b;
-        epoch = *counter + 1;
-        *counter = epoch;
-        failed = 0;
+    volatile u64* done_calls = reinterpret_cast<volatile u64*>(regions[rank]);
+    if (threadIdx.x == 0) {  // one reading of the abort word for the whole block
+        epoch = *done_calls + 1;
+        failed = *abort != 0;
     }
     __syncthreads();
+    if (failed) return;
     // this block's range: whole packs of 16 elements (16-byte aligned in the slots)
     const u64 per = ((n + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
     const u64 lo = min_u64(n, b * per), count = min_u64(n, lo + per) - lo;
@@ -584,6 +590,17 @@ __device__ void fused_all_reduce(T* out, const T* in, u64 n, long long divisor, 
                                : reinterpret_cast<const T*>(regions[q] + half) + lo;
     elementwise_by<T>(FoldBody<T, Op>(out + lo, sources, nranks, divisor), count, threadIdx.x,
                       blockDim.x);
+    // every block has read the epoch by the time the last one is done: that one moves it on
+    if (threadIdx.x == 0) {
+        unsigned int* done_blocks = reinterpret_cast<unsigned int*>(regions[rank] + 8);
+        __threadfence();
+        if (atomicAdd(done_blocks, 1u) == gridDim.x - 1) {
+            __threadfence();
+            *done_blocks = 0;
+            *done_calls = epoch;
+            __threadfence();
+        }
+    }
 }
 
 #define GPURING_FUSED(NAME, T, OPNAME, OP) \

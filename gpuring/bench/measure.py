@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import time
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -101,12 +102,13 @@ class Measurer:
             times = np.array([time_loop(fn, iters=s.iters, backend=self.backend,
                                         sync=system.sync)])
         wrong = self.check(calls[0], all_buffers[0], system, case, expected)
-        ops = self.operations_per_call(system, calls[0])
-        table = self.gather(np.append(times, [-1.0 if ops is None else ops,
-                                              -1.0 if wrong is None else wrong]))
-        times_of = table[:, :-2]
+        cost = self.host_cost(system, calls[0])
+        ops, host_s = (-1.0, -1.0) if cost is None else cost
+        table = self.gather(np.append(times, [host_s, ops, -1.0 if wrong is None else wrong]))
+        times_of = table[:, :-3]
         wrongs = table[:, -1]
         ops_of = table[:, -2]
+        host_of = table[:, -3]
         extra: dict[str, Any] = {}
         if s.per_iteration:
             it = per_iteration(times_of)
@@ -130,19 +132,23 @@ class Measurer:
             max_us=slowest * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(kind, self.n),
             wrong=None if wrongs.min() < 0 else int(wrongs.sum()),
             rank_us=(rank_s * 1e6).tolist(), repeat=repeat, sets=len(calls),
-            device_ops=None if ops_of.min() < 0 else float(ops_of.max()), **extra)
+            driver_calls=None if ops_of.min() < 0 else float(ops_of.max()),
+            host_us=None if host_of.min() < 0 else float(host_of.max()) * 1e6, **extra)
 
-    def operations_per_call(self, system: System, fn: Any, calls: int = 4) -> float | None:
-        """The driver calls one call of `fn` makes on this rank (`System.operations`; None
-        where the system does not count them, or on the CPU): the average of `calls` calls
-        in a row. Collective: every rank makes the calls."""
+    def host_cost(self, system: System, fn: Any, calls: int = 4) -> tuple[float, float] | None:
+        """(driver calls, host seconds) per call of `fn` on this rank: `System.operations`
+        and the wall time of `calls` calls in a row, which on a GPU only enqueue (the
+        device is synchronized after). None where the system does not count its calls, or
+        on the CPU. Collective: every rank makes the calls."""
         if self.backend.name != "cuda" or system.operations() is None:
             return None
         before = system.operations()
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
+        took = time.perf_counter() - start
         self.backend.synchronize()
-        return ((system.operations() or 0) - (before or 0)) / calls
+        return ((system.operations() or 0) - (before or 0)) / calls, took / calls
 
     def _buffers(self, case: Case, placement: str) -> Buffers:
         if case.collective == "barrier":

@@ -51,8 +51,11 @@ class Result:
     rank_max_us: list[float] | None = None
     repeat: int = 0
     sets: int = 1
-    #: driver calls per call on this rank, the largest of any rank (GPU; None elsewhere)
-    device_ops: float | None = None
+    #: driver calls per call, the most of any rank (GPU; None elsewhere)
+    driver_calls: float | None = None
+    #: host time per call (microseconds; enqueueing only), the most of any rank (GPU; None
+    #: elsewhere, where a call returns when the result is complete)
+    host_us: float | None = None
 
 
 @dataclass
@@ -234,17 +237,20 @@ def footer_lines(results: list[Result]) -> list[str]:
 
 
 def driver_lines(results: list[Result]) -> list[str]:
-    """gpuring's driver calls per collective (GPU), per size and placement: the host cost
-    in calls (kernel launches, copies, stream memory operations, event operations)."""
-    mine = [r for r in results if r.system == "gpuring" and r.device_ops is not None
+    """gpuring's host cost per collective (GPU), per size and placement: driver calls
+    (kernel launches, copies, stream memory operations, event operations) and the host's
+    time to enqueue them."""
+    mine = [r for r in results if r.system == "gpuring" and r.driver_calls is not None
             and r.repeat == 0]
     if not mine:
         return []
-    lines = ["# Driver calls per collective (gpuring; the most of any rank): kernel launches, "
-             "copies, stream memory operations, event creations, records and waits",
-             f"#{'size':>11}{'type':>9}{'redop':>7}{'placement':>14}{'calls':>8}"]
-    lines += [f"{r.size:>12d}{r.type:>9}{r.redop:>7}{r.placement:>14}{r.device_ops:>8.1f}"
-              for r in mine]
+    lines = ["# Host cost per collective (gpuring; the most of any rank): driver calls (kernel "
+             "launches, copies, stream memory operations, event creations, records and "
+             "waits) and the host's time to enqueue them",
+             f"#{'size':>11}{'type':>9}{'redop':>7}{'placement':>14}{'calls':>8}"
+             f"{'host_us':>10}"]
+    lines += [f"{r.size:>12d}{r.type:>9}{r.redop:>7}{r.placement:>14}{r.driver_calls:>8.1f}"
+              f"{r.host_us if r.host_us is not None else float('nan'):>10.1f}" for r in mine]
     return lines
 
 

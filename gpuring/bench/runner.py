@@ -117,8 +117,10 @@ def _in_force(comm: Any, device: str) -> dict[str, Any]:
 
     config = comm.config
     devices = device_class(device)
+    engine = comm._path.engines.get(device)  # its default piece depends on the job
     values = {
-        "chunk_bytes": config.chunk_bytes or devices.default_chunk_bytes,
+        "chunk_bytes": config.chunk_bytes or (engine.default_chunk_bytes if engine else
+                                              devices.default_chunk_bytes),
         "channels": config.channels or devices.default_channels,
         "buffer_bytes": config.buffer_bytes or devices.default_buffer_bytes,
         "one_shot_bytes": config.one_shot_bytes, "transport": config.transport,
@@ -138,6 +140,7 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     systems: list[System] = [Gpuring(comm, s.chunk_bytes, s.channels), *peers]
     blocks = cases_of(s, n)
     cases = [c for block in blocks for c in block]
+    comm.all_reduce(backend.to_device(np.ones(1, np.float32)))  # the engine, for _in_force
     settings = {**asdict(s), "ranks": n, "sizes": sorted({c.size for c in cases}),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),

@@ -114,9 +114,11 @@ def _flag_addr(flag: Flag) -> int:
 class _CudaStream(Stream):
     """A CuPy non-blocking stream. Every method only enqueues (except synchronize)."""
 
-    def __init__(self, device: CudaDevice, raw: Any):
+    def __init__(self, device: CudaDevice, raw: Any, *, caller: bool = False):
+        """`caller`: a stream of the caller's, which only one-kernel all_reduces use."""
         self._device = device
         self.raw = raw
+        self._caller = caller
         self.waits: collections.deque[tuple[Flag, int, Any]] = collections.deque(
             maxlen=_RECENT_WAITS)
         self._cu: Any = None  # the driver's CUstream for stream memory operations
@@ -248,29 +250,39 @@ class _CudaStream(Stream):
                 dev.operations += 1
 
     def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
-                   dtype: str, op: ReduceOp, divisor: int = 1) -> None:
+                   dtype: str, op: ReduceOp, divisor: int = 1, *,
+                   captured: bool = False) -> None:
         """One launch of the one-kernel all_reduce (kernels/reduce.cu): a block per 4 KiB, at
-        most `FUSED_MAX_BLOCKS`, the same grid on every rank (it depends on the size only)."""
+        most the job's `fused_blocks`, the same grid on every rank (it depends on the size
+        only).
+        `captured`: into a CUDA graph, which holds the device's memory from now on."""
         dev = self._device
         dev.check()
-        if out.nbytes != inp.nbytes or out.nbytes > dev.fused_max_bytes:
+        slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
+        if out.nbytes != inp.nbytes or out.nbytes > slot:
             raise ValueError(f"one-kernel all_reduce of {inp.nbytes} bytes into {out.nbytes} "
-                             f"(at most {dev.fused_max_bytes})")
+                             f"(at most {slot})")
+        if captured:
+            dev.captured = True
         kernel = dev.all_reduce_kernel(dtype, op)
         n = _elements(out, np.dtype(dtype).itemsize, dtype)
         if n == 0:
             return
-        blocks = max(1, min(_kernels.FUSED_MAX_BLOCKS, -(-out.nbytes // 4096)))
+        blocks = max(1, min(dev.fused_blocks, -(-out.nbytes // 4096)))
         pointers = [np.uint64(_addr(region)) for region in regions]
         pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
         with dev.scope():
             kernel((blocks,), (THREADS,),
                    (np.uint64(_addr(out)), np.uint64(_addr(inp)), np.uint64(n),
                     np.int64(divisor), np.int32(rank), np.int32(len(regions)), *pointers,
-                    np.uint64(dev.fused_max_bytes), np.uint64(dev.timeout_ns),
+                    np.uint64(slot), np.uint64(dev.timeout_ns),
                     np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
         dev.operations += 1
+
+    def capturing(self) -> bool:
+        with self._device.scope():
+            return bool(self.raw.is_capturing())
 
     def record(self) -> Event:
         dev = self._device
@@ -278,7 +290,10 @@ class _CudaStream(Stream):
             raw = dev._event()
             raw.record(self.raw)
         dev.operations += 1
-        return _CudaEvent(raw, dev, reuse=True)
+        event = _CudaEvent(raw, dev, reuse=True)
+        if self._caller:
+            dev.last_on_caller = event
+        return event
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, _CudaEvent):

@@ -18,7 +18,8 @@ from .._ops import ReduceOp
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
 
-__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "FlagWaitTimeout",
+__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "Schedule",
+           "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
            "Runner", "open_peer"]
 
@@ -94,6 +95,17 @@ class WriteI(NamedTuple):
 
 
 Instruction = CopyI | ReduceI | ReduceNI | WaitI | WriteI
+
+
+class Schedule(NamedTuple):
+    """How a device runs one job's collectives, chosen from every rank's `export` handle
+    (`Device.schedule`): the same on every rank."""
+
+    #: the largest all_reduce (bytes) that runs as one `Stream.all_reduce`; 0: none
+    fused_bytes: int = 0
+    #: pieces are whole buffer regions where the user set no chunk size: the ranks share one
+    #: processor, which runs one rank's work at a time, so pipelining pieces overlaps nothing
+    whole_pieces: bool = False
 #: a compiled program: runner(input memory, output memory, seq)
 Runner = Callable[[Memory | None, Memory | None, int], None]
 
@@ -167,13 +179,21 @@ class Stream(abc.ABC):
             self.write_flag(flag, value)
 
     def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
-                   dtype: str, op: ReduceOp, divisor: int = 1) -> None:
+                   dtype: str, op: ReduceOp, divisor: int = 1, *,
+                   captured: bool = False) -> None:
         """out = the rank-order fold of every rank's `inp` (the bits of `reduce_n`), as one
-        operation that every rank enqueues alike (`Device.fused_bytes`): `regions[q]` is rank
-        q's region of `Device.fused_region_bytes`, mapped here, which only these operations
-        use. The operation waits for the peers itself, each wait bounded; a device that
-        offers none raises NotImplementedError."""
+        operation that every rank enqueues alike (`Schedule.fused_bytes`): `regions[q]` is
+        rank q's region of `Device.fused_region_bytes`, mapped here, which only these
+        operations use (its size says how large an all_reduce it holds). The operation waits
+        for the peers itself, each wait bounded. `captured`: the stream records it into a
+        graph, whose replays run it again. A device that offers none raises
+        NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} has no one-operation all_reduce")
+
+    def capturing(self) -> bool:
+        """Whether the stream records work into a graph instead of running it (CUDA graph
+        capture). Default: never."""
+        return False
 
     @abc.abstractmethod
     def record(self) -> Event:
@@ -223,16 +243,25 @@ class Device(abc.ABC):
         ranks agree on them with each call's signature."""
         return ()
 
-    def fused_region_bytes(self) -> int:
-        """Bytes of each rank's region that `Stream.all_reduce` uses (allocated once with the
-        communication buffer)."""
+    def fused_region_bytes(self, limit: int) -> int:
+        """Bytes of each rank's region that `Stream.all_reduce` of at most `limit` bytes uses
+        (allocated once with the communication buffer); 0: none."""
         return 0
 
-    def fused_bytes(self, handles: Sequence[Any]) -> int:
-        """The largest all_reduce (bytes) to run as one `Stream.all_reduce` among the ranks
-        whose `export` handles these are (each rank's, in rank order); 0: none. The same on
-        every rank: it depends on the handles and the agreed settings only."""
-        return 0
+    def schedule(self, handles: Sequence[Any]) -> Schedule:
+        """How the ranks whose `export` handles these are (each rank's, in rank order) run
+        their collectives. The same on every rank: it depends on the handles and the agreed
+        settings only. Default: in rounds, in pieces of `default_chunk_bytes`."""
+        return Schedule()
+
+    def capturing(self) -> bool:
+        """Whether the caller's current stream records work into a graph instead of running
+        it (CUDA graph capture). Default: never."""
+        return False
+
+    def check(self) -> None:
+        """Raise what the device's completed work says went wrong by itself: FlagWaitTimeout
+        for a wait that gave up, FlagWaitAborted once aborted. Default: nothing to say."""
 
     def caller_stream(self) -> Stream:
         """The caller's current stream, as a stream of this device (the same object for the

@@ -34,7 +34,9 @@ A small all_reduce may run as one kernel on the caller's stream (`Stream.all_red
 `gpuring_all_reduce_*` in kernels/reduce.cu): per-block flags and counters on the device, one
 launch and one event record per call. Its waits spin inside the kernel, so it is chosen only
 where that costs nothing (`GPURING_CUDA_FUSED=auto`: no two ranks on one GPU; processes that
-share a GPU without MPS take turns on it, and a spinning kernel holds its turn).
+share a GPU without MPS take turns on it, and a spinning kernel holds its turn). Nothing in its
+arguments changes from call to call, so it can be captured in a CUDA graph: while the caller's
+stream captures, it records no event and the watchdog does not track it.
 
 The device never synchronizes the host in a collective: `blocking` is False, and the caller's
 stream is ordered with events (`caller_event`, `order_caller_after`). Every CUDA call runs with
@@ -83,6 +85,7 @@ from .base import (
     FlagWaitAborted,
     FlagWaitTimeout,
     Memory,
+    Schedule,
     Stream,
 )
 
@@ -97,6 +100,8 @@ COPY_ENV = "GPURING_CUDA_COPY"
 FUSED_ENV = "GPURING_CUDA_FUSED"
 #: caller's streams remembered (`caller_stream`): each holds its CuPy stream alive
 _CALLER_STREAMS = 64
+#: cudaStreamPerThread's handle
+_PER_THREAD_STREAM = 2
 
 # CUDA runtime constants (stable ABI values)
 _HOST_ALLOC_PORTABLE = 1
@@ -138,6 +143,8 @@ class CudaHandle(NamedTuple):
     process: str
     host: str
     gpu: str
+    #: blocks of the one-kernel all_reduce that fit on this GPU at once (0: not offered)
+    fused_blocks: int
     device_id: int
     ptr: int
     nbytes: int
@@ -162,7 +169,7 @@ class CudaDevice(Device):
     default_channels = 1
     default_buffer_bytes = 64 << 20
     blocking = False
-    fused_max_bytes = 256 << 10
+    fused_max_bytes = 4 << 20
     fused_max_ranks = _kernels.FUSED_MAX_RANKS
 
     @classmethod
@@ -232,9 +239,17 @@ class CudaDevice(Device):
         self._reduce_n_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
         self._blocks_per_sm: dict[Any, int] = {}  # kernel -> blocks that fit on one SM
         self._spare_events: list[Any] = []  # recorded before, free to record again
-        self._callers: dict[int, _CudaStream] = {}  # caller's streams by pointer
+        self._callers: dict[tuple[int, int], _CudaStream] = {}  # caller's streams
+        #: the last event recorded on a caller's stream after a one-kernel all_reduce (each
+        #: such call orders after the one before: this one covers them all)
+        self.last_on_caller: _CudaEvent | None = None
+        #: a one-kernel all_reduce was captured into a graph, which holds this device's
+        #: memory: it is never freed (a replay after close would touch it)
+        self.captured = False
         self._all_reduce_kernels: dict[tuple[str, ReduceOp], Any] = {}
         self._pci_bus_id = str(self.gpu.pci_bus_id)
+        #: the one-kernel all_reduce's most blocks, for the job (`schedule`)
+        self.fused_blocks = 0
 
     # -- helpers ------------------------------------------------------------------------------
     def scope(self) -> Scope:
@@ -349,31 +364,55 @@ class CudaDevice(Device):
     # -- one-kernel all_reduce ------------------------------------------------------------------
     @classmethod
     def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
-        return ((FUSED_ENV, str(settings.get(FUSED_ENV))),)
+        return ((FUSED_ENV, str(settings.get(FUSED_ENV)).lower()),)
 
-    def fused_region_bytes(self) -> int:
-        return _kernels.fused_region_bytes(self.fused_max_bytes)
+    def fused_region_bytes(self, limit: int) -> int:
+        if str(settings.get(FUSED_ENV)).lower() == "off":
+            return 0
+        slot = -(-min(limit, self.fused_max_bytes) // 16) * 16
+        return _kernels.fused_region_bytes(slot) if slot > 0 else 0
 
-    def fused_bytes(self, handles: Any) -> int:
-        """`fused_max_bytes` where GPURING_CUDA_FUSED is on, or auto and no two of the ranks
-        share a GPU; else 0."""
+    def schedule(self, handles: Any) -> Schedule:
+        """One kernel for small all_reduces where GPURING_CUDA_FUSED is on, or auto and no two
+        of the ranks share a GPU. Where some do, pieces are whole buffer regions: processes
+        that share a GPU without MPS take turns on it, so a rank's piece never runs beside a
+        peer's, and every piece costs driver calls and a turn."""
         mode = str(settings.get(FUSED_ENV)).lower()
-        gpus = {(h.host, h.gpu) for h in (CudaHandle(*h) for h in handles)}
-        if mode == "on" or (mode == "auto" and len(gpus) == len(handles)):
-            return self.fused_max_bytes
-        return 0
+        found = [CudaHandle(*h) for h in handles]
+        shared = len({(h.host, h.gpu) for h in found}) < len(found)
+        # its grid: the same on every rank, and on every GPU all of it at once (its blocks
+        # wait for the peers' blocks of the same index: one left waiting for an SM that a
+        # spinning block holds would never run)
+        self.fused_blocks = min(_kernels.FUSED_MAX_BLOCKS, *(h.fused_blocks for h in found))
+        fused = (mode == "on" or (mode == "auto" and not shared)) and self.fused_blocks > 0
+        return Schedule(self.fused_max_bytes if fused else 0, whole_pieces=shared)
+
+    def _fused_fits(self) -> int:
+        """Blocks of the one-kernel all_reduce that fit on this GPU at once (0 where
+        GPURING_CUDA_FUSED is off: its kernels are then never compiled)."""
+        if str(settings.get(FUSED_ENV)).lower() == "off":
+            return 0
+        return self._sm_count * self.blocks_per_sm(self.all_reduce_kernel("float32",
+                                                                          ReduceOp.SUM))
+
+    def capturing(self) -> bool:
+        with self.scope():
+            return bool(_cupy().cuda.get_current_stream(self.device_id).is_capturing())
 
     def caller_stream(self) -> _CudaStream:
-        """The caller's current CuPy stream, wrapped once (the wrapper keeps it alive, so no
-        later stream reuses its pointer while this device may still order work after it)."""
-        raw = _cupy().cuda.get_current_stream()
-        stream = self._callers.get(raw.ptr)
+        """The caller's current CuPy stream on this GPU, wrapped once (the wrapper keeps it
+        alive, so no later stream reuses its pointer while this device may still order work
+        after it). The per-thread default stream is one object for every thread, but each
+        thread's own stream: its wrappers are per thread."""
+        raw = _cupy().cuda.get_current_stream(self.device_id)
+        key = (raw.ptr, threading.get_ident() if raw.ptr == _PER_THREAD_STREAM else 0)
+        stream = self._callers.get(key)
         if stream is None or stream.raw is not raw:
-            if len(self._callers) >= _CALLER_STREAMS:
-                del self._callers[next(iter(self._callers))]
-            with self.scope():
-                stream = _CudaStream(self, raw)
-            self._callers[raw.ptr] = stream
+            with self._lock:
+                if len(self._callers) >= _CALLER_STREAMS:
+                    del self._callers[next(iter(self._callers))]
+                stream = _CudaStream(self, raw, caller=True)
+                self._callers[key] = stream
         return stream
 
     # -- caller ordering ------------------------------------------------------------------------
@@ -418,7 +457,7 @@ class CudaDevice(Device):
         with self.scope():
             ipc = bytes(_cupy().cuda.runtime.ipcGetMemHandle(mem.ptr))
         return CudaHandle(_PROCESS_TOKEN, socket.gethostname(), self._pci_bus_id,
-                          self.device_id, mem.ptr, mem.nbytes, ipc)
+                          self._fused_fits(), self.device_id, mem.ptr, mem.nbytes, ipc)
 
     def open(self, handle: Any) -> CudaMemory:
         handle = CudaHandle(*handle)
@@ -521,7 +560,9 @@ class CudaDevice(Device):
         try:
             with self.scope():
                 events: list[Event] = [_CudaEvent(self._side.record(), self)]
-            events += [s.record() for s in [*self._streams, *self._callers.values()]]
+            events += [s.record() for s in self._streams]
+            if self.last_on_caller is not None:
+                events.append(self.last_on_caller)
             return self._poll(events, seconds, release=True)
         except Exception as exc:
             warnings.warn(f"gpuring: CUDA error while closing: {exc}", RuntimeWarning,
@@ -561,12 +602,13 @@ class CudaDevice(Device):
         self.detach_peers()
         runtime = _cupy().cuda.runtime
         with self.scope():
-            if peers_may_read and self._owned:
+            if (peers_may_read or self.captured) and self._owned:
                 _LEAKED.extend(mem._owner for mem in self._owned)
                 nbytes = sum(mem.nbytes for mem in self._owned)
+                why = ("a peer of the failed job may still read them" if peers_may_read else
+                       "a CUDA graph captured a collective that uses them")
                 warnings.warn(f"gpuring: keeping {nbytes} bytes of GPU communication buffers "
-                              "allocated: a peer of the failed job may still read them",
-                              RuntimeWarning, stacklevel=2)
+                              f"allocated: {why}", RuntimeWarning, stacklevel=2)
             for mem in self._owned:
                 mem.release()  # drops the cupy.cuda.Memory: cudaFree (unless leaked above)
             self._owned.clear()
@@ -575,7 +617,8 @@ class CudaDevice(Device):
             self._side = None
             self._abort_mem = None
             self._status = None  # type: ignore[assignment]
-            runtime.freeHost(self.status_ptr)
+            if not self.captured:  # a graph's kernels hold the status word's address
+                runtime.freeHost(self.status_ptr)
             runtime.freeHost(self._released_ptr)
             runtime.freeHost(self._readback_ptr)
             self.status_ptr = self._released_ptr = self._readback_ptr = 0

@@ -42,6 +42,10 @@ inline void __nanosleep(unsigned int ns) {
     std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
 }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+    return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
 inline unsigned long long gpuring_host_globaltimer() {
     return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())

@@ -26,6 +26,16 @@ What it models, and how:
   kernel in the CUBIN that was loaded (cubin.py), by the rules of sm_80 and sm_90;
 - arrays (`ndarray`) hold their data in host memory; every operation on them first waits for
   the current stream, as reading a result on the GPU would.
+- graph capture: between `Stream.begin_capture()` and `end_capture()` the stream records what
+  is queued on it (kernels, copies, memsets, stream memory operations) instead of running it,
+  and `Graph.launch(stream)` queues all of it again on `stream`, each replay with the values
+  recorded (a kernel's arguments, a flag value). What a capture forbids fails, and ends the
+  capture invalidated (`end_capture` then raises): synchronizing a capturing stream, querying
+  or synchronizing an event recorded in the capture, a stream waiting on an event recorded
+  outside it; allocating memory, querying or synchronizing an event or a stream in a
+  capture's thread, or in any thread while a capture in the global mode runs (CuPy's default
+  mode, relaxed, allows them). Work from another stream joining a capture (a wait on its
+  event) is not simulated and fails;
 - GPURING_CUDASIM_JITTER=1 delays stream operations at random, to expose missing ordering;
 - CUDA_DEVICE_MAX_CONNECTIONS=N makes the streams share N hardware queues in turn.
 - contexts: a thread has a current device (`setDevice`, default 0) and, once it made a call
@@ -161,6 +171,60 @@ def _worker_for(null: bool) -> _Worker:
 _legacy_lock = threading.Lock()
 _stream_ids = itertools.count(0x1000, 0x10)
 
+#: capture modes (cudaStreamCaptureMode)
+streamCaptureModeGlobal, streamCaptureModeThreadLocal, streamCaptureModeRelaxed = 0, 1, 2
+
+
+class _Capture:
+    """A stream's capture under way: what it recorded, and why it was invalidated."""
+
+    def __init__(self, mode: int):
+        self.mode = mode
+        self.thread = threading.get_ident()
+        self.ops: list[Callable[[], None]] = []
+        self.invalid: str | None = None
+
+
+#: captures under way in this process
+_captures: list[_Capture] = []
+
+
+def _invalidate(capture: _Capture, error: str, what: str) -> CUDARuntimeError:
+    """What a call a capture forbids does: the capture is invalidated, the call fails."""
+    capture.invalid = capture.invalid or f"{error}: {what}"
+    return CUDARuntimeError(error, what)
+
+
+def _unsafe_call(what: str) -> None:
+    """A potentially unsafe call (one that may synchronize, say cudaMalloc): forbidden in the
+    thread of a capture that is not relaxed, and in any thread during a global one."""
+    me = threading.get_ident()
+    for capture in list(_captures):
+        if capture.mode == streamCaptureModeGlobal or (
+                capture.mode == streamCaptureModeThreadLocal and capture.thread == me):
+            raise _invalidate(capture, "cudaErrorStreamCaptureUnsupported",
+                              f"{what} during a stream capture")
+
+
+class Graph:
+    """A captured graph (cupy.cuda.graph.Graph): `launch` queues its work on a stream as one
+    driver call."""
+
+    def __init__(self, ops: list[Callable[[], None]]):
+        self._ops = ops
+
+    def upload(self, stream: Stream | None = None) -> None:
+        pass
+
+    def launch(self, stream: Stream | None = None) -> None:
+        target = _stream(stream)
+        if target._capturing() is not None:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
+                                   "cudasim does not simulate a graph launched into a capture")
+        driver_calls[0] += 1
+        for op in self._ops:
+            target._put(op, count=False)
+
 
 class Stream:
     """A CUDA stream: a thread running operations in order."""
@@ -175,15 +239,26 @@ class Stream:
         # the device current at creation (-1: the legacy stream, which every device has)
         self.device_id = -1 if null else _Runtime.getDevice()
         self._worker = _worker_for(null)
+        self._capture: _Capture | None = None
         _streams[self.ptr] = self
 
-    def _put(self, op: Callable[[], None]) -> None:
-        """Queue `op` (one driver call: see `driver_calls`). The legacy default stream and the
+    def _capturing(self) -> _Capture | None:
+        """The capture under way on this stream (an ExternalStream shares its stream's)."""
+        return _streams[self.ptr]._capture
+
+    def _put(self, op: Callable[[], None], *, count: bool = True) -> None:
+        """Queue `op` (one driver call, unless `count` is False: see `driver_calls`), or record
+        it while the stream captures. The legacy default stream and the
         blocking streams of its device order each other implicitly (CUDA's legacy
         semantics): work on the legacy stream waits for what every blocking stream has
         queued, and work on a blocking stream waits for what the legacy stream has queued.
         Non-blocking streams are left alone."""
-        driver_calls[0] += 1
+        if count:
+            driver_calls[0] += 1
+        capture = self._capturing()
+        if capture is not None:
+            capture.ops.append(op)
+            return
         if self.ptr != 0 and self.non_blocking:
             self._worker.put(op)
             return
@@ -207,13 +282,54 @@ class Stream:
         return event
 
     def wait_event(self, event: Event) -> None:
+        capture = self._capturing()
+        if event._captured is not None:
+            if event._captured is not capture:
+                raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "cudasim does not "
+                                       "simulate a stream joining a capture")
+            driver_calls[0] += 1  # within one stream's capture: stream order already holds
+            return
+        if capture is not None and event._marker is not None:
+            raise _invalidate(capture, "cudaErrorStreamCaptureIsolation",
+                              "a capturing stream waits on an event recorded outside it")
         marker = event._marker
         if marker is not None:
             self._put(marker.reached.wait)
         else:  # an event never recorded: the call returns at once, but it was made
             driver_calls[0] += 1
 
+    def begin_capture(self, mode: int | None = None) -> None:
+        """Record what is queued on this stream from now on instead of running it (CuPy's
+        default mode: relaxed)."""
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if self._capturing() is not None:
+            raise CUDARuntimeError("cudaErrorIllegalState", "the stream is capturing already")
+        capture = _Capture(streamCaptureModeRelaxed if mode is None else int(mode))
+        _streams[self.ptr]._capture = capture
+        _captures.append(capture)
+
+    def end_capture(self) -> Graph:
+        capture = self._capturing()
+        if capture is None:
+            raise CUDARuntimeError("cudaErrorIllegalState", "the stream is not capturing")
+        if capture.mode != streamCaptureModeRelaxed and capture.thread != threading.get_ident():
+            raise CUDARuntimeError("cudaErrorStreamCaptureWrongThread")
+        _streams[self.ptr]._capture = None
+        _captures.remove(capture)
+        if capture.invalid is not None:
+            raise CUDARuntimeError("cudaErrorStreamCaptureInvalidated", capture.invalid)
+        return Graph(capture.ops)
+
+    def is_capturing(self) -> bool:
+        return self._capturing() is not None
+
     def synchronize(self) -> None:
+        capture = self._capturing()
+        if capture is not None:
+            raise _invalidate(capture, "cudaErrorStreamCaptureUnsupported",
+                              "synchronizing a capturing stream")
+        _unsafe_call("cudaStreamSynchronize")
         event = Event()
         event.record(self)
         event.synchronize()
@@ -222,6 +338,10 @@ class Stream:
 
     @property
     def done(self) -> bool:
+        capture = self._capturing()
+        if capture is not None:
+            raise _invalidate(capture, "cudaErrorStreamCaptureUnsupported",
+                              "querying a capturing stream")
         event = Event()
         event.record(self)
         return event.done
@@ -283,6 +403,7 @@ class ExternalStream(Stream):
         self.non_blocking = self._stream.non_blocking
         self.device_id = self._stream.device_id if device_id < 0 else device_id
         self._worker = self._stream._worker
+        self._capture = None  # its stream's capture is the one that counts (`_capturing`)
 
 
 _contexts: set[int] = set()  # devices whose primary context this process created
@@ -327,21 +448,35 @@ class Event:
         driver_calls[0] += 1
         self._marker: _Marker | None = None
         self._stream: Stream | None = None
+        self._captured: _Capture | None = None  # recorded in this capture
         self.ptr = next(_event_ids)
         _events[self.ptr] = self
 
     def record(self, stream: Stream | None = None) -> None:
         _context()
+        target = _stream(stream)
+        capture = target._capturing()
+        if capture is not None:  # a node of the graph: the host can never wait for it
+            driver_calls[0] += 1
+            self._marker, self._stream, self._captured = None, target, capture
+            return
         marker = _Marker()
-        self._marker = marker
-        self._stream = _stream(stream)
-        self._stream._put(marker.reach)
+        self._marker, self._stream, self._captured = marker, target, None
+        target._put(marker.reach)
+
+    def _check_not_captured(self, what: str) -> None:
+        if self._captured is not None:
+            raise _invalidate(self._captured, "cudaErrorStreamCaptureUnsupported",
+                              f"{what} an event recorded in a capture")
+        _unsafe_call(f"{what} an event")
 
     @property
     def done(self) -> bool:
+        self._check_not_captured("querying")
         return self._marker is None or self._marker.reached.is_set()
 
     def synchronize(self) -> None:
+        self._check_not_captured("synchronizing")
         if self._marker is not None:
             self._marker.reached.wait()
 
@@ -451,6 +586,7 @@ class Memory:
 
     def __init__(self, size: int):
         _context()
+        _unsafe_call("cudaMalloc")
         self._alloc = _Allocation(max(int(size), 1))
         _allocated[self._alloc.ptr] = self._alloc
         _used[0] += self._alloc.size
@@ -492,6 +628,9 @@ class _Runtime(types.ModuleType):
     memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost = 0, 1, 2
     memcpyDeviceToDevice, memcpyDefault = 3, 4
     hostAllocPortable, hostAllocMapped = 1, 2
+    streamCaptureModeGlobal = streamCaptureModeGlobal
+    streamCaptureModeThreadLocal = streamCaptureModeThreadLocal
+    streamCaptureModeRelaxed = streamCaptureModeRelaxed
 
     @staticmethod
     def getDeviceCount() -> int:
@@ -598,6 +737,13 @@ class _Runtime(types.ModuleType):
         event = _events[ptr]
         if _sticky:
             return 700  # cudaErrorIllegalAddress: the context is dead
+        if event._captured is not None:
+            _invalidate(event._captured, "cudaErrorStreamCaptureUnsupported", "eventQuery")
+            return 900  # cudaErrorStreamCaptureUnsupported
+        try:
+            _unsafe_call("cudaEventQuery")
+        except CUDARuntimeError:
+            return 900
         if event._stream is not None and event._stream._worker.error is not None:
             return 719  # cudaErrorLaunchFailure: the stream's earlier operation failed
         return 0 if event.done else 600
@@ -1132,7 +1278,10 @@ driver.ctxGetCurrent = _ctx_get_current  # type: ignore[attr-defined]
 driver.CUDADriverError = CUDADriverError  # type: ignore[attr-defined]
 driver.occupancyMaxActiveBlocksPerMultiprocessor = _cupy_occupancy  # type: ignore[attr-defined]
 function.Module = Module  # type: ignore[attr-defined]
+graph = types.ModuleType("cupy.cuda.graph")
+graph.Graph = Graph  # type: ignore[attr-defined]
 for _name, _value in {"runtime": runtime, "function": function, "driver": driver,
+                      "graph": graph,
                       "Stream": Stream, "ExternalStream": ExternalStream,
                       "Event": Event, "Memory": Memory, "Device": Device,
                       "get_current_stream": get_current_stream,
@@ -1142,6 +1291,7 @@ sys.modules["cupy.cuda"] = cuda
 sys.modules["cupy.cuda.runtime"] = runtime
 sys.modules["cupy.cuda.function"] = function
 sys.modules["cupy.cuda.driver"] = driver
+sys.modules["cupy.cuda.graph"] = graph
 
 
 def __getattr__(name: str) -> Any:

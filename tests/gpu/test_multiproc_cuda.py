@@ -50,6 +50,18 @@ def test_small_all_reduce_as_one_kernel(n, mode, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_reduce_captured_in_a_cuda_graph(n, tmp_path):
+    """Small all_reduces captured into a CUDA graph and replayed with fresh inputs; what cannot
+    be captured is refused, and the communicator goes on."""
+    proc = launch("gpuring", n, [str(WORKER), "graph_capture", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": "on",
+                       "GPURING_ONE_SHOT_BYTES": "4M"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"graph_capture-{r}.txt").read_text() for r in range(n)]
+    assert all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
 def test_close_waits_until_every_peer_unmapped(tmp_path):
     """A rank frees its buffers only once every peer has unmapped them (the simulator aborts
     a process that frees memory a live peer still maps: undefined behaviour on a GPU)."""

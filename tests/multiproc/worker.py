@@ -188,7 +188,11 @@ class Checker:
                     f"{err[bad][0]:.3g} > bound {want.bound[bad][0]:.3g}")
         else:
             assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-            assert np.array_equal(got, want), f"{what}: wrong values"
+            if not np.array_equal(got, want):
+                flat_got, flat_want = got.reshape(-1), np.asarray(want).reshape(-1)
+                first = int(np.argmax(flat_got != flat_want))
+                raise AssertionError(f"{what}: wrong values, first at element {first}: got "
+                                     f"{flat_got[first]!r}, want {flat_want[first]!r}")
         if shared:
             self.digests.append(f"{what} {hashlib.sha256(got.tobytes()).hexdigest()}")
         self.checked += 1
@@ -315,6 +319,77 @@ def case_sizes(c: Checker) -> None:
     c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"), "64 MiB")
 
 
+def rank_order_fold(ins: list[np.ndarray], op: str) -> np.ndarray:
+    """ins[0] op ins[1] op ... in rank order, each step rounded to the dtype (16-bit floats
+    computed in float32), avg dividing at the last step: the bits of the one-kernel
+    all_reduce (sum, avg and max of real dtypes)."""
+    fold = ins[0].copy()
+    for k, a in enumerate(ins[1:], 2):
+        if op == "max":
+            fold = np.maximum(fold, a)
+        else:
+            wide = np.float32 if a.dtype.kind == "f" and a.dtype.itemsize == 2 else a.dtype
+            fold = (fold.astype(wide) + a.astype(wide)).astype(a.dtype)
+        if op == "avg" and k == len(ins):
+            fold = (fold / np.float32(len(ins))).astype(a.dtype)
+    return fold
+
+
+def case_graph_capture(c: Checker) -> None:
+    """All_reduces captured into a CUDA graph (CuPy stream capture) and replayed: each replay
+    reduces what the input buffers hold then (the bits of the rank-order fold), several
+    replays with fresh inputs, from a few elements to 4 MiB, out of place and in place. A
+    first call during a capture, and a collective that runs in rounds, are refused without
+    harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=on and
+    GPURING_ONE_SHOT_BYTES=4M."""
+    from gpuring import GpuringError
+
+    comm, xp = c.comm, c.xp
+    stream = xp.cuda.Stream(non_blocking=True)
+    shapes = [(5, "float32", "sum"), (3000, "int32", "max"), (20000, "float32", "avg"),
+              (1 << 20, "float32", "sum")]  # 1 << 20 float32: 4 MiB
+    bufs = [(xp.zeros(size, dtype), xp.zeros(size, dtype)) for size, dtype, _ in shapes]
+    gathered = xp.zeros((comm.size, 5), "float32")
+    with stream:
+        for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):  # warm-up, uncaptured
+            comm.all_reduce(x, op=op, out=out)
+        comm.all_reduce(bufs[0][0], out=bufs[0][0])
+        comm.all_gather(bufs[0][0], out=gathered)
+        stream.synchronize()
+        refused = []
+        graphs = []  # CuPy's default capture mode (relaxed), then torch.cuda.graph's own
+        for mode in (None, xp.cuda.runtime.streamCaptureModeThreadLocal):
+            stream.begin_capture(mode)
+            for attempt in (lambda: comm.all_gather(bufs[0][0], out=gathered),  # in rounds
+                            lambda: comm.broadcast(bufs[1][0], root=0)):  # never called
+                try:
+                    attempt()
+                except GpuringError as exc:
+                    refused.append(str(exc))
+            for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):
+                comm.all_reduce(x, op=op, out=out)
+            comm.all_reduce(bufs[0][0], out=bufs[0][0])  # after the first read it
+            graphs.append(stream.end_capture())
+    assert len(refused) == 4, refused
+    assert "cannot be captured" in refused[0] and "outside the capture first" in refused[1]
+    for replay in range(4):
+        folds = []
+        with stream:
+            for i, ((size, dtype, op), (x, _)) in enumerate(zip(shapes, bufs, strict=True)):
+                ins = c.inputs(dtype, (size,), 9500 + 10 * replay + i)
+                x[...] = dev(c, ins[comm.rank])
+                folds.append(rank_order_fold(ins, op))
+            graphs[replay % 2].launch(stream)
+            stream.synchronize()
+        for (size, dtype, op), (_, out), fold in zip(shapes, bufs, folds, strict=True):
+            c.expect(out, fold, f"replay {replay} {dtype} {op} {size}", copy=True)
+        c.expect(bufs[0][0], folds[0], f"replay {replay} in place", copy=True)
+    # eager calls go on, ordered after the replays (on the default stream: after `stream`)
+    ins = c.inputs("float32", (5,), 9600)
+    got = comm.all_reduce(dev(c, ins[comm.rank]))
+    c.expect(got, rank_order_fold(ins, "sum"), "eager after replays", copy=True)
+
+
 def case_one_kernel(c: Checker) -> None:
     """Small all_reduces on CuPy arrays, which run as one kernel on the caller's stream where
     GPURING_CUDA_FUSED says so (on; auto: no two ranks on one GPU): the bits of the rank-order
@@ -331,22 +406,17 @@ def case_one_kernel(c: Checker) -> None:
                           ("float16", "sum")):
             seed += 1
             ins = c.inputs(dtype, (size,), seed)
-            fold = ins[0].copy()
-            for k, a in enumerate(ins[1:], 2):  # each step rounded, as the kernels do
-                if op == "max":
-                    fold = np.maximum(fold, a)
-                else:
-                    fold = (fold.astype(np.float32) + a.astype(np.float32)).astype(a.dtype)
-                if op == "avg" and k == n:
-                    fold = (fold / np.float32(n)).astype(a.dtype)
-            x = dev(c, ins[c.comm.rank])
-            calls = comm.device_operations
+            fold = rank_order_fold(ins, op)
             if seed % 2:
-                with other:
+                with other:  # the input arrives on `other` too
+                    x = dev(c, ins[c.comm.rank])
+                    calls = comm.device_operations
                     got = comm.all_reduce(x, op=op, out=x)
                     assert got is x
                     other.synchronize()
             else:
+                x = dev(c, ins[c.comm.rank])
+                calls = comm.device_operations
                 got = comm.all_reduce(x, op=op)
             calls = comm.device_operations - calls
             label = f"one kernel {dtype} {op} {size}"

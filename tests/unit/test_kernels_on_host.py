@@ -447,10 +447,12 @@ class _FusedRank:
 
 
 def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[np.ndarray]],
-                 grid: int, *, in_place: bool = False, timeout_ns: int = 10**10,
+                 grid: int | list[int], *, in_place: bool = False, timeout_ns: int = 10**10,
                  ranks: list[_FusedRank] | None = None) -> list[list[np.ndarray]]:
-    """Every rank (a thread each) launches the kernel once per call, inputs[call][rank];
-    returns outputs[call][rank]."""
+    """Every rank (a thread each) launches the kernel once per call, inputs[call][rank], with
+    `grid` blocks (or grid[call]), never waiting for the others between calls; returns
+    outputs[call][rank]."""
+    grids = grid if isinstance(grid, list) else [grid] * len(inputs)
     nranks = len(inputs[0])
     slot = -(-max(x.nbytes for call in inputs for x in call) // 16) * 16
     ranks = ranks or [_FusedRank(slot) for _ in range(nranks)]
@@ -464,7 +466,8 @@ def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[n
         for c, call in enumerate(inputs):
             x = call[r].copy()
             out = x if in_place else np.zeros_like(x)
-            lib.emu_launch_all_reduce(kernel, grid, 32, out.ctypes.data, x.ctypes.data, x.size,
+            lib.emu_launch_all_reduce(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data,
+                                      x.size,
                                       divisor, r, nranks, *regions, slot, timeout_ns,
                                       ranks[r].status.ctypes.data, ranks[r].abort.ctypes.data)
             outputs[c][r] = out
@@ -498,6 +501,21 @@ def test_one_kernel_all_reduce_folds_every_rank_in_rank_order(lib: ctypes.CDLL, 
                     assert _same(got[c][r], expected), where
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_one_kernel_all_reduce_calls_of_changing_grids(lib: ctypes.CDLL, nranks: int) -> None:
+    """Back-to-back calls of different sizes and grids (a block's range moves from call to
+    call): no rank overwrites a slot a peer still reads."""
+    rng = np.random.default_rng(5 + nranks)
+    shapes = [(int(rng.integers(1, 700)), int(rng.integers(1, 9))) for _ in range(40)]
+    calls = [[_operand(rng, np.dtype(np.float32), n, ReduceOp.SUM) for _ in range(nranks)]
+             for n, _ in shapes]
+    got = _fused_calls(lib, "float32", ReduceOp.SUM, calls, [g for _, g in shapes])
+    for c, call in enumerate(calls):
+        expected = _chain(call, ReduceOp.SUM, 1)
+        for r in range(nranks):
+            assert _same(got[c][r], expected), f"call {c} {shapes[c]} rank {r}"
+
+
 def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> None:
     """A rank whose peer never launches gives up after the timeout: the status words say
     "timed out" and which peer, the abort word is set, the output is left alone."""
@@ -514,12 +532,12 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     assert ranks[0].status[0] == 1 and ranks[0].status[1] in (2, 3)
     assert ranks[0].abort[0] == 1
     assert (out == -1).all()
-    # once aborted, a launch does nothing at all (its counters do not move)
-    counters = ranks[0].region[:8].copy()
+    # once aborted, a launch does nothing at all (its epoch does not move)
+    counters = ranks[0].region[:16].copy()
     lib.emu_launch_all_reduce(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 3,
                               *regions, 64, 0, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
-    assert (ranks[0].region[:8] == counters).all() and (out == -1).all()
+    assert (ranks[0].region[:16] == counters).all() and (out == -1).all()
 
 
 def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from gpuring._errors import GpuringError
 from gpuring._ops import ReduceOp
 from gpuring._scheduler import Engine
 from gpuring.algorithms.collectives import plan_collective
-from gpuring.devices.base import WaitI, WriteI, _group_writes
+from gpuring.devices.base import Schedule, WaitI, WriteI, _group_writes
 
 
 class _Stream:
@@ -23,9 +26,13 @@ class _Device:
 
     blocking = True
     fused_max_ranks = 0
+    default_chunk_bytes = 1 << 14
 
     def __init__(self) -> None:
         self.ran: list[tuple[tuple[Any, ...], int]] = []
+
+    def schedule(self, handles: Any) -> Schedule:
+        return Schedule()
 
     def caller_event(self) -> None:
         return None
@@ -125,6 +132,10 @@ def test_consecutive_writes_of_one_value_are_grouped() -> None:
 class _Event:
     def __init__(self, stream: _Caller):
         self.stream = stream
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
 
 
 class _Caller:
@@ -132,10 +143,14 @@ class _Caller:
 
     def __init__(self, log: list[tuple[str, Any]]):
         self.log = log
+        self.captures = False
+
+    def capturing(self) -> bool:
+        return self.captures
 
     def all_reduce(self, out: Any, inp: Any, regions: Any, rank: int, dtype: str,
-                   op: ReduceOp, divisor: int) -> None:
-        self.log.append(("all_reduce", self))
+                   op: ReduceOp, divisor: int, *, captured: bool = False) -> None:
+        self.log.append(("captured" if captured else "all_reduce", self))
 
     def record(self) -> _Event:
         self.log.append(("record", self))
@@ -162,14 +177,17 @@ class _FusedDevice(_Device):
         self.callers = [_Caller(self.log), _Caller(self.log)]
         self.current = self.callers[0]
 
-    def fused_region_bytes(self) -> int:
+    def fused_region_bytes(self, limit: int) -> int:
         return 4096
 
-    def fused_bytes(self, handles: Any) -> int:
-        return self.fused_max_bytes
+    def schedule(self, handles: Any) -> Schedule:
+        return Schedule(self.fused_max_bytes, whole_pieces=True)
 
     def caller_stream(self) -> _Caller:
         return self.current
+
+    def capturing(self) -> bool:
+        return self.current.captures
 
     def caller_event(self) -> None:
         raise AssertionError("a fused all_reduce needs no event on the caller's stream")
@@ -186,8 +204,10 @@ def test_a_fused_all_reduce_is_one_operation_on_the_callers_stream() -> None:
     """One operation and one record on the caller's stream; a wait for the previous
     collective only where that ran on another stream; synchronize waits for it too."""
     device = _FusedDevice()
-    engine = Engine(device, _Control(1, 4), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    engine = Engine(device, _Control(1, 4), capacity_bytes=1 << 16, timeout=1.0,  # type: ignore[arg-type]
+                    fused_limit=4096)
     assert engine.fused_bytes == 1024
+    assert engine.default_chunk_bytes == 1 << 16  # whole pieces: the buffer region's size
     assert engine._data_offset - engine._flag_bytes == 4096  # the region, before the data
     launch = engine.prepare((), dtype="float32", itemsize=4, op=ReduceOp.SUM, inline=True,
                             fused=True)
@@ -202,3 +222,29 @@ def test_a_fused_all_reduce_is_one_operation_on_the_callers_stream() -> None:
     device.log.clear()
     engine.synchronize()
     assert device.log == [("wait", device.inline), ("synchronize", device.inline)]
+
+
+def test_a_fused_all_reduce_under_capture_records_no_event() -> None:
+    """While the caller's stream captures a graph: the operation only, no event (the host
+    could never wait for it), nothing for the watchdog; refused, with nothing enqueued, on a
+    second stream while the first still captures (their kernels would run at once)."""
+    device = _FusedDevice()
+    engine = Engine(device, _Control(0, 2), capacity_bytes=1 << 16, timeout=1.0,  # type: ignore[arg-type]
+                    fused_limit=4096)
+    launch = engine.prepare((), dtype="float32", itemsize=4, op=ReduceOp.SUM, inline=True,
+                            fused=True)
+    first, second = device.callers
+    engine.run(launch, _Mem(), _Mem(), "all_reduce", 1)  # type: ignore[arg-type]
+    device.log.clear()
+    first.captures = True
+    assert engine.run(launch, _Mem(), _Mem(), "all_reduce", 2) is None  # type: ignore[arg-type]
+    assert device.log == [("captured", first)]
+    device.log.clear()
+    device.current = second
+    second.captures = True
+    with pytest.raises(GpuringError, match="on one stream"):
+        engine.run(launch, _Mem(), _Mem(), "all_reduce", 3)  # type: ignore[arg-type]
+    assert device.log == []
+    first.captures = False  # that capture ended: another stream may capture now
+    assert engine.run(launch, _Mem(), _Mem(), "all_reduce", 3) is None  # type: ignore[arg-type]
+    assert device.log == [("captured", second)]
