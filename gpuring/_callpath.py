@@ -92,13 +92,15 @@ class CallPath:
                     self.prepared.clear()
                 self.prepared[key] = prepared
             launch = prepared.launch
-            if launch is not None and (not launch.fused or self.timeline is not None or
-                                       self.config.verify) and launch.engine.device.capturing():
+            if launch is not None and (not (launch.fused and launch.engine.fused_capturable)
+                                       or self.timeline is not None or self.config.verify) \
+                    and launch.engine.device.capturing():
                 raise GpuringError(
                     f"{call.collective} cannot be captured into a CUDA graph: only an "
                     "all_reduce that runs as one kernel can (of at most GPURING_ONE_SHOT_BYTES "
-                    "and 4 MiB, where GPURING_CUDA_FUSED allows it), without GPURING_VERIFY "
-                    "or a recording timeline (GPURING_TIMELINE)")
+                    "and 4 MiB, with GPURING_CUDA_FUSED=kernel, or auto where no two ranks "
+                    "share a GPU), without GPURING_VERIFY or a recording timeline "
+                    "(GPURING_TIMELINE)")
             self.seq += 1
             return _ROUTES[prepared.route](self, prepared, call)
 

@@ -147,6 +147,8 @@ class Engine:
         schedule = device.schedule(handles)
         #: the largest all_reduce (bytes) that runs as one operation (0: none)
         self.fused_bytes = min(schedule.fused_bytes, fused_limit) if region else 0
+        #: whether the one-operation all_reduce can be captured into a CUDA graph
+        self.fused_capturable = schedule.fused_capturable
         #: the piece size where the user set none
         self.default_chunk_bytes = (capacity_bytes if schedule.whole_pieces
                                     else device.default_chunk_bytes)

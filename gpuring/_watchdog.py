@@ -93,7 +93,14 @@ class Watchdog:
               check: Callable[[], None] | None = None) -> None:
         """Fail the communicator if `event` has not completed within the timeout, or if
         `check` raises once it has (a device whose work gives up by itself: a kernel whose
-        wait timed out completes, and says so in the device's status)."""
+        wait timed out completes, and says so in the device's status).
+
+        At most two collectives are held: the one watched and the latest. A collective's
+        event completes after every earlier one's (each is ordered after the one before), so
+        a newer one stands for those it replaces, its deadline a little later; and holding
+        few events lets the device reuse them (making one is a driver call)."""
+        if len(self._pending) >= 2:
+            self._pending.pop()  # the latest so far: this one completes after it
         self._pending.append((event, time.monotonic() + self._timeout, name, seq, check))
 
     def blame(self, error: CollectiveTimeoutError, name: str,

@@ -96,10 +96,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_CUDA_FLAGS", _choice("auto", "memops", "kernel"), "auto", "auto",
             "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
             "`auto` (memops where available, else kernel with a warning)"),
-    Setting("GPURING_CUDA_FUSED", _choice("auto", "on", "off"), "auto", "auto",
-            "GPU all_reduce up to `GPURING_ONE_SHOT_BYTES` (at most 4M, 8 ranks) as one kernel "
-            "on the caller's stream: `on`, `off`, or `auto` (on when no two ranks share a GPU: "
-            "its waits spin, and processes sharing a GPU without MPS take turns on it)"),
+    Setting("GPURING_CUDA_FUSED", _choice("auto", "kernel", "memops", "off"), "auto", "auto",
+            "GPU all_reduce up to `GPURING_ONE_SHOT_BYTES` (at most 4M, 8 ranks) as one "
+            "operation on the caller's stream: `kernel` (one kernel that spins on its peers' "
+            "flags; capturable in CUDA graphs), `memops` (three stream operations that wait "
+            "with stream memory operations), `auto` (memops where ranks share a GPU: processes "
+            "sharing a GPU without MPS take turns on it, and a spinning kernel holds its turn; "
+            "else kernel), `off` (in rounds)"),
     Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",
             "GPU copies of this rank's own memory: `memcpy` (cudaMemcpyAsync) or `kernel`; "
             "copies from a peer are always a kernel"),

@@ -643,3 +643,43 @@ GPURING_FUSED_COMPLEX(complex128, cdouble)
 #undef GPURING_FUSED_COMPLEX
 #undef GPURING_FUSED_REAL
 #undef GPURING_FUSED
+
+// ---------------------------------------------------------------------------------------
+// The stream-memory-operation form of the one-operation all_reduce (for ranks that share a
+// GPU, where a spinning kernel would hold the GPU for its turn): this kernel stages the
+// rank's input in its slot and then tells the peers, the stream waits for theirs
+// (cuStreamBatchMemOp), and gpuring_reduce_n folds every rank's slot in rank order.
+//
+//   gpuring_stage_publish(dst, src, nbytes, f0, ..., f7, count, value, done, abort)
+//
+// copies nbytes from src to dst (any grid), and once every block has (the last one to finish,
+// counted in *done, which it sets back to 0) sets the first `count` flags to `value` (values
+// only grow), after a system-scope fence: a peer that sees a flag sees the data. Nothing is
+// published once *abort is set.
+extern "C" __global__ void gpuring_stage_publish(unsigned char* dst, const unsigned char* src,
+                                                 u64 nbytes, volatile u64* f0, volatile u64* f1,
+                                                 volatile u64* f2, volatile u64* f3,
+                                                 volatile u64* f4, volatile u64* f5,
+                                                 volatile u64* f6, volatile u64* f7, int count,
+                                                 u64 value, unsigned int* done,
+                                                 const volatile int* abort) {
+    __shared__ int skip;
+    if (threadIdx.x == 0) skip = *abort != 0;
+    __syncthreads();
+    if (skip) return;
+    elementwise<unsigned char>(BinaryBody<unsigned char, TakeFirst>(dst, src, src, TakeFirst()),
+                               nbytes);
+    __syncthreads();  // the block's copies before its thread 0 counts the block done
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (atomicAdd(done, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    *done = 0;
+    if (*abort) return;
+    volatile u64* flags[GPURING_MAX_FLAGS] = {f0, f1, f2, f3, f4, f5, f6, f7};
+    __threadfence_system();  // every block's copy (each fenced before it counted) first
+    for (int i = 0; i < count && i < GPURING_MAX_FLAGS; ++i) {
+        if (*flags[i] < value) *flags[i] = value;
+    }
+    __threadfence_system();
+}

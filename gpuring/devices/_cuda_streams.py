@@ -104,6 +104,12 @@ def _elements(span: Span, itemsize: int, dtype: str) -> int:
     return span.nbytes // itemsize
 
 
+def _inbox(region: Span, producer: int) -> Flag:
+    """The word of `region`'s inbox where `producer` tells its rank (the first block's row of
+    the one-kernel all_reduce's inbox: the two forms never run in one job)."""
+    return Flag(region.mem, region.offset + _kernels.FUSED_INBOX + 8 * producer)
+
+
 def _flag_addr(flag: Flag) -> int:
     if flag.offset % 8 or flag.offset + 8 > flag.mem.nbytes:
         raise ValueError(f"flag at offset {flag.offset} is not an aligned 8-byte word in "
@@ -252,18 +258,33 @@ class _CudaStream(Stream):
     def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
                    dtype: str, op: ReduceOp, divisor: int = 1, *,
                    captured: bool = False) -> None:
-        """One launch of the one-kernel all_reduce (kernels/reduce.cu): a block per 4 KiB, at
-        most the job's `fused_blocks`, the same grid on every rank (it depends on the size
-        only).
-        `captured`: into a CUDA graph, which holds the device's memory from now on."""
+        """The one-operation all_reduce in the job's form (`CudaDevice.fused_form`): one
+        kernel that waits for the peers itself, or three stream operations that wait with
+        stream memory operations. `captured`: into a CUDA graph (the one kernel only), which
+        holds the device's memory from now on."""
         dev = self._device
         dev.check()
         slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
         if out.nbytes != inp.nbytes or out.nbytes > slot:
-            raise ValueError(f"one-kernel all_reduce of {inp.nbytes} bytes into {out.nbytes} "
-                             f"(at most {slot})")
+            raise ValueError(f"one-operation all_reduce of {inp.nbytes} bytes into "
+                             f"{out.nbytes} (at most {slot})")
+        if out.nbytes == 0:
+            return
+        if dev.fused_form == "memops":
+            if captured:
+                raise ValueError("the stream-memory-operation all_reduce cannot be captured")
+            self._all_reduce_staged(out, inp, regions, rank, slot, dtype, op, divisor)
+            return
         if captured:
             dev.captured = True
+        self._all_reduce_kernel(out, inp, regions, rank, slot, dtype, op, divisor)
+
+    def _all_reduce_kernel(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
+                           slot: int, dtype: str, op: ReduceOp, divisor: int) -> None:
+        """One launch of gpuring_all_reduce_* (kernels/reduce.cu): a block per 4 KiB, at
+        most the job's `fused_blocks`, the same grid on every rank (it depends on the size
+        only)."""
+        dev = self._device
         kernel = dev.all_reduce_kernel(dtype, op)
         n = _elements(out, np.dtype(dtype).itemsize, dtype)
         if n == 0:
@@ -279,6 +300,52 @@ class _CudaStream(Stream):
                     np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
         dev.operations += 1
+
+    def _all_reduce_staged(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
+                           slot: int, dtype: str, op: ReduceOp, divisor: int) -> None:
+        """Three operations, none spinning: gpuring_stage_publish copies the input into this
+        rank's slot (call e uses slot e % 2, e counted here) and then tells every peer, one
+        cuStreamBatchMemOp waits until every peer told this rank, gpuring_reduce_n folds the
+        slots in rank order into out. Slot e % 2 is written again at call e + 2, after this
+        stream waited in call e + 1 for every peer to start it, so to finish call e. The
+        waited-on words are this rank's own (abort releases them)."""
+        dev = self._device
+        dev.fused_epoch += 1
+        epoch = dev.fused_epoch
+        half = _kernels.FUSED_DATA + (epoch & 1) * slot
+        mine = regions[rank]
+        nbytes = out.nbytes
+        staged = [Span(r.mem, r.offset + half, nbytes) for r in regions]
+        peers = [q for q in range(len(regions)) if q != rank]
+        told = [_flag_addr(_inbox(regions[q], rank)) for q in peers]
+        waits = [(_inbox(mine, q), q) for q in peers]
+        kernel = _kernels.get_function(_kernels.STAGE_KERNEL, dev.device_id)
+        done = _addr(mine) + 8  # the blocks-done word of this rank's region
+        with dev.scope():
+            kernel((dev.grid_for(kernel, nbytes, 16),), (THREADS,),
+                   (np.uint64(_addr(staged[rank])), np.uint64(_addr(inp)), np.uint64(nbytes),
+                    *[np.uint64(a) for a in told], *[np.uint64(0)] * (8 - len(told)),
+                    np.int32(len(told)), np.uint64(epoch), np.uint64(done),
+                    np.uint64(dev.abort_ptr)), stream=self.raw)
+        dev.operations += 1
+        for flag, q in waits:
+            dev.note_wait_word(_flag_addr(flag))
+            self.waits.append((flag, epoch, (q, "its part of a one-operation all_reduce")))
+        with dev.scope():
+            driver, cu = self._driver_stream()
+            params = []
+            for flag, _ in waits:
+                param = driver.CUstreamBatchMemOpParams()
+                param.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+                param.waitValue.address = driver.CUdeviceptr(_flag_addr(flag))
+                param.waitValue.value64 = driver.cuuint64_t(epoch)
+                param.waitValue.flags = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+                params.append(param)
+            check_cu(driver.cuStreamBatchMemOp(cu, len(params), params, 0),
+                     "cuStreamBatchMemOp")
+        dev.operations += 1
+        sources = [inp if q == rank else staged[q] for q in range(len(regions))]
+        self.reduce_n(out, sources, dtype, op, divisor)
 
     def capturing(self) -> bool:
         with self._device.scope():

@@ -41,6 +41,7 @@ __all__ = [
     "WAIT_FLAG_KERNEL",
     "WRITE_FLAG_KERNEL",
     "WRITE_FLAGS_KERNEL",
+    "STAGE_KERNEL",
     "MAX_FLAGS",
     "ALL_KERNEL_NAMES",
     "reduce_kernel_name",
@@ -105,6 +106,7 @@ ALL_REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(
 #: region (GPURING_FUSED_MAX_BLOCKS, GPURING_FUSED_MAX_RANKS, GPURING_FUSED_DATA in reduce.cu)
 FUSED_MAX_BLOCKS = 32
 FUSED_MAX_RANKS = 8
+FUSED_INBOX = 8 * FUSED_MAX_BLOCKS
 FUSED_DATA = 4096
 #: the most sources one launch of an n-input kernel folds (GPURING_MAX_SOURCES in reduce.cu)
 MAX_SOURCES = 8
@@ -114,9 +116,12 @@ WRITE_FLAGS_KERNEL = "gpuring_write_flags"
 #: the most flags one WRITE_FLAGS_KERNEL launch sets
 MAX_FLAGS = 8
 WRITE_FLAG_KERNEL = "gpuring_write_flag"
+#: copy, then (its last block) set up to MAX_FLAGS flags: the staging step of the
+#: stream-memory-operation form of the one-operation all_reduce
+STAGE_KERNEL = "gpuring_stage_publish"
 ALL_KERNEL_NAMES: tuple[str, ...] = (
     *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, *ALL_REDUCE_KERNEL_NAMES, COPY_KERNEL,
-    WAIT_FLAG_KERNEL, WRITE_FLAG_KERNEL, WRITE_FLAGS_KERNEL)
+    WAIT_FLAG_KERNEL, WRITE_FLAG_KERNEL, WRITE_FLAGS_KERNEL, STAGE_KERNEL)
 
 
 def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], bool]]:

@@ -106,6 +106,9 @@ class Schedule(NamedTuple):
     #: pieces are whole buffer regions where the user set no chunk size: the ranks share one
     #: processor, which runs one rank's work at a time, so pipelining pieces overlaps nothing
     whole_pieces: bool = False
+    #: the one-operation all_reduce can be captured into a CUDA graph (nothing it enqueues
+    #: changes from call to call)
+    fused_capturable: bool = False
 #: a compiled program: runner(input memory, output memory, seq)
 Runner = Callable[[Memory | None, Memory | None, int], None]
 

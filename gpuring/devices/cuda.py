@@ -100,6 +100,8 @@ COPY_ENV = "GPURING_CUDA_COPY"
 FUSED_ENV = "GPURING_CUDA_FUSED"
 #: caller's streams remembered (`caller_stream`): each holds its CuPy stream alive
 _CALLER_STREAMS = 64
+#: events made with the device (what a collective, the watchdog and the caller hold at once)
+_SPARE_EVENTS_AT_START = 8
 #: cudaStreamPerThread's handle
 _PER_THREAD_STREAM = 2
 
@@ -145,6 +147,8 @@ class CudaHandle(NamedTuple):
     gpu: str
     #: blocks of the one-kernel all_reduce that fit on this GPU at once (0: not offered)
     fused_blocks: int
+    #: whether this rank's streams wait with stream memory operations
+    memops: bool
     device_id: int
     ptr: int
     nbytes: int
@@ -239,6 +243,9 @@ class CudaDevice(Device):
         self._reduce_n_kernels: dict[tuple[str, ReduceOp], tuple[Any, int]] = {}
         self._blocks_per_sm: dict[Any, int] = {}  # kernel -> blocks that fit on one SM
         self._spare_events: list[Any] = []  # recorded before, free to record again
+        with self.scope():  # a few made with the device, so that calls seldom make one
+            self._spare_events += [cupy.cuda.Event(block=False, disable_timing=True)
+                                   for _ in range(_SPARE_EVENTS_AT_START)]
         self._callers: dict[tuple[int, int], _CudaStream] = {}  # caller's streams
         #: the last event recorded on a caller's stream after a one-kernel all_reduce (each
         #: such call orders after the one before: this one covers them all)
@@ -248,8 +255,11 @@ class CudaDevice(Device):
         self.captured = False
         self._all_reduce_kernels: dict[tuple[str, ReduceOp], Any] = {}
         self._pci_bus_id = str(self.gpu.pci_bus_id)
-        #: the one-kernel all_reduce's most blocks, for the job (`schedule`)
+        #: the one-kernel all_reduce's most blocks, and the form of the one-operation
+        #: all_reduce ("kernel", "memops" or "off"), for the job (`schedule`)
         self.fused_blocks = 0
+        self.fused_form = "off"
+        self.fused_epoch = 0  #: the stream-memory-operation form's calls so far
 
     # -- helpers ------------------------------------------------------------------------------
     def scope(self) -> Scope:
@@ -373,19 +383,29 @@ class CudaDevice(Device):
         return _kernels.fused_region_bytes(slot) if slot > 0 else 0
 
     def schedule(self, handles: Any) -> Schedule:
-        """One kernel for small all_reduces where GPURING_CUDA_FUSED is on, or auto and no two
-        of the ranks share a GPU. Where some do, pieces are whole buffer regions: processes
-        that share a GPU without MPS take turns on it, so a rank's piece never runs beside a
-        peer's, and every piece costs driver calls and a turn."""
+        """Small all_reduces as one operation (GPURING_CUDA_FUSED): `kernel`, one kernel that
+        spins on its peers' flags; `memops`, stream operations that wait with stream memory
+        operations; `auto`, memops where two ranks share a GPU and every rank has them
+        (processes that share a GPU without MPS take turns on it, and a spinning kernel
+        holds its turn), else the kernel; `off`, in rounds. Where ranks share a GPU, pieces
+        are whole buffer regions: a rank's piece never runs beside a peer's there, and every
+        piece costs driver calls and a turn."""
         mode = str(settings.get(FUSED_ENV)).lower()
         found = [CudaHandle(*h) for h in handles]
         shared = len({(h.host, h.gpu) for h in found}) < len(found)
-        # its grid: the same on every rank, and on every GPU all of it at once (its blocks
-        # wait for the peers' blocks of the same index: one left waiting for an SM that a
-        # spinning block holds would never run)
+        memops = all(h.memops for h in found)
+        if mode == "auto":
+            mode = "memops" if shared and memops else "kernel"
+        if mode == "memops" and not memops:
+            raise GpuringError(f"{FUSED_ENV}=memops, but not every rank's GPU has stream "
+                               "memory operations")
+        # the kernel's grid: the same on every rank, and on every GPU all of it at once (its
+        # blocks wait for the peers' blocks of the same index: one left waiting for an SM
+        # that a spinning block holds would never run)
         self.fused_blocks = min(_kernels.FUSED_MAX_BLOCKS, *(h.fused_blocks for h in found))
-        fused = (mode == "on" or (mode == "auto" and not shared)) and self.fused_blocks > 0
-        return Schedule(self.fused_max_bytes if fused else 0, whole_pieces=shared)
+        self.fused_form = mode if mode == "memops" or self.fused_blocks > 0 else "off"
+        return Schedule(0 if self.fused_form == "off" else self.fused_max_bytes,
+                        whole_pieces=shared, fused_capturable=self.fused_form == "kernel")
 
     def _fused_fits(self) -> int:
         """Blocks of the one-kernel all_reduce that fit on this GPU at once (0 where
@@ -457,7 +477,8 @@ class CudaDevice(Device):
         with self.scope():
             ipc = bytes(_cupy().cuda.runtime.ipcGetMemHandle(mem.ptr))
         return CudaHandle(_PROCESS_TOKEN, socket.gethostname(), self._pci_bus_id,
-                          self._fused_fits(), self.device_id, mem.ptr, mem.nbytes, ipc)
+                          self._fused_fits(), self.flags_mode == "memops", self.device_id,
+                          mem.ptr, mem.nbytes, ipc)
 
     def open(self, handle: Any) -> CudaMemory:
         handle = CudaHandle(*handle)

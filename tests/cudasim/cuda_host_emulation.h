@@ -215,3 +215,22 @@ extern "C" void emu_launch_all_reduce(void* kernel, unsigned grid, unsigned bloc
     };
     emu_run_blocks(grid, block, body);
 }
+
+typedef void (*emu_stage_fn)(void*, const void*, emu_u64, volatile emu_u64*, volatile emu_u64*,
+                             volatile emu_u64*, volatile emu_u64*, volatile emu_u64*,
+                             volatile emu_u64*, volatile emu_u64*, volatile emu_u64*, int,
+                             emu_u64, unsigned int*, const volatile int*);
+
+extern "C" void emu_launch_stage(void* kernel, unsigned grid, unsigned block, void* dst,
+                                 const void* src, emu_u64 nbytes, void* f0, void* f1, void* f2,
+                                 void* f3, void* f4, void* f5, void* f6, void* f7, int count,
+                                 emu_u64 value, void* done, const void* abort) {
+    typedef volatile emu_u64* P;
+    emu_vector_width = -1;
+    const std::function<void()> body = [&] {
+        ((emu_stage_fn)kernel)(dst, src, nbytes, (P)f0, (P)f1, (P)f2, (P)f3, (P)f4, (P)f5,
+                               (P)f6, (P)f7, count, value, (unsigned int*)done,
+                               (const volatile int*)abort);
+    };
+    emu_run_blocks(grid, block, body);
+}

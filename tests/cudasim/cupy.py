@@ -19,7 +19,8 @@ What it models, and how:
 - `RawModule` kernels are those of kernels/reduce.cu built for the CPU
   (kernels_host_build.py), launched with the grid they are given;
 - `cuda.bindings.driver` is simulated: its stream memory operations (`cuStreamWaitValue64`,
-  `cuStreamWriteValue64`) work when GPURING_CUDASIM_MEMOPS=1, and otherwise the device reports
+  `cuStreamWriteValue64`, and 64-bit waits and writes in `cuStreamBatchMemOp`) work when
+  GPURING_CUDASIM_MEMOPS=1, and otherwise the device reports
   none and the calls fail with CUDA_ERROR_NOT_SUPPORTED, as on a device without them;
 - occupancy (`cuOccupancyMaxActiveBlocksPerMultiprocessor` in that driver, and CuPy's
   `cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor`) answers from the registers of the
@@ -814,7 +815,7 @@ def _device_stack() -> list[int]:
 # ------------------------------------------------------------------------------ kernels
 
 # kernel name prefix: (launcher family, argument count); the first matching prefix wins
-_FAMILIES = {"gpuring_all_reduce_": ("all_reduce", 18),
+_FAMILIES = {"gpuring_all_reduce_": ("all_reduce", 18), "gpuring_stage_publish": ("stage", 15),
              "gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
              "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
              "gpuring_write_flags": ("write_many", 11), "gpuring_write_flag": ("write", 3)}
@@ -822,7 +823,8 @@ _FAMILIES = {"gpuring_all_reduce_": ("all_reduce", 18),
 #: write_many beyond its count, is unused)
 _POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
              "wait": (0, 3, 4), "write": (0, 2), "write_many": (*range(8), 10),
-             "all_reduce": (0, 1, *range(6, 14), 16, 17)}
+             "all_reduce": (0, 1, *range(6, 14), 16, 17),
+             "stage": (0, 1, *range(3, 11), 13, 14)}
 #: live array buffers: id -> (start, end, device)
 _array_ranges: dict[int, tuple[int, int, int]] = {}
 #: (device, peer device): kernels on the first may reach the second's memory
@@ -920,6 +922,7 @@ class RawKernel:
                if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
                and not (self._family == "write_many" and values[8] <= i < 8)
                and not (self._family == "all_reduce" and values[5] <= i - 6 < 8)
+               and not (self._family == "stage" and values[11] <= i - 3 < 8)
                and (why := _bad_address(values[i], device))]
         if bad:  # the launch succeeds; the kernel faults when it runs, killing the context
             target._put(lambda: _fault(f"{self.name}: {bad[0]}"))
@@ -1323,7 +1326,11 @@ def _install_driver(memops: bool) -> None:
         CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 122
 
     class CUstreamWaitValue_flags(enum.IntEnum):
-        CU_STREAM_WAIT_VALUE_GEQ = 1
+        CU_STREAM_WAIT_VALUE_GEQ = 0
+
+    class CUstreamBatchMemOpType(enum.IntEnum):
+        CU_STREAM_MEM_OP_WAIT_VALUE_64 = 4
+        CU_STREAM_MEM_OP_WRITE_VALUE_64 = 5
 
     class CUstreamWriteValue_flags(enum.IntEnum):
         CU_STREAM_WRITE_VALUE_DEFAULT = 0
@@ -1346,6 +1353,21 @@ def _install_driver(memops: bool) -> None:
 
     class CUfunction(_Handle):
         pass
+
+    class _MemOpValue:  # CUstreamMemOpWaitValueParams_st / ...WriteValueParams_st
+        def __init__(self) -> None:
+            self.address = CUdeviceptr(0)
+            self.value64 = cuuint64_t(0)
+            self.flags = 0
+
+    class CUstreamBatchMemOpParams:
+        """One operation of cuStreamBatchMemOp (a union in C: `operation` says which part
+        counts)."""
+
+        def __init__(self) -> None:
+            self.operation = 0
+            self.waitValue = _MemOpValue()
+            self.writeValue = _MemOpValue()
 
     def cuInit(flags: int) -> tuple[CUresult]:
         return (CUresult.CUDA_SUCCESS,)
@@ -1386,6 +1408,32 @@ def _install_driver(memops: bool) -> None:
             return (CUresult.CUDA_ERROR_INVALID_VALUE, 0)
         status, blocks = _occupancy(int(func), blockSize, dynamicSMemSize)
         return (CUresult[status], blocks)
+
+    def cuStreamBatchMemOp(stream: CUstream, count: int, paramArray: list[Any],
+                           flags: int) -> tuple[CUresult]:
+        """64-bit waits (>=) and writes, in order, as one operation of the stream."""
+        if not memops:
+            return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+        if not isinstance(stream, CUstream) or flags or not 0 < count < 256 or \
+                count != len(paramArray):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        steps: list[tuple[ctypes.c_uint64, int, Callable[[ctypes.c_uint64, int], None]]] = []
+        for param in paramArray:
+            if param.operation == CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64:
+                part, op = param.waitValue, _wait_geq
+                if part.flags != CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ:
+                    return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)  # only >= is simulated
+            elif param.operation == CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64:
+                part, op = param.writeValue, _write
+            else:
+                return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+            if not isinstance(part.address, CUdeviceptr) or \
+                    not isinstance(part.value64, cuuint64_t):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            steps.append((ctypes.c_uint64.from_address(int(part.address)), int(part.value64),
+                          op))
+        _stream(int(stream))._put(lambda: [op(word, value) for word, value, op in steps])
+        return (CUresult.CUDA_SUCCESS,)
 
     def cuStreamWaitValue64(stream: CUstream, addr: CUdeviceptr, value: cuuint64_t,
                             flags: int) -> tuple[CUresult]:

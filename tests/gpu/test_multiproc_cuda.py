@@ -38,11 +38,12 @@ def test_cuda_collectives(case, n, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("mode", ["on", "auto"])
-def test_small_all_reduce_as_one_kernel(n, mode, tmp_path):
-    """GPURING_CUDA_FUSED=on: every small all_reduce is one kernel on the caller's stream;
-    auto: only where no two ranks share a GPU (the worker checks which it got by the driver
-    calls each call made)."""
+@pytest.mark.parametrize("mode", ["kernel", "auto", "off"])
+def test_small_all_reduce_as_one_operation(n, mode, tmp_path):
+    """A small all_reduce is one operation on the caller's stream: one kernel (kernel; auto
+    where no two ranks share a GPU or stream memory operations are missing), three stream
+    operations (auto where ranks share a GPU), or rounds (off); the worker checks the driver
+    calls each call made."""
     proc = launch("gpuring", n, [str(WORKER), "one_kernel", str(tmp_path), "cuda"],
                   env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -55,7 +56,7 @@ def test_all_reduce_captured_in_a_cuda_graph(n, tmp_path):
     """Small all_reduces captured into a CUDA graph and replayed with fresh inputs; what cannot
     be captured is refused, and the communicator goes on."""
     proc = launch("gpuring", n, [str(WORKER), "graph_capture", str(tmp_path), "cuda"],
-                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": "on",
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": "kernel",
                        "GPURING_ONE_SHOT_BYTES": "4M"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"graph_capture-{r}.txt").read_text() for r in range(n)]

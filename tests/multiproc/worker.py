@@ -340,7 +340,7 @@ def case_graph_capture(c: Checker) -> None:
     reduces what the input buffers hold then (the bits of the rank-order fold), several
     replays with fresh inputs, from a few elements to 4 MiB, out of place and in place. A
     first call during a capture, and a collective that runs in rounds, are refused without
-    harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=on and
+    harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=kernel and
     GPURING_ONE_SHOT_BYTES=4M."""
     from gpuring import GpuringError
 
@@ -391,14 +391,14 @@ def case_graph_capture(c: Checker) -> None:
 
 
 def case_one_kernel(c: Checker) -> None:
-    """Small all_reduces on CuPy arrays, which run as one kernel on the caller's stream where
-    GPURING_CUDA_FUSED says so (on; auto: no two ranks on one GPU): the bits of the rank-order
-    fold, from one element to 64 KiB, several calls with fresh inputs, out of place and in
-    place, on the default stream and on another, between collectives that run in rounds on
-    the engine's streams; at most 4 driver calls each where fused, more where not."""
+    """Small all_reduces on CuPy arrays, which run as one operation on the caller's stream
+    unless GPURING_CUDA_FUSED is off (one kernel, or stream memory operations where ranks
+    share a GPU): the bits of the rank-order fold, from one element to 64 KiB, several calls
+    with fresh inputs, out of place and in place, on the default stream and on another,
+    between collectives that run in rounds on the engine's streams; at most 4 driver calls
+    each where fused (one more where the stream changed), more where not."""
     comm, n, xp = c.comm, c.comm.size, c.xp
-    mode = os.environ.get("GPURING_CUDA_FUSED", "auto")
-    fused = mode == "on" or (mode == "auto" and xp.cuda.runtime.getDeviceCount() >= n)
+    fused = os.environ.get("GPURING_CUDA_FUSED", "auto") != "off"
     other = xp.cuda.Stream(non_blocking=True)
     seed = 9000
     for size in (1, 3, 17, 1000, 4099, 16384):  # 16384 float32: 64 KiB
@@ -420,8 +420,17 @@ def case_one_kernel(c: Checker) -> None:
                 got = comm.all_reduce(x, op=op)
             calls = comm.device_operations - calls
             label = f"one kernel {dtype} {op} {size}"
-            assert (calls <= 4) == fused, f"{label}: {calls} driver calls (fused: {fused})"
+            # one more where the stream changed: it waits for the collective before
+            assert (calls <= 5) == fused, f"{label}: {calls} driver calls (fused: {fused})"
             c.expect(got, fold, label, copy=True)
+        for call in range(3):  # on one stream: at most 4 driver calls each
+            ins = c.inputs("float32", (size,), seed + 100 + call)
+            x = dev(c, ins[c.comm.rank])
+            calls = comm.device_operations
+            got = comm.all_reduce(x)
+            calls = comm.device_operations - calls
+            assert (calls <= 4) == fused, f"{size} on one stream: {calls} driver calls"
+            c.expect(got, rank_order_fold(ins, "sum"), f"one stream {size} {call}", copy=True)
         # a collective in rounds between them (its streams ordered after the kernel's)
         ins = c.inputs("int32", (70000,), seed)
         c.expect(comm.all_reduce(dev(c, ins[comm.rank])), c.reduce_reference(ins, "sum"),

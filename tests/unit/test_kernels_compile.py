@@ -61,7 +61,7 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
     assert _kernels.reduce_n_kernel_name("float16", "avg") == "gpuring_reduce_n_float16_sum"
     reduce_kernels = sum(2 if d in COMPLEX_DTYPES else 4 for d in SUPPORTED_DTYPES)
     assert len(set(_kernels.ALL_KERNEL_NAMES)) == len(_kernels.ALL_KERNEL_NAMES) == (
-        3 * reduce_kernels + 4)  # copy, wait, write one flag, write several
+        3 * reduce_kernels + 5)  # copy, wait, write one flag, write several, stage
     assert f"#define GPURING_MAX_SOURCES {_kernels.MAX_SOURCES}\n" in source
     assert f"#define GPURING_FUSED_MAX_BLOCKS {_kernels.FUSED_MAX_BLOCKS}\n" in source
     assert "#define GPURING_FUSED_MAX_RANKS GPURING_MAX_SOURCES\n" in source

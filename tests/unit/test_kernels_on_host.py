@@ -558,3 +558,29 @@ def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) ->
                               *regions, 64, 0, rank.status.ctypes.data, rank.abort.ctypes.data)
     helper.join()
     assert rank.abort[0] == 1 and (out == -1).all()
+
+
+def test_stage_publish_copies_then_sets_the_flags_once(lib: ctypes.CDLL) -> None:
+    """The staging kernel of the stream-memory-operation all_reduce: the bytes copied (any
+    grid), then the first `count` flags set (never lowered), its blocks-done word back to 0;
+    nothing published, nothing copied, once aborted."""
+    kernel = _kernel(lib, _kernels.STAGE_KERNEL)
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 1000, dtype=np.uint8)
+    dst = np.zeros(1003, np.uint8)
+    flags = np.zeros(_kernels.MAX_FLAGS, np.uint64)
+    flags[1] = RELEASED
+    done = np.zeros(1, np.uint32)
+    abort = np.zeros(1, np.int32)
+    pointers = [flags[i:].ctypes.data for i in range(3)] + [0] * (_kernels.MAX_FLAGS - 3)
+    for grid, value in ((1, 5), (3, 6)):
+        lib.emu_launch_stage(kernel, grid, 32, dst[1:].ctypes.data, src.ctypes.data, 1000,
+                             *pointers, 3, value, done.ctypes.data, abort.ctypes.data)
+        assert np.array_equal(dst[1:1001], src) and dst[0] == 0 and (dst[1001:] == 0).all()
+        assert flags.tolist() == [value, RELEASED, value, 0, 0, 0, 0, 0]
+        assert done[0] == 0
+    abort[0] = 1
+    dst[:] = 0
+    lib.emu_launch_stage(kernel, 2, 32, dst.ctypes.data, src.ctypes.data, 1000, *pointers, 3,
+                         9, done.ctypes.data, abort.ctypes.data)
+    assert flags.tolist() == [6, RELEASED, 6, 0, 0, 0, 0, 0] and (dst == 0).all()
