@@ -38,12 +38,13 @@ class _RawEvent:
 
 def _without_driver() -> None:
     """Every CudaDevice call that reaches the driver becomes a no-op: the stream operations
-    (copies, kernels, flag waits and writes, event waits), and the raw event under an event
+    (copies, kernels, flag waits and writes, event waits, the one-operation all_reduce's
+    launches), and the raw event under an event
     record, whose wrapper, reuse and bookkeeping still run as gpuring runs them; every event
     has completed."""
     stream = cuda._CudaStream
     for name in ("copy", "reduce", "reduce_n", "wait_flag", "write_flag", "write_flags",
-                 "wait_event"):
+                 "wait_event", "_all_reduce_kernel", "_all_reduce_staged"):
         setattr(stream, name, lambda self, *args, **kwargs: None)
     cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]
     cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]

@@ -420,14 +420,17 @@ class CudaDevice(Device):
             return bool(_cupy().cuda.get_current_stream(self.device_id).is_capturing())
 
     def caller_stream(self) -> _CudaStream:
-        """The caller's current CuPy stream on this GPU, wrapped once (the wrapper keeps it
-        alive, so no later stream reuses its pointer while this device may still order work
-        after it). The per-thread default stream is one object for every thread, but each
-        thread's own stream: its wrappers are per thread."""
+        """The caller's current CuPy stream on this GPU, wrapped once per stream handle, so
+        that the same stream is the same wrapper whichever object names it (an
+        ExternalStream for a torch stream is a new one every call). The wrapper keeps the
+        first object alive: a CuPy stream is not destroyed, so its handle not reused, while
+        this device may still order work after it (a stream another library destroys could
+        be). The per-thread default stream is one handle for every thread, but each thread's
+        own stream: its wrappers are per thread."""
         raw = _cupy().cuda.get_current_stream(self.device_id)
         key = (raw.ptr, threading.get_ident() if raw.ptr == _PER_THREAD_STREAM else 0)
         stream = self._callers.get(key)
-        if stream is None or stream.raw is not raw:
+        if stream is None:
             with self._lock:
                 if len(self._callers) >= _CALLER_STREAMS:
                     del self._callers[next(iter(self._callers))]
