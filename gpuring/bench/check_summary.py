@@ -305,7 +305,19 @@ def bench_lines(stage: Path, steps: list[dict[str, str]]) -> list[str]:
                       if (r := rows.get((s, size))) else "-") for s in systems]
             out.append(f"  {_size(size):>8}" + "".join(f"  {c:>24}" for c in cells))
         out += [f"  {note}"[:220] for note in notes]
-    return out + tune_lines(stage, steps)
+    return out + small_lines(stage, steps) + tune_lines(stage, steps)
+
+
+def small_lines(stage: Path, steps: list[dict[str, str]]) -> list[str]:
+    """The small all_reduces in the forms the default did not take (`small-*` steps)."""
+    out = []
+    for name in (s.get("step", "") for s in steps if s.get("step", "").startswith("small-")):
+        rows, _, _ = _bench(stage, name)
+        cells = [f"{_size(size)} {system} {_us(r.get('time_us'))}"
+                 for (system, size), r in sorted(rows.items(), key=lambda i: (i[0][1], i[0][0]))
+                 if size in (8, 1 << 10, 64 << 10)]
+        out.append(f"  {name.removeprefix('small-'):<18} " + ("; ".join(cells) or "no result"))
+    return ["small all_reduce (float32 sum, out-of-place time):", *out] if out else []
 
 
 def tune_lines(stage: Path, steps: list[dict[str, str]]) -> list[str]:
