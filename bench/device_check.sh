@@ -17,8 +17,9 @@
 #   env 15 | probe 85 | GPU tests 100 (pytest tests/gpu and the kernel compile test; without
 #   pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside NCCL and gloo: 2 ranks
 #   50, 4 ranks 60 | gpuring alone 512M..1G: 2 ranks 25, 4 ranks 25 | all_reduce 8..64K on 2
-#   ranks beside NCCL as one kernel, and in rounds: 2 x 15 | piece size and channels at 256 MiB
-#   on 4 ranks: 4 x 12 (the deadline may cut the last) | summary and archive: the last 10
+#   ranks beside NCCL as one kernel, in rounds, and as one kernel replayed from a CUDA graph:
+#   3 x 15 | piece size and channels at 256 MiB on 4 ranks: 4 x 12 (the deadline may cut the
+#   last) | summary and archive: the last 10
 #
 # Settings: $PYTHON (default python3), GPURING_DEVICE_CHECK_MAXBYTES (largest size, 1G), and
 # for dry runs (tests/multiproc/test_device_check.py runs one on the CUDA simulator):
@@ -198,13 +199,16 @@ done
 # (where the ranks share the GPU it takes stream memory operations): the one kernel, whose
 # waits spin (GPURING_CUDA_FUSED's rule assumes a spinning kernel holds a shared GPU for its
 # turn: this measures it), and rounds (the path before)
-small() {  # small NAME BUDGET FORM
-  step "$1" "$2" "$1.txt" env GPURING_CUDA_FUSED="$3" "$py" -m gpuring bench all_reduce \
-    --device cuda --ranks 2 -b 8 -e 64K --peers nccl --json "$stage/$1.json" \
+small() {  # small NAME BUDGET FORM [ARGS...]: 2 ranks, 8 B .. 64 KiB
+  local name=$1 budget=$2 form=$3
+  shift 3
+  step "$name" "$budget" "$name.txt" env GPURING_CUDA_FUSED="$form" "$py" -m gpuring bench \
+    all_reduce --device cuda --ranks 2 -b 8 -e 64K --json "$stage/$name.json" "$@" \
     ${extra[@]+"${extra[@]}"}
 }
-small small-2ranks-kernel 15 kernel
-small small-2ranks-rounds 15 off
+small small-2ranks-kernel 15 kernel --peers nccl
+small small-2ranks-rounds 15 off --peers nccl
+small small-2ranks-graph 15 kernel -G 20  # launches of a graph of -n calls (nccl-tests' -G)
 
 # 5. the piece size and channel count CudaDevice should default to (4 ranks)
 tuneb="${GPURING_DEVICE_CHECK_TUNE_BYTES:-256M}"

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time every call on its own after a barrier instead; an iteration's "
                         "time is its slowest rank's; reports p50 (shown), p99 and max, and "
                         "each rank's own")
+    p.add_argument("-G", "--cudagraph", dest="graph_launches", type=int, default=0,
+                   help="CUDA graphs: capture -n calls into one graph, time this many launches "
+                        "of it (GPU; systems that cannot be captured say so)")
     p.add_argument("-N", "--repeats", type=int, default=1,
                    help="run the whole sweep this many times and report the spread between "
                         "the repeats (default 1)")
@@ -111,6 +114,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     stays as given ("auto" is resolved by the ranks)."""
     if args.iters < 1 or args.warmup_iters < 0 or args.check < 0 or args.repeats < 1:
         raise ValueError("-n must be at least 1, -N at least 1, -w and -c at least 0")
+    if args.graph_launches < 0:
+        raise ValueError("-G must be 0 (no CUDA graphs) or more")
+    if args.graph_launches and (args.per_iteration or args.blocking or args.overlap):
+        raise ValueError("-G times launches of a graph: not with -I, -z 1 or --overlap")
+    if args.graph_launches and args.device == "cpu":
+        raise ValueError("-G needs the GPU (--device cuda)")
     ops = list(_OPS) if args.op == "all" else [args.op]
     if args.datatype == "bfloat16":
         try:
@@ -141,6 +150,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_bytes=parse_size(args.maxbytes), factor=args.stepfactor, step_bytes=step,
         iters=args.iters, warmup=args.warmup_iters, average=args.average,
         per_iteration=args.per_iteration, repeats=args.repeats, blocking=bool(args.blocking),
+        graph_launches=args.graph_launches,
         check_iters=args.check, ops=ops, dtypes=dtypes, roots=roots or [],
         device=args.device, peers=parse_peers(args.peers),
         chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
@@ -154,7 +164,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
             "-f", str(args.stepfactor), "-n", str(args.iters), "-w", str(args.warmup_iters),
             "-a", str(args.average), "-c", str(args.check), "-o", args.op, "-d",
             args.datatype, "-r", str(args.root), "--device", args.device,
-            "-N", str(args.repeats), "-z", str(args.blocking)]
+            "-N", str(args.repeats), "-z", str(args.blocking), "-G", str(args.graph_launches)]
     for flag, on in (("-I", args.per_iteration), ("--off-cache", args.off_cache),
                      ("--overlap", args.overlap)):
         if on:

@@ -95,7 +95,18 @@ class Measurer:
         fn = rotating(calls)
         if s.blocking:
             fn = blocking(fn, self.backend, system.sync)
-        if s.per_iteration:
+        if s.graph_launches:
+            try:
+                launch = self.backend.graph(fn, s.iters)
+            except Exception as exc:  # the same on every rank: a call or a capture refused
+                self.notes.setdefault(f"{system.name} {kind} graph",
+                                      f"{system.name}: not captured into a CUDA graph "
+                                      f"({type(exc).__name__}: {str(exc)[:160]})")
+                self.backend.synchronize()
+                return None
+            times = np.array([time_loop(launch, iters=s.graph_launches, backend=self.backend,
+                                        sync=system.sync) / s.iters])
+        elif s.per_iteration:
             times = time_calls(fn, iters=s.iters, warmup=1, backend=self.backend,
                                sync=system.sync)
         else:

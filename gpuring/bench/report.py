@@ -165,7 +165,12 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
     if settings.get("off_cache"):
         cache = size_label((bandwidth or {}).get("cache_bytes"))
         how += f"; buffers rotate over sets of twice the {cache} cache (--off-cache)"
-    if settings.get("per_iteration"):
+    if settings.get("graph_launches"):
+        lines.append(f"# time: {settings['iters']} calls captured into one CUDA graph (after a "
+                     f"call outside it), one barrier, then {settings['graph_launches']} "
+                     "launches of the graph back to back, time per call; the ranks' average "
+                     f"(-G {settings['graph_launches']})")
+    elif settings.get("per_iteration"):
         lines.append("# time: each call timed on its own after a barrier; an iteration's time "
                      f"is its slowest rank's; the table shows their p50; {how}")
     else:

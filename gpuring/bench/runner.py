@@ -46,6 +46,7 @@ class Settings:
     per_iteration: bool = False
     repeats: int = 1  # -N: the whole sweep this many times
     blocking: bool = False  # -z 1: wait for every call to complete
+    graph_launches: int = 0  # -G: launches of a CUDA graph of `iters` calls (0: no graphs)
     check_iters: int = 1
     ops: list[str] = field(default_factory=lambda: ["sum"])
     dtypes: list[str] = field(default_factory=lambda: ["float32"])

@@ -55,6 +55,10 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
+    def graph(self, fn: Callable[[], object], calls: int) -> Callable[[], object]:
+        """A function that launches one CUDA graph of `calls` calls of `fn` (-G): GPU only."""
+        raise NotImplementedError("CUDA graphs need the GPU")
+
     def use_device(self, local_rank: int) -> None:
         """Pick this rank's device (nothing to pick on the CPU)."""
 
@@ -142,6 +146,29 @@ class _CudaBackend(Backend):  # pragma: no cover - needs a GPU
 
     def synchronize(self) -> None:
         self._cupy.cuda.Device().synchronize()
+
+    def graph(self, fn: Callable[[], object], calls: int) -> Callable[[], object]:
+        """`calls` calls of `fn` captured into one graph on a stream of its own, after one
+        call on that stream outside the capture (which orders the stream after the work
+        before it, as capturing collectives needs); the function returned launches the
+        graph there. Whatever `fn` raises under the capture ends the capture and is raised."""
+        cuda = self._cupy.cuda
+        stream = cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                for _ in range(calls):
+                    fn()
+            finally:
+                graph = stream.end_capture()
+        graph.upload(stream)
+
+        def launch() -> None:
+            graph.launch(stream)
+
+        return launch
 
     def cache_bytes(self) -> int:
         """The GPU's L2 cache."""

@@ -83,3 +83,26 @@ def test_bench_cuda_path_on_the_simulator(sim_env: dict[str, str], collective: s
     mine = [r for r in doc["results"] if r["system"] == "gpuring"]
     assert mine and all(r["driver_calls"] >= 1 and r["host_us"] > 0 for r in mine)
     assert "# Host cost per collective" in output
+
+
+def test_bench_cuda_graph_replays_on_the_simulator(sim_env: dict[str, str],
+                                                   tmp_path: Path) -> None:
+    """-G: all_reduce captured into a CUDA graph of -n calls and timed over graph launches
+    (the one-kernel form, GPURING_CUDA_FUSED=kernel); a size that runs in rounds cannot be
+    captured and says so; the results are still checked."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuring", "bench", "all_reduce", "--ranks", "2",
+         "--device", "cuda", "-b", "1K", "-e", "256K", "-f", "16", "-n", "3", "-w", "1",
+         "-G", "2", "--json", str(tmp_path / "g.json")],
+        cwd=ROOT, env=dict(sim_env, GPURING_CUDA_FUSED="kernel"), capture_output=True,
+        text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert "# Wrong elements    : 0 OK" in output, output[-3000:]
+    assert "captured into one CUDA graph" in output and "not captured into a CUDA graph" in output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["settings"]["graph_launches"] == 2
+    timed = {(r["size"], r["placement"]) for r in doc["results"]
+             if r["system"] == "gpuring" and r["time_us"] > 0}
+    assert timed == {(size, placement) for size in (1024, 16384)
+                     for placement in ("out-of-place", "in-place")}

@@ -132,7 +132,8 @@ def test_passes_within_a_bound(dry_run: Run) -> None:
     steps = dry_run.steps()
     assert list(steps) == ["env", "probe", "gpu-smoke", "allreduce-2ranks", "allreduce-4ranks",
                            "allreduce-2ranks-large", "allreduce-4ranks-large",
-                           "small-2ranks-kernel", "small-2ranks-rounds", "tune-chunk2M-ch2"]
+                           "small-2ranks-kernel", "small-2ranks-rounds", "small-2ranks-graph",
+                           "tune-chunk2M-ch2"]
     assert {row["status"] for row in steps.values()} == {"ok"}, steps
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -29,6 +30,20 @@ def test_sizes_from_flags():
         settings_from_args(parse("-b", "lots"))
     with pytest.raises(TypeError):  # min is not defined for complex numbers
         settings_from_args(parse("-d", "complex64", "-o", "min"))
+
+
+def test_cuda_graph_mode_flags():
+    """-G N: launches of a graph of -n calls; on the GPU only, and not with the modes that
+    time calls one by one or wait after each."""
+    s = settings_from_args(parse("-G", "5", "--device", "cuda", "-n", "7"))
+    assert (s.graph_launches, s.iters) == (5, 7)
+    args = parse("-G", "5", "--device", "cuda")
+    again = build_parser().parse_args(["bench", *to_argv(args)])
+    assert settings_from_args(again) == dataclasses.replace(s, iters=20)
+    for bad in (("-G", "-1"), ("-G", "2", "--device", "cpu"), ("-G", "2", "-I"),
+                ("-G", "2", "-z", "1")):
+        with pytest.raises(ValueError):
+            settings_from_args(parse(*bad))
 
 
 def test_size_series_rounds_to_blocks_without_repeats():
