@@ -44,7 +44,7 @@ def _without_driver() -> None:
     has completed."""
     stream = cuda._CudaStream
     for name in ("copy", "reduce", "reduce_n", "wait_flag", "write_flag", "write_flags",
-                 "wait_event", "_all_reduce_kernel", "_all_reduce_staged"):
+                 "wait_event", "_direct_kernel", "_all_reduce_staged"):
         setattr(stream, name, lambda self, *args, **kwargs: None)
     cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]
     cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]

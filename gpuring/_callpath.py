@@ -96,11 +96,11 @@ class CallPath:
                                        or self.timeline is not None or self.config.verify) \
                     and launch.engine.device.capturing():
                 raise GpuringError(
-                    f"{call.collective} cannot be captured into a CUDA graph: only an "
-                    "all_reduce that runs as one kernel can (of at most GPURING_ONE_SHOT_BYTES "
-                    "and 4 MiB, with GPURING_CUDA_FUSED=kernel, or auto where no two ranks "
-                    "share a GPU), without GPURING_VERIFY or a recording timeline "
-                    "(GPURING_TIMELINE)")
+                    f"{call.collective} cannot be captured into a CUDA graph: only a "
+                    "collective that runs as one kernel can (an input of at most "
+                    "GPURING_ONE_SHOT_BYTES and 4 MiB, with GPURING_CUDA_FUSED=kernel, or auto "
+                    "where no two ranks share a GPU), without GPURING_VERIFY or a recording "
+                    "timeline (GPURING_TIMELINE)")
             self.seq += 1
             return _ROUTES[prepared.route](self, prepared, call)
 
@@ -152,12 +152,13 @@ class CallPath:
         text = "barrier()" if x is None else (
             f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
             f"device={kind}, chunk_bytes={piece}, channels={nchannels})")
-        fused = name == "all_reduce" and 0 < count * itemsize <= min(
+        fused = name in engine.fused_kinds and 0 < count * itemsize <= min(
             config.one_shot_bytes, engine.fused_bytes)
         if fused:
             text += " as one operation"
         launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
-                                inline=nchannels == 1, fused=fused)
+                                inline=nchannels == 1, fused=fused, collective=name,
+                                root=call.root)
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
 
     def _capturing(self) -> bool:

@@ -72,14 +72,17 @@ class Launch:
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
-    __slots__ = ("_per_round", "divisor", "dtype", "engine", "fused", "hears_all", "inline",
-                 "itemsize", "op", "rounds", "runners")
+    __slots__ = ("_per_round", "collective", "divisor", "dtype", "engine", "fused", "hears_all",
+                 "inline", "itemsize", "op", "root", "rounds", "runners")
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
-                 itemsize: int, op: ReduceOp, inline: bool, fused: bool = False):
+                 itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
+                 collective: str = "all_reduce", root: int = 0):
         self.engine = engine
-        #: an all_reduce that runs as one operation on the caller's stream, not in rounds
+        #: the collective runs as one operation on the caller's stream, not in rounds
         self.fused = fused
+        self.collective = collective
+        self.root = root
         self.rounds = rounds
         self.dtype = dtype
         self.itemsize = itemsize
@@ -103,7 +106,8 @@ class Launch:
             return (self,)
         if self._per_round is None:
             self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
-                                           self.op, self.inline) for plan in self.rounds)
+                                           self.op, self.inline, collective=self.collective,
+                                           root=self.root) for plan in self.rounds)
         return self._per_round
 
 
@@ -145,9 +149,11 @@ class Engine:
         control.barrier(timeout, "setup (buffers mapped)")
         device.seal(local)
         schedule = device.schedule(handles)
-        #: the largest all_reduce (bytes) that runs as one operation (0: none)
+        #: the largest input (bytes) of a collective that runs as one operation (0: none)
         self.fused_bytes = min(schedule.fused_bytes, fused_limit) if region else 0
-        #: whether the one-operation all_reduce can be captured into a CUDA graph
+        #: the collectives that run as one operation, and whether those can be captured
+        #: into a CUDA graph
+        self.fused_kinds = schedule.fused_kinds
         self.fused_capturable = schedule.fused_capturable
         #: the piece size where the user set none
         self.default_chunk_bytes = (capacity_bytes if schedule.whole_pieces
@@ -169,13 +175,14 @@ class Engine:
         return self._streams[c]
 
     def prepare(self, rounds: tuple[RoundPlan, ...], *, dtype: str, itemsize: int,
-                op: ReduceOp, inline: bool, fused: bool = False) -> Launch:
-        """`rounds` ready to run on this engine (`inline`: on one stream, in the calling
-        thread where the device can; `fused`: an all_reduce of at most `fused_bytes`, run as
-        one operation instead of `rounds`)."""
-        if fused and not 0 < self.fused_bytes:
-            raise ValueError("this engine runs no all_reduce as one operation")
-        return Launch(self, rounds, dtype, itemsize, op, inline, fused)
+                op: ReduceOp, inline: bool, fused: bool = False, collective: str = "all_reduce",
+                root: int = 0) -> Launch:
+        """`rounds` of `collective` ready to run on this engine (`inline`: on one stream, in
+        the calling thread where the device can; `fused`: one of `fused_kinds` with an input
+        of at most `fused_bytes`, run as one operation instead of `rounds`)."""
+        if fused and (collective not in self.fused_kinds or not 0 < self.fused_bytes):
+            raise ValueError(f"this engine runs no {collective} as one operation")
+        return Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root)
 
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
             collective_seq: int) -> Event | None:
@@ -193,7 +200,7 @@ class Engine:
 
     def _run_fused(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None,
                    name: str, collective_seq: int) -> Event | None:
-        """The all_reduce as one operation on the caller's stream, after this engine's
+        """The collective as one operation on the caller's stream, after this engine's
         previous collective where that ran on another stream.
 
         While the stream captures a graph, the operation is recorded there, with no event
@@ -204,10 +211,12 @@ class Engine:
         synchronize), and each replay after the collectives before it, as any work on a
         stream. Two streams of one capture are refused (their kernels would be parallel
         nodes of the graph)."""
-        assert in_mem is not None and out_mem is not None
+        assert in_mem is not None
         stream = self.device.caller_stream()
-        nbytes = out_mem.nbytes
-        out, inp = Span(out_mem, 0, nbytes), Span(in_mem, 0, nbytes)
+        out_mem = out_mem or in_mem  # a reduce off its root writes nothing
+        out, inp = Span(out_mem, 0, out_mem.nbytes), Span(in_mem, 0, in_mem.nbytes)
+        step = (launch.collective, out, inp, self._regions, self.rank, launch.root,
+                launch.dtype, launch.op, launch.divisor)
         try:
             if stream.capturing():
                 other = self._captured_on
@@ -217,13 +226,11 @@ class Engine:
                         "stream's capture holds one already: capture the communicator's "
                         "collectives on one stream")
                 self._captured_on = stream
-                stream.all_reduce(out, inp, self._regions, self.rank, launch.dtype, launch.op,
-                                  launch.divisor, captured=True)
+                stream.direct(*step, captured=True)
                 return None
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            stream.all_reduce(out, inp, self._regions, self.rank, launch.dtype, launch.op,
-                              launch.divisor)
+            stream.direct(*step)
             self._last, self._last_stream = stream.record(), stream
         except FlagWaitTimeout as exc:
             raise self._timeout_error(exc, name, collective_seq) from None

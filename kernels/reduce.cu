@@ -475,15 +475,18 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 }
 
 // ---------------------------------------------------------------------------------------
-// One-kernel all_reduce of a small array (the fused path): every rank launches
+// One-kernel collectives of small arrays (the fused path): every rank launches
 //
-//   gpuring_all_reduce_<dtype>_<op>(out, in, n, divisor, rank, nranks, r0, ..., r7,
-//                                   slot_bytes, timeout_ns, status, abort)
+//   gpuring_direct_<dtype>_<op>(out, in, n, divisor, kind, root, rank, nranks, r0, ..., r7,
+//                               slot_bytes, timeout_ns, status, abort)
 //
-// once, with the same grid on every rank, and out = in(rank 0) op in(rank 1) op ... in rank
-// order (every step rounded as gpuring_reduce_n rounds it, the divisor at the last step): the
-// same bits on every rank and as the other paths. r<q> is rank q's fused region, mapped into
-// this process (r<rank> is this rank's own); the first `nranks` are used. A region is
+// once, with the same grid on every rank. kind: all_reduce, reduce_scatter, all_gather,
+// broadcast or reduce (GPURING_ALL_REDUCE ...); n: the elements block ranges split (see
+// fused_collective). Reductions fold in rank order, every step rounded as gpuring_reduce_n
+// rounds it, the divisor at the last step: the same bits on every rank and as the other
+// paths (the copies use the uint8 instance, n in bytes). r<q> is rank q's fused region,
+// mapped into this process (r<rank> is this rank's own); the first `nranks` are used. A
+// region is
 //
 //   [epoch: the calls done | blocks done in this call | ... | inbox at GPURING_FUSED_INBOX:
 //    MAX_BLOCKS x MAX_RANKS words | data at GPURING_FUSED_DATA: two slots of slot_bytes]
@@ -492,11 +495,14 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 // the device (the last block to finish moves it on), so a CUDA graph replays the kernel
 // correctly: nothing in its arguments changes from call to call. Block b handles one
 // contiguous range of the elements:
-// (1) it copies its range of `in` into this rank's slot e % 2;
+// (1) it copies its range of what the peers read of this rank into its slot e % 2 (the
+//     input; every rank's block of it for reduce_scatter; nothing off the root of a
+//     broadcast);
 // (2) thread q (q != rank) tells rank q "block b published epoch e" in rank q's inbox, with
 //     a system-scope fence first (the copy is visible before the flag), then waits until
 //     rank q's block b said the same in this rank's inbox (fence after: acquire);
-// (3) folds every rank's range, in rank order, into out (its own part straight from `in`).
+// (3) makes its range of this rank's output from every rank's slot (its own part straight
+//     from `in`): a fold in rank order, or copies.
 // Slot e % 2 is written again at epoch e + 2 only after this rank finished call e + 1, in
 // which it heard every peer start call e + 1, so finish call e, the last that read the slot:
 // no rank overwrites data a peer still reads, whatever the grids of the calls. The grid must
@@ -514,7 +520,7 @@ __device__ __forceinline__ u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
 
 // Thread `peer` of a block: publish this block's epoch to `peer` and wait for the peer's.
 // Returns false when the wait gave up (timeout or abort).
-__device__ __forceinline__ bool fused_handshake(unsigned char* const* regions, int rank,
+__device__ __noinline__ bool fused_handshake(unsigned char* const* regions, int rank,
                                                 int peer, unsigned block, u64 epoch,
                                                 u64 timeout_ns, volatile int* status,
                                                 volatile int* abort) {
@@ -551,13 +557,32 @@ __device__ __forceinline__ bool fused_handshake(unsigned char* const* regions, i
     return true;
 }
 
+// A block's bytes from `src` to `dst` (its threads; any alignment).
+__device__ __noinline__ void block_copy(unsigned char* dst, const unsigned char* src,
+                                           u64 nbytes) {
+    elementwise_by<unsigned char>(BinaryBody<unsigned char, TakeFirst>(dst, src, src,
+                                                                       TakeFirst()),
+                                  nbytes, threadIdx.x, blockDim.x);
+}
+
+// The collectives one kernel runs (`kind`); `count` is what block ranges split: the elements
+// of the array (all_reduce, reduce, broadcast), of each rank's block (reduce_scatter: of
+// the output; all_gather: of the input).
+#define GPURING_ALL_REDUCE 0
+#define GPURING_REDUCE_SCATTER 1
+#define GPURING_ALL_GATHER 2
+#define GPURING_BROADCAST 3
+#define GPURING_REDUCE 4
+
 template <typename T, typename Op>
-__device__ void fused_all_reduce(T* out, const T* in, u64 n, long long divisor, int rank,
-                                 int nranks, unsigned char* const* regions, u64 slot_bytes,
+__device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, int kind,
+                                 int root, int rank, int nranks,
+                                 unsigned char* const* regions, u64 slot_bytes,
                                  u64 timeout_ns, volatile int* status, volatile int* abort) {
     __shared__ u64 epoch;
     __shared__ int failed;
     if (nranks < 1 || nranks > GPURING_FUSED_MAX_RANKS || rank < 0 || rank >= nranks ||
+        root < 0 || root >= nranks || kind < GPURING_ALL_REDUCE || kind > GPURING_REDUCE ||
         gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks)
         return;
     const unsigned b = blockIdx.x;
@@ -572,24 +597,46 @@ __device__ void fused_all_reduce(T* out, const T* in, u64 n, long long divisor, 
     const u64 per = ((n + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
     const u64 lo = min_u64(n, b * per), count = min_u64(n, lo + per) - lo;
     const u64 half = GPURING_FUSED_DATA + (epoch & 1) * slot_bytes;
-    unsigned char* mine = regions[rank] + half + lo * sizeof(T);
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(in + lo);
-    elementwise_by<unsigned char>(
-        BinaryBody<unsigned char, TakeFirst>(mine, src, src, TakeFirst()), count * sizeof(T),
-        threadIdx.x, blockDim.x);
+    T* mine = reinterpret_cast<T*>(regions[rank] + half);
+    const u64 bytes = count * sizeof(T);
+    // (1) stage: what the peers will read of this rank
+    if (kind == GPURING_REDUCE_SCATTER) {  // every rank's block of the input
+        for (int q = 0; q < nranks; ++q)
+            block_copy(reinterpret_cast<unsigned char*>(mine + q * n + lo),
+                       reinterpret_cast<const unsigned char*>(in + q * n + lo), bytes);
+    } else if (kind != GPURING_BROADCAST || rank == root) {
+        block_copy(reinterpret_cast<unsigned char*>(mine + lo),
+                   reinterpret_cast<const unsigned char*>(in + lo), bytes);
+    }
     __syncthreads();
+    // (2) tell the peers, hear from them
     const int t = threadIdx.x;
     if (t < nranks && t != rank &&
         !fused_handshake(regions, rank, t, b, epoch, timeout_ns, status, abort))
         failed = 1;
     __syncthreads();
     if (failed) return;
-    const T* sources[GPURING_MAX_SOURCES] = {};
-    for (int q = 0; q < nranks; ++q)
-        sources[q] = q == rank ? in + lo
-                               : reinterpret_cast<const T*>(regions[q] + half) + lo;
-    elementwise_by<T>(FoldBody<T, Op>(out + lo, sources, nranks, divisor), count, threadIdx.x,
-                      blockDim.x);
+    // (3) this rank's result, from every rank's slot (its own part from `in`)
+    if (kind == GPURING_ALL_GATHER) {
+        for (int q = 0; q < nranks; ++q) {
+            const T* from = q == rank ? in : reinterpret_cast<const T*>(regions[q] + half);
+            block_copy(reinterpret_cast<unsigned char*>(out + q * n + lo),
+                       reinterpret_cast<const unsigned char*>(from + lo), bytes);
+        }
+    } else if (kind == GPURING_BROADCAST) {
+        const T* from = rank == root ? in : reinterpret_cast<const T*>(regions[root] + half);
+        if (from != out)
+            block_copy(reinterpret_cast<unsigned char*>(out + lo),
+                       reinterpret_cast<const unsigned char*>(from + lo), bytes);
+    } else if (kind != GPURING_REDUCE || rank == root) {
+        const u64 at = kind == GPURING_REDUCE_SCATTER ? (u64)rank * n : 0;
+        const T* sources[GPURING_MAX_SOURCES] = {};
+        for (int q = 0; q < nranks; ++q)
+            sources[q] = (q == rank ? in : reinterpret_cast<const T*>(regions[q] + half)) +
+                         at + lo;
+        elementwise_by<T>(FoldBody<T, Op>(out + lo, sources, nranks, divisor), count,
+                          threadIdx.x, blockDim.x);
+    }
     // every block has read the epoch by the time the last one is done: that one moves it on
     if (threadIdx.x == 0) {
         unsigned int* done_blocks = reinterpret_cast<unsigned int*>(regions[rank] + 8);
@@ -604,15 +651,16 @@ __device__ void fused_all_reduce(T* out, const T* in, u64 n, long long divisor, 
 }
 
 #define GPURING_FUSED(NAME, T, OPNAME, OP) \
-    extern "C" __global__ void gpuring_all_reduce_##NAME##_##OPNAME( \
-        T* out, const T* in, u64 n, long long divisor, int rank, int nranks, \
-        unsigned char* r0, unsigned char* r1, unsigned char* r2, unsigned char* r3, \
-        unsigned char* r4, unsigned char* r5, unsigned char* r6, unsigned char* r7, \
-        u64 slot_bytes, u64 timeout_ns, volatile int* status, volatile int* abort) { \
+    extern "C" __global__ void gpuring_direct_##NAME##_##OPNAME( \
+        T* out, const T* in, u64 n, long long divisor, int kind, int root, int rank, \
+        int nranks, unsigned char* r0, unsigned char* r1, unsigned char* r2, \
+        unsigned char* r3, unsigned char* r4, unsigned char* r5, unsigned char* r6, \
+        unsigned char* r7, u64 slot_bytes, u64 timeout_ns, volatile int* status, \
+        volatile int* abort) { \
         unsigned char* const regions[GPURING_FUSED_MAX_RANKS] = {r0, r1, r2, r3, \
                                                                  r4, r5, r6, r7}; \
-        fused_all_reduce<T, OP>(out, in, n, divisor, rank, nranks, regions, slot_bytes, \
-                                timeout_ns, status, abort); \
+        fused_collective<T, OP>(out, in, n, divisor, kind, root, rank, nranks, regions, \
+                                slot_bytes, timeout_ns, status, abort); \
     }
 
 #define GPURING_FUSED_REAL(NAME, T) \

@@ -255,47 +255,50 @@ class _CudaStream(Stream):
                                     np.uint64(dev.abort_ptr)), stream=self.raw)
                 dev.operations += 1
 
-    def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
-                   dtype: str, op: ReduceOp, divisor: int = 1, *,
-                   captured: bool = False) -> None:
-        """The one-operation all_reduce in the job's form (`CudaDevice.fused_form`): one
-        kernel that waits for the peers itself, or three stream operations that wait with
-        stream memory operations. `captured`: into a CUDA graph (the one kernel only), which
-        holds the device's memory from now on."""
+    def direct(self, kind: str, out: Span, inp: Span, regions: Sequence[Span], rank: int,
+               root: int, dtype: str, op: ReduceOp, divisor: int = 1, *,
+               captured: bool = False) -> None:
+        """The collective as one operation in the job's form (`CudaDevice.fused_form`): one
+        kernel that waits for the peers itself, or (all_reduce) three stream operations that
+        wait with stream memory operations. `captured`: into a CUDA graph (the one kernel
+        only), which holds the device's memory from now on."""
         dev = self._device
         dev.check()
         slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
-        if out.nbytes != inp.nbytes or out.nbytes > slot:
-            raise ValueError(f"one-operation all_reduce of {inp.nbytes} bytes into "
-                             f"{out.nbytes} (at most {slot})")
-        if out.nbytes == 0:
+        if inp.nbytes > slot or kind not in _kernels.DIRECT_KINDS:
+            raise ValueError(f"no one-operation {kind} of {inp.nbytes} bytes (at most {slot})")
+        if inp.nbytes == 0:
             return
         if dev.fused_form == "memops":
-            if captured:
-                raise ValueError("the stream-memory-operation all_reduce cannot be captured")
+            if captured or kind != "all_reduce":
+                raise ValueError(f"the stream-memory-operation form runs no {kind}"
+                                 f"{' captured' if captured else ''}")
             self._all_reduce_staged(out, inp, regions, rank, slot, dtype, op, divisor)
             return
         if captured:
             dev.captured = True
-        self._all_reduce_kernel(out, inp, regions, rank, slot, dtype, op, divisor)
+        self._direct_kernel(kind, out, inp, regions, rank, root, slot, dtype, op, divisor)
 
-    def _all_reduce_kernel(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
-                           slot: int, dtype: str, op: ReduceOp, divisor: int) -> None:
-        """One launch of gpuring_all_reduce_* (kernels/reduce.cu): a block per 4 KiB, at
-        most the job's `fused_blocks`, the same grid on every rank (it depends on the size
-        only)."""
+    def _direct_kernel(self, kind: str, out: Span, inp: Span, regions: Sequence[Span],
+                       rank: int, root: int, slot: int, dtype: str, op: ReduceOp,
+                       divisor: int) -> None:
+        """One launch of gpuring_direct_* (kernels/reduce.cu): a block per 4 KiB of input,
+        at most the job's `fused_blocks`, the same grid on every rank (it depends on the
+        size only). Copies (all_gather, broadcast) run as bytes."""
         dev = self._device
-        kernel = dev.all_reduce_kernel(dtype, op)
-        n = _elements(out, np.dtype(dtype).itemsize, dtype)
-        if n == 0:
-            return
-        blocks = max(1, min(dev.fused_blocks, -(-out.nbytes // 4096)))
+        if kind in ("all_gather", "broadcast"):
+            dtype, op = "uint8", ReduceOp.SUM
+        kernel = dev.direct_kernel(dtype, op)
+        itemsize = np.dtype(dtype).itemsize
+        n = _elements(out if kind == "reduce_scatter" else inp, itemsize, dtype)
+        blocks = max(1, min(dev.fused_blocks, -(-inp.nbytes // 4096)))
         pointers = [np.uint64(_addr(region)) for region in regions]
         pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
         with dev.scope():
             kernel((blocks,), (THREADS,),
                    (np.uint64(_addr(out)), np.uint64(_addr(inp)), np.uint64(n),
-                    np.int64(divisor), np.int32(rank), np.int32(len(regions)), *pointers,
+                    np.int64(divisor), np.int32(_kernels.DIRECT_KINDS[kind]), np.int32(root),
+                    np.int32(rank), np.int32(len(regions)), *pointers,
                     np.uint64(slot), np.uint64(dev.timeout_ns),
                     np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
                    stream=self.raw)

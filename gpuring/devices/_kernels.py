@@ -32,7 +32,7 @@ __all__ = [
     "KernelCompileError",
     "REDUCE_KERNEL_NAMES",
     "REDUCE_N_KERNEL_NAMES",
-    "ALL_REDUCE_KERNEL_NAMES",
+    "DIRECT_KERNEL_NAMES",
     "FUSED_MAX_BLOCKS",
     "FUSED_MAX_RANKS",
     "fused_region_bytes",
@@ -58,7 +58,7 @@ __all__ = [
     "get_function",
     "get_kernel",
     "get_reduce_n_kernel",
-    "get_all_reduce_kernel",
+    "get_direct_kernel",
 ]
 
 SOURCE_NAME = "reduce.cu"
@@ -88,9 +88,9 @@ def reduce_n_kernel_name(dtype: str, op: ReduceOp | str) -> str:
     return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_reduce_n_", 1)
 
 
-def all_reduce_kernel_name(dtype: str, op: ReduceOp | str) -> str:
+def direct_kernel_name(dtype: str, op: ReduceOp | str) -> str:
     """Symbol of the one-kernel all_reduce of `dtype` with `op` (avg uses the sum kernel)."""
-    return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_all_reduce_", 1)
+    return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_direct_", 1)
 
 
 _OP_PAIRS = tuple((dtype, op) for dtype in SUPPORTED_DTYPES
@@ -100,9 +100,12 @@ REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_kernel_name(d, o) for d, o i
 #: every n-input reduce kernel in reduce.cu, one per (dtype, op)
 REDUCE_N_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_n_kernel_name(d, o) for d, o in _OP_PAIRS)
 #: every one-kernel all_reduce in reduce.cu, one per (dtype, op)
-ALL_REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(
-    all_reduce_kernel_name(d, o) for d, o in _OP_PAIRS)
-#: the one-kernel all_reduce's most blocks and ranks, and where its data starts in a rank's
+DIRECT_KERNEL_NAMES: tuple[str, ...] = tuple(
+    direct_kernel_name(d, o) for d, o in _OP_PAIRS)
+#: the collectives gpuring_direct_* runs, by its `kind` argument (GPURING_ALL_REDUCE ...)
+DIRECT_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3,
+                "reduce": 4}
+#: the one-kernel collectives' most blocks and ranks, and where its data starts in a rank's
 #: region (GPURING_FUSED_MAX_BLOCKS, GPURING_FUSED_MAX_RANKS, GPURING_FUSED_DATA in reduce.cu)
 FUSED_MAX_BLOCKS = 32
 FUSED_MAX_RANKS = 8
@@ -120,7 +123,7 @@ WRITE_FLAG_KERNEL = "gpuring_write_flag"
 #: stream-memory-operation form of the one-operation all_reduce
 STAGE_KERNEL = "gpuring_stage_publish"
 ALL_KERNEL_NAMES: tuple[str, ...] = (
-    *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, *ALL_REDUCE_KERNEL_NAMES, COPY_KERNEL,
+    *REDUCE_KERNEL_NAMES, *REDUCE_N_KERNEL_NAMES, *DIRECT_KERNEL_NAMES, COPY_KERNEL,
     WAIT_FLAG_KERNEL, WRITE_FLAG_KERNEL, WRITE_FLAGS_KERNEL, STAGE_KERNEL)
 
 
@@ -366,8 +369,8 @@ def get_reduce_n_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     return get_function(reduce_n_kernel_name(dtype, op), device_id)
 
 
-def get_all_reduce_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
+def get_direct_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     """The one-kernel all_reduce for (dtype, op) on GPU `device_id`, with the signature
     `(out, in, n: uint64, divisor: int64, rank: int32, nranks: int32, r0, ..., r7,
     slot_bytes: uint64, timeout_ns: uint64, status, abort)`."""
-    return get_function(all_reduce_kernel_name(dtype, op), device_id)
+    return get_function(direct_kernel_name(dtype, op), device_id)

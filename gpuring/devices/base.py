@@ -101,13 +101,15 @@ class Schedule(NamedTuple):
     """How a device runs one job's collectives, chosen from every rank's `export` handle
     (`Device.schedule`): the same on every rank."""
 
-    #: the largest all_reduce (bytes) that runs as one `Stream.all_reduce`; 0: none
+    #: the largest input (bytes) of a collective that runs as one `Stream.direct`; 0: none
     fused_bytes: int = 0
     #: pieces are whole buffer regions where the user set no chunk size: the ranks share one
     #: processor, which runs one rank's work at a time, so pipelining pieces overlaps nothing
     whole_pieces: bool = False
-    #: the one-operation all_reduce can be captured into a CUDA graph (nothing it enqueues
-    #: changes from call to call)
+    #: the collectives that run as one operation (`Stream.direct`) up to `fused_bytes`
+    fused_kinds: frozenset[str] = frozenset()
+    #: those operations can be captured into a CUDA graph (nothing they enqueue changes
+    #: from call to call)
     fused_capturable: bool = False
 #: a compiled program: runner(input memory, output memory, seq)
 Runner = Callable[[Memory | None, Memory | None, int], None]
@@ -181,17 +183,17 @@ class Stream(abc.ABC):
         for flag in flags:
             self.write_flag(flag, value)
 
-    def all_reduce(self, out: Span, inp: Span, regions: Sequence[Span], rank: int,
-                   dtype: str, op: ReduceOp, divisor: int = 1, *,
-                   captured: bool = False) -> None:
-        """out = the rank-order fold of every rank's `inp` (the bits of `reduce_n`), as one
-        operation that every rank enqueues alike (`Schedule.fused_bytes`): `regions[q]` is
-        rank q's region of `Device.fused_region_bytes`, mapped here, which only these
-        operations use (its size says how large an all_reduce it holds). The operation waits
-        for the peers itself, each wait bounded. `captured`: the stream records it into a
-        graph, whose replays run it again. A device that offers none raises
-        NotImplementedError."""
-        raise NotImplementedError(f"{type(self).__name__} has no one-operation all_reduce")
+    def direct(self, kind: str, out: Span, inp: Span, regions: Sequence[Span], rank: int,
+               root: int, dtype: str, op: ReduceOp, divisor: int = 1, *,
+               captured: bool = False) -> None:
+        """The collective `kind` (one of `Schedule.fused_kinds`) of `inp` into `out` as one
+        operation that every rank enqueues alike, every rank reading its peers directly:
+        reductions fold in rank order (the bits of `reduce_n`). `regions[q]` is rank q's
+        region of `Device.fused_region_bytes`, mapped here, which only these operations use
+        (its size says how large an input it holds). The operation waits for the peers
+        itself, each wait bounded. `captured`: the stream records it into a graph, whose
+        replays run it again. A device that offers none raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")
 
     def capturing(self) -> bool:
         """Whether the stream records work into a graph instead of running it (CUDA graph

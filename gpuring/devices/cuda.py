@@ -31,7 +31,7 @@ and the communicator's watchdog bound every wait, and a spinning wait kernel giv
 itself after the device's timeout.
 
 A small all_reduce may run as one kernel on the caller's stream (`Stream.all_reduce`, see
-`gpuring_all_reduce_*` in kernels/reduce.cu): per-block flags and counters on the device, one
+`gpuring_direct_*` in kernels/reduce.cu): per-block flags and counters on the device, one
 launch and one event record per call. Its waits spin inside the kernel, so it is chosen only
 where that costs nothing (`GPURING_CUDA_FUSED=auto`: no two ranks on one GPU; processes that
 share a GPU without MPS take turns on it, and a spinning kernel holds its turn). Nothing in its
@@ -253,7 +253,7 @@ class CudaDevice(Device):
         #: a one-kernel all_reduce was captured into a graph, which holds this device's
         #: memory: it is never freed (a replay after close would touch it)
         self.captured = False
-        self._all_reduce_kernels: dict[tuple[str, ReduceOp], Any] = {}
+        self._direct_kernels: dict[tuple[str, ReduceOp], Any] = {}
         self._pci_bus_id = str(self.gpu.pci_bus_id)
         #: the one-kernel all_reduce's most blocks, and the form of the one-operation
         #: all_reduce ("kernel", "memops" or "off"), for the job (`schedule`)
@@ -284,12 +284,12 @@ class CudaDevice(Device):
             self._reduce_n_kernels[(dtype, op)] = found
         return found
 
-    def all_reduce_kernel(self, dtype: str, op: ReduceOp) -> Any:
+    def direct_kernel(self, dtype: str, op: ReduceOp) -> Any:
         """The one-kernel all_reduce for (dtype, op) on this GPU; looked up once."""
-        found = self._all_reduce_kernels.get((dtype, op))
+        found = self._direct_kernels.get((dtype, op))
         if found is None:
-            found = _kernels.get_all_reduce_kernel(dtype, op, self.device_id)
-            self._all_reduce_kernels[(dtype, op)] = found
+            found = _kernels.get_direct_kernel(dtype, op, self.device_id)
+            self._direct_kernels[(dtype, op)] = found
         return found
 
     def grid_for(self, kernel: Any, n: int, per_thread: int) -> int:
@@ -404,15 +404,17 @@ class CudaDevice(Device):
         # that a spinning block holds would never run)
         self.fused_blocks = min(_kernels.FUSED_MAX_BLOCKS, *(h.fused_blocks for h in found))
         self.fused_form = mode if mode == "memops" or self.fused_blocks > 0 else "off"
+        kinds = {"kernel": frozenset(_kernels.DIRECT_KINDS), "memops": frozenset({"all_reduce"})}
         return Schedule(0 if self.fused_form == "off" else self.fused_max_bytes,
-                        whole_pieces=shared, fused_capturable=self.fused_form == "kernel")
+                        whole_pieces=shared, fused_kinds=kinds.get(self.fused_form, frozenset()),
+                        fused_capturable=self.fused_form == "kernel")
 
     def _fused_fits(self) -> int:
         """Blocks of the one-kernel all_reduce that fit on this GPU at once (0 where
         GPURING_CUDA_FUSED is off: its kernels are then never compiled)."""
         if str(settings.get(FUSED_ENV)).lower() == "off":
             return 0
-        return self._sm_count * self.blocks_per_sm(self.all_reduce_kernel("float32",
+        return self._sm_count * self.blocks_per_sm(self.direct_kernel("float32",
                                                                           ReduceOp.SUM))
 
     def capturing(self) -> bool:

@@ -26,7 +26,8 @@ What it models, and how:
   `cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor`) answers from the registers of the
   kernel in the CUBIN that was loaded (cubin.py), by the rules of sm_80 and sm_90;
 - arrays (`ndarray`) hold their data in host memory; every operation on them first waits for
-  the current stream, as reading a result on the GPU would.
+  the current stream, as reading a result on the GPU would, except views (reshape, basic
+  indexing, ...), which CuPy makes without touching the data.
 - graph capture: between `Stream.begin_capture()` and `end_capture()` the stream records what
   is queued on it (kernels, copies, memsets, stream memory operations) instead of running it,
   and `Graph.launch(stream)` queues all of it again on `stream`, each replay with the values
@@ -815,7 +816,7 @@ def _device_stack() -> list[int]:
 # ------------------------------------------------------------------------------ kernels
 
 # kernel name prefix: (launcher family, argument count); the first matching prefix wins
-_FAMILIES = {"gpuring_all_reduce_": ("all_reduce", 18), "gpuring_stage_publish": ("stage", 15),
+_FAMILIES = {"gpuring_direct_": ("direct", 20), "gpuring_stage_publish": ("stage", 15),
              "gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
              "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
              "gpuring_write_flags": ("write_many", 11), "gpuring_write_flag": ("write", 3)}
@@ -823,7 +824,7 @@ _FAMILIES = {"gpuring_all_reduce_": ("all_reduce", 18), "gpuring_stage_publish":
 #: write_many beyond its count, is unused)
 _POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
              "wait": (0, 3, 4), "write": (0, 2), "write_many": (*range(8), 10),
-             "all_reduce": (0, 1, *range(6, 14), 16, 17),
+             "direct": (0, 1, *range(8, 16), 18, 19),
              "stage": (0, 1, *range(3, 11), 13, 14)}
 #: live array buffers: id -> (start, end, device)
 _array_ranges: dict[int, tuple[int, int, int]] = {}
@@ -921,7 +922,7 @@ class RawKernel:
         bad = [why for i in _POINTERS[self._family]
                if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
                and not (self._family == "write_many" and values[8] <= i < 8)
-               and not (self._family == "all_reduce" and values[5] <= i - 6 < 8)
+               and not (self._family == "direct" and values[7] <= i - 8 < 8)
                and not (self._family == "stage" and values[11] <= i - 3 < 8)
                and (why := _bad_address(values[i], device))]
         if bad:  # the launch succeeds; the kernel faults when it runs, killing the context
@@ -1030,7 +1031,8 @@ class ndarray:
         return f"cudasim.ndarray({self._a!r})"
 
     def __getitem__(self, key: Any) -> Any:
-        _sync_current()
+        if not _basic_index(key):  # a gather: CuPy runs a kernel (here: read once synced)
+            _sync_current()
         return _wrap(self._a[_unwrap(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -1055,6 +1057,10 @@ class ndarray:
         value = getattr(self._a, name)  # reshape, view, astype, copy, sum, max, ...
         if callable(value):
             def call(*args: Any, **kwargs: Any) -> Any:
+                if name in _VIEWS:  # a view of the same memory: no work on any stream
+                    result = value(*_unwrap(args), **_unwrap(kwargs))
+                    if isinstance(result, np.ndarray) and np.shares_memory(result, self._a):
+                        return _wrap(result)
                 _sync_current()
                 result = value(*_unwrap(args), **_unwrap(kwargs))
                 if isinstance(result, np.ndarray) and not np.shares_memory(result, self._a):
@@ -1062,6 +1068,17 @@ class ndarray:
                 return _wrap(result)
             return call
         return _wrap(value)
+
+
+#: methods whose result is a view where the layout allows (CuPy then only makes an object)
+_VIEWS = frozenset({"reshape", "view", "transpose", "squeeze", "swapaxes", "ravel"})
+
+
+def _basic_index(key: Any) -> bool:
+    """Whether indexing with `key` gives a view (integers, slices, ellipsis, None)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return builtins.all(k is None or k is Ellipsis or isinstance(k, (int, np.integer, slice))
+                        for k in keys)
 
 
 def _unwrap(x: Any) -> Any:

@@ -336,31 +336,48 @@ def rank_order_fold(ins: list[np.ndarray], op: str) -> np.ndarray:
 
 
 def case_graph_capture(c: Checker) -> None:
-    """All_reduces captured into a CUDA graph (CuPy stream capture) and replayed: each replay
-    reduces what the input buffers hold then (the bits of the rank-order fold), several
-    replays with fresh inputs, from a few elements to 4 MiB, out of place and in place. A
+    """Collectives captured into a CUDA graph (CuPy stream capture) and replayed: each replay
+    works on what the input buffers hold then (the bits of the rank-order fold), several
+    replays with fresh inputs; all_reduce from a few elements to 4 MiB, out of place and in
+    place; reduce_scatter, all_gather, broadcast and reduce (out of place and in place). A
     first call during a capture, and a collective that runs in rounds, are refused without
     harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=kernel and
     GPURING_ONE_SHOT_BYTES=4M."""
     from gpuring import GpuringError
 
-    comm, xp = c.comm, c.xp
+    comm, xp, n, rank = c.comm, c.xp, c.comm.size, c.comm.rank
+    root = n - 1
     stream = xp.cuda.Stream(non_blocking=True)
     shapes = [(5, "float32", "sum"), (3000, "int32", "max"), (20000, "float32", "avg"),
               (1 << 20, "float32", "sum")]  # 1 << 20 float32: 4 MiB
     bufs = [(xp.zeros(size, dtype), xp.zeros(size, dtype)) for size, dtype, _ in shapes]
-    gathered = xp.zeros((comm.size, 5), "float32")
+    big = xp.zeros(2 << 20, "float32")  # 8 MiB: in rounds
+    rs_in, rs_out = xp.zeros(n * 700, "float32"), xp.zeros(700, "float32")
+    ag_in, ag_out = xp.zeros(333, "int32"), xp.zeros((n, 333), "int32")
+    bc, bc_out = xp.zeros(1000, "float64"), xp.zeros(1000, "float64")
+    rd, rd_out = xp.zeros(257, "float32"), xp.zeros(257, "float32")
+    rs_place = xp.zeros(n * 64, "float32")  # reduce_scatter into its own block
+
+    def family() -> None:  # every call of the graph beside the all_reduces
+        comm.reduce_scatter(rs_in, out=rs_out)
+        comm.all_gather(ag_in, out=ag_out)
+        comm.broadcast(bc, root=root, out=bc_out)
+        comm.reduce(rd, root=root, out=rd_out if rank == root else None)
+        comm.reduce_scatter(rs_place, out=rs_place.reshape(n, -1)[rank])
+        comm.all_gather(ag_out[rank], out=ag_out)  # in place: its block already there
+
     with stream:
         for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):  # warm-up, uncaptured
             comm.all_reduce(x, op=op, out=out)
         comm.all_reduce(bufs[0][0], out=bufs[0][0])
-        comm.all_gather(bufs[0][0], out=gathered)
+        comm.all_reduce(big, out=big)
+        family()
         stream.synchronize()
         refused = []
         graphs = []  # CuPy's default capture mode (relaxed), then torch.cuda.graph's own
         for mode in (None, xp.cuda.runtime.streamCaptureModeThreadLocal):
             stream.begin_capture(mode)
-            for attempt in (lambda: comm.all_gather(bufs[0][0], out=gathered),  # in rounds
+            for attempt in (lambda: comm.all_reduce(big, out=big),  # in rounds
                             lambda: comm.broadcast(bufs[1][0], root=0)):  # never called
                 try:
                     attempt()
@@ -369,24 +386,47 @@ def case_graph_capture(c: Checker) -> None:
             for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):
                 comm.all_reduce(x, op=op, out=out)
             comm.all_reduce(bufs[0][0], out=bufs[0][0])  # after the first read it
+            family()
             graphs.append(stream.end_capture())
     assert len(refused) == 4, refused
     assert "cannot be captured" in refused[0] and "outside the capture first" in refused[1]
     for replay in range(4):
         folds = []
+        seed = 9500 + 20 * replay
         with stream:
             for i, ((size, dtype, op), (x, _)) in enumerate(zip(shapes, bufs, strict=True)):
-                ins = c.inputs(dtype, (size,), 9500 + 10 * replay + i)
-                x[...] = dev(c, ins[comm.rank])
+                ins = c.inputs(dtype, (size,), seed + i)
+                x[...] = dev(c, ins[rank])
                 folds.append(rank_order_fold(ins, op))
+            rs = c.inputs("float32", (n * 700,), seed + 10)
+            rs_in[...] = dev(c, rs[rank])
+            ag = c.inputs("int32", (333,), seed + 11)
+            ag_in[...] = dev(c, ag[rank])
+            bcs = c.inputs("float64", (1000,), seed + 12)
+            bc[...] = dev(c, bcs[rank])
+            rds = c.inputs("float32", (257,), seed + 13)
+            rd[...] = dev(c, rds[rank])
+            rps = c.inputs("float32", (n * 64,), seed + 14)
+            rs_place[...] = dev(c, rps[rank])
             graphs[replay % 2].launch(stream)
             stream.synchronize()
         for (size, dtype, op), (_, out), fold in zip(shapes, bufs, folds, strict=True):
             c.expect(out, fold, f"replay {replay} {dtype} {op} {size}", copy=True)
         c.expect(bufs[0][0], folds[0], f"replay {replay} in place", copy=True)
+        blocks = [a.reshape(n, -1)[rank] for a in rs]
+        c.expect(rs_out, rank_order_fold(blocks, "sum"), f"replay {replay} reduce_scatter",
+                 copy=True, shared=False)
+        c.expect(ag_out, np.stack(ag), f"replay {replay} all_gather", copy=True)
+        c.expect(bc_out, bcs[root], f"replay {replay} broadcast", copy=True)
+        if rank == root:
+            c.expect(rd_out, rank_order_fold(rds, "sum"), f"replay {replay} reduce",
+                     copy=True, shared=False)
+        mine = rs_place.reshape(n, -1)[rank]
+        c.expect(mine, rank_order_fold([a.reshape(n, -1)[rank] for a in rps], "sum"),
+                 f"replay {replay} reduce_scatter in place", copy=True, shared=False)
     # eager calls go on, ordered after the replays (on the default stream: after `stream`)
     ins = c.inputs("float32", (5,), 9600)
-    got = comm.all_reduce(dev(c, ins[comm.rank]))
+    got = comm.all_reduce(dev(c, ins[rank]))
     c.expect(got, rank_order_fold(ins, "sum"), "eager after replays", copy=True)
 
 

@@ -51,8 +51,8 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
             name = _kernels.reduce_kernel_name(dtype, op)
             assert name in _kernels.REDUCE_KERNEL_NAMES
             assert _kernels.reduce_n_kernel_name(dtype, op) in _kernels.REDUCE_N_KERNEL_NAMES
-            assert _kernels.all_reduce_kernel_name(dtype, op) in \
-                _kernels.ALL_REDUCE_KERNEL_NAMES
+            assert _kernels.direct_kernel_name(dtype, op) in \
+                _kernels.DIRECT_KERNEL_NAMES
             assert f"GPURING_FUSED_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
                 f"({dtype}," in source
             assert f"GPURING_REDUCE_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
@@ -67,6 +67,8 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
     assert "#define GPURING_FUSED_MAX_RANKS GPURING_MAX_SOURCES\n" in source
     assert _kernels.FUSED_MAX_RANKS == _kernels.MAX_SOURCES
     assert f"#define GPURING_FUSED_DATA {_kernels.FUSED_DATA}\n" in source
+    for kind, value in _kernels.DIRECT_KINDS.items():
+        assert f"#define GPURING_{kind.upper()} {value}\n" in source
     assert f"#define GPURING_MAX_FLAGS {_kernels.MAX_FLAGS}\n" in source
 
 

@@ -446,31 +446,47 @@ class _FusedRank:
         self.abort = np.zeros(1, np.int32)
 
 
+#: the collectives of gpuring_direct_* (GPURING_ALL_REDUCE ... in reduce.cu)
+KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3, "reduce": 4}
+
+
 def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[np.ndarray]],
                  grid: int | list[int], *, in_place: bool = False, timeout_ns: int = 10**10,
-                 ranks: list[_FusedRank] | None = None) -> list[list[np.ndarray]]:
+                 ranks: list[_FusedRank] | None = None, kind: str = "all_reduce",
+                 root: int = 0) -> list[list[np.ndarray]]:
     """Every rank (a thread each) launches the kernel once per call, inputs[call][rank], with
     `grid` blocks (or grid[call]), never waiting for the others between calls; returns
-    outputs[call][rank]."""
+    outputs[call][rank] (in place: all_gather's input is the rank's block of the output,
+    reduce_scatter's output the rank's block of the input)."""
     grids = grid if isinstance(grid, list) else [grid] * len(inputs)
     nranks = len(inputs[0])
     slot = -(-max(x.nbytes for call in inputs for x in call) // 16) * 16
     ranks = ranks or [_FusedRank(slot) for _ in range(nranks)]
     regions = [r.region.ctypes.data for r in ranks]
     regions += [0] * (_kernels.FUSED_MAX_RANKS - nranks)
-    kernel = _kernel(lib, _kernels.all_reduce_kernel_name(dtype, op))
+    kernel = _kernel(lib, _kernels.direct_kernel_name(dtype, op))
     divisor = nranks if op is ReduceOp.AVG else 1
     outputs = [[np.empty(0)] * nranks for _ in inputs]
 
     def rank_main(r: int) -> None:
         for c, call in enumerate(inputs):
             x = call[r].copy()
-            out = x if in_place else np.zeros_like(x)
-            lib.emu_launch_all_reduce(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data,
-                                      x.size,
-                                      divisor, r, nranks, *regions, slot, timeout_ns,
-                                      ranks[r].status.ctypes.data, ranks[r].abort.ctypes.data)
-            outputs[c][r] = out
+            n = x.size
+            if kind == "all_gather":
+                out = np.zeros(nranks * x.size, x.dtype)
+                if in_place:
+                    out[r * n:(r + 1) * n] = x
+                    x = out[r * n:(r + 1) * n]
+            elif kind == "reduce_scatter":
+                n = x.size // nranks
+                out = x[r * n:(r + 1) * n] if in_place else np.zeros(n, x.dtype)
+            else:
+                out = x if in_place else np.zeros_like(x)
+            lib.emu_launch_direct(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data, n,
+                                  divisor, KINDS[kind], root, r, nranks, *regions, slot,
+                                  timeout_ns, ranks[r].status.ctypes.data,
+                                  ranks[r].abort.ctypes.data)
+            outputs[c][r] = out.copy()
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(nranks)]
     for t in threads:
@@ -478,6 +494,39 @@ def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[n
     for t in threads:
         t.join()
     return outputs
+
+
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather", "broadcast", "reduce"])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_one_kernel_collectives_of_every_kind(lib: ctypes.CDLL, kind: str, nranks: int) -> None:
+    """reduce_scatter (the rank-order fold of this rank's block), all_gather, broadcast and
+    reduce (the root's result; the others' outputs untouched) from the same kernel, several
+    calls with fresh inputs and changing grids, out of place and in place."""
+    rng = np.random.default_rng(nranks * 7 + len(kind))
+    dt = np.dtype(np.float32)
+    root = nranks - 1
+    for in_place in (False, True):
+        sizes = [(int(rng.integers(1, 300)), int(rng.integers(1, 5))) for _ in range(6)]
+        per_rank = nranks if kind == "reduce_scatter" else 1
+        calls = [[_operand(rng, dt, n * per_rank, ReduceOp.SUM) for _ in range(nranks)]
+                 for n, _ in sizes]
+        got = _fused_calls(lib, "float32", ReduceOp.SUM, calls, [g for _, g in sizes],
+                           in_place=in_place, kind=kind, root=root)
+        for c, call in enumerate(calls):
+            n = sizes[c][0]
+            for r in range(nranks):
+                where = f"{kind} in_place={in_place} call {c} n={n} rank {r}"
+                if kind == "reduce_scatter":
+                    want = _chain([x[r * n:(r + 1) * n] for x in call], ReduceOp.SUM, 1)
+                elif kind == "all_gather":
+                    want = np.concatenate(call)
+                elif kind == "broadcast":
+                    want = call[root]
+                elif r == root:
+                    want = _chain(call, ReduceOp.SUM, 1)
+                else:  # a reduce leaves the others' outputs alone
+                    want = call[r] if in_place else np.zeros(n, dt)
+                assert _same(got[c][r], want), where
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "complex128", "float64"])
@@ -520,12 +569,12 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     """A rank whose peer never launches gives up after the timeout: the status words say
     "timed out" and which peer, the abort word is set, the output is left alone."""
     ranks = [_FusedRank(64) for _ in range(3)]
-    kernel = _kernel(lib, _kernels.all_reduce_kernel_name("float32", "sum"))
+    kernel = _kernel(lib, _kernels.direct_kernel_name("float32", "sum"))
     regions = [r.region.ctypes.data for r in ranks] + [0] * 5
     x = np.arange(16, dtype=np.float32)
     out = np.full(16, -1, np.float32)
     start = time.monotonic()
-    lib.emu_launch_all_reduce(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 3,
+    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 0, 0, 3,
                               *regions, 64, 20_000_000, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
     assert time.monotonic() - start >= 0.02
@@ -534,7 +583,7 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     assert (out == -1).all()
     # once aborted, a launch does nothing at all (its epoch does not move)
     counters = ranks[0].region[:16].copy()
-    lib.emu_launch_all_reduce(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 3,
+    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 0, 0, 3,
                               *regions, 64, 0, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
     assert (ranks[0].region[:16] == counters).all() and (out == -1).all()
@@ -543,7 +592,7 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
 def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) -> None:
     rank = _FusedRank(64)
     other = _FusedRank(64)
-    kernel = _kernel(lib, _kernels.all_reduce_kernel_name("int32", "max"))
+    kernel = _kernel(lib, _kernels.direct_kernel_name("int32", "max"))
     regions = [rank.region.ctypes.data, other.region.ctypes.data] + [0] * 6
     x = np.arange(16, dtype=np.int32)
     out = np.full(16, -1, np.int32)
@@ -554,7 +603,7 @@ def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) ->
 
     helper = threading.Thread(target=abort_soon)
     helper.start()
-    lib.emu_launch_all_reduce(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 2,
+    lib.emu_launch_direct(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 0, 0, 2,
                               *regions, 64, 0, rank.status.ctypes.data, rank.abort.ctypes.data)
     helper.join()
     assert rank.abort[0] == 1 and (out == -1).all()

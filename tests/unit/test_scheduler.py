@@ -148,9 +148,9 @@ class _Caller:
     def capturing(self) -> bool:
         return self.captures
 
-    def all_reduce(self, out: Any, inp: Any, regions: Any, rank: int, dtype: str,
-                   op: ReduceOp, divisor: int, *, captured: bool = False) -> None:
-        self.log.append(("captured" if captured else "all_reduce", self))
+    def direct(self, kind: str, out: Any, inp: Any, regions: Any, rank: int, root: int,
+               dtype: str, op: ReduceOp, divisor: int, *, captured: bool = False) -> None:
+        self.log.append(("captured" if captured else kind, self))
 
     def record(self) -> _Event:
         self.log.append(("record", self))
@@ -181,7 +181,8 @@ class _FusedDevice(_Device):
         return 4096
 
     def schedule(self, handles: Any) -> Schedule:
-        return Schedule(self.fused_max_bytes, whole_pieces=True)
+        return Schedule(self.fused_max_bytes, whole_pieces=True,
+                        fused_kinds=frozenset({"all_reduce"}))
 
     def caller_stream(self) -> _Caller:
         return self.current
