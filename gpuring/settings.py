@@ -81,7 +81,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_BUFFER_BYTES", parse_size, None, "16M (CPU), 64M (GPU)",
             "size of one buffer region; larger collectives run in rounds"),
     Setting("GPURING_ONE_SHOT_BYTES", parse_size, 64 << 10, "64K",
-            "all_reduce up to this size runs one-shot (lowest latency)"),
+            "all_reduce up to this size runs one-shot (lowest latency); on the GPU, any "
+            "collective whose input is up to this size (and 4M) runs as one operation"),
     Setting("GPURING_STALL_WARNING", float, 60.0, "60",
             "seconds in a collective before missing ranks are logged"),
     Setting("GPURING_VERIFY", _flag, False, "0",
@@ -97,12 +98,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
             "`auto` (memops where available, else kernel with a warning)"),
     Setting("GPURING_CUDA_FUSED", _choice("auto", "kernel", "memops", "off"), "auto", "auto",
-            "GPU all_reduce up to `GPURING_ONE_SHOT_BYTES` (at most 4M, 8 ranks) as one "
+            "GPU collectives of up to `GPURING_ONE_SHOT_BYTES` (at most 4M, 8 ranks) as one "
             "operation on the caller's stream: `kernel` (one kernel that spins on its peers' "
-            "flags; capturable in CUDA graphs), `memops` (three stream operations that wait "
-            "with stream memory operations), `auto` (memops where ranks share a GPU: processes "
-            "sharing a GPU without MPS take turns on it, and a spinning kernel holds its turn; "
-            "else kernel), `off` (in rounds)"),
+            "flags, any collective; capturable in CUDA graphs), `memops` (all_reduce as three "
+            "stream operations that wait with stream memory operations), `auto` (memops where "
+            "ranks share a GPU: processes sharing a GPU without MPS take turns on it, and a "
+            "spinning kernel holds its turn; else kernel), `off` (in rounds)"),
     Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",
             "GPU copies of this rank's own memory: `memcpy` (cudaMemcpyAsync) or `kernel`; "
             "copies from a peer are always a kernel"),

@@ -30,13 +30,14 @@ releases them again until the streams are idle. A timeout is the host's: `Stream
 and the communicator's watchdog bound every wait, and a spinning wait kernel gives up by
 itself after the device's timeout.
 
-A small all_reduce may run as one kernel on the caller's stream (`Stream.all_reduce`, see
-`gpuring_direct_*` in kernels/reduce.cu): per-block flags and counters on the device, one
-launch and one event record per call. Its waits spin inside the kernel, so it is chosen only
-where that costs nothing (`GPURING_CUDA_FUSED=auto`: no two ranks on one GPU; processes that
-share a GPU without MPS take turns on it, and a spinning kernel holds its turn). Nothing in its
-arguments changes from call to call, so it can be captured in a CUDA graph: while the caller's
-stream captures, it records no event and the watchdog does not track it.
+A small collective may run as one operation on the caller's stream (`Stream.direct`): one
+kernel (`gpuring_direct_*` in kernels/reduce.cu: per-block flags and a call counter on the
+device), or for all_reduce three stream operations that wait with stream memory operations;
+one event record per call. The kernel's waits spin, so `GPURING_CUDA_FUSED=auto` takes it only
+where no two ranks share a GPU (processes that share a GPU without MPS take turns on it, and a
+spinning kernel holds its turn), the stream memory operations elsewhere. Nothing in the
+kernel's arguments changes from call to call, so it can be captured in a CUDA graph: while the
+caller's stream captures, it records no event and the watchdog does not track it.
 
 The device never synchronizes the host in a collective: `blocking` is False, and the caller's
 stream is ordered with events (`caller_event`, `order_caller_after`). Every CUDA call runs with
@@ -145,7 +146,7 @@ class CudaHandle(NamedTuple):
     process: str
     host: str
     gpu: str
-    #: blocks of the one-kernel all_reduce that fit on this GPU at once (0: not offered)
+    #: blocks of the one-kernel collective that fit on this GPU at once (0: not offered)
     fused_blocks: int
     #: whether this rank's streams wait with stream memory operations
     memops: bool
@@ -227,7 +228,7 @@ class CudaDevice(Device):
             self._side.synchronize()
         self._status = ctypes.c_int32.from_address(self.status_ptr)
         self._status.value = _STATUS_OK
-        # the peer a one-kernel all_reduce gave up on, plus one (reduce.cu)
+        # the peer a one-kernel collective gave up on, plus one (reduce.cu)
         self._fused_peer = ctypes.c_int32.from_address(self.status_ptr + 4)
         self._fused_peer.value = 0
         ctypes.c_uint64.from_address(self._released_ptr).value = RELEASED
@@ -247,15 +248,15 @@ class CudaDevice(Device):
             self._spare_events += [cupy.cuda.Event(block=False, disable_timing=True)
                                    for _ in range(_SPARE_EVENTS_AT_START)]
         self._callers: dict[tuple[int, int], _CudaStream] = {}  # caller's streams
-        #: the last event recorded on a caller's stream after a one-kernel all_reduce (each
+        #: the last event recorded on a caller's stream after a one-kernel collective (each
         #: such call orders after the one before: this one covers them all)
         self.last_on_caller: _CudaEvent | None = None
-        #: a one-kernel all_reduce was captured into a graph, which holds this device's
+        #: a one-kernel collective was captured into a graph, which holds this device's
         #: memory: it is never freed (a replay after close would touch it)
         self.captured = False
         self._direct_kernels: dict[tuple[str, ReduceOp], Any] = {}
         self._pci_bus_id = str(self.gpu.pci_bus_id)
-        #: the one-kernel all_reduce's most blocks, and the form of the one-operation
+        #: the one-kernel collective's most blocks, and the form of the one-operation
         #: all_reduce ("kernel", "memops" or "off"), for the job (`schedule`)
         self.fused_blocks = 0
         self.fused_form = "off"
@@ -285,7 +286,7 @@ class CudaDevice(Device):
         return found
 
     def direct_kernel(self, dtype: str, op: ReduceOp) -> Any:
-        """The one-kernel all_reduce for (dtype, op) on this GPU; looked up once."""
+        """The one-kernel collective for (dtype, op) on this GPU; looked up once."""
         found = self._direct_kernels.get((dtype, op))
         if found is None:
             found = _kernels.get_direct_kernel(dtype, op, self.device_id)
@@ -350,13 +351,13 @@ class CudaDevice(Device):
             yield from stream.waits
 
     def timeout_error(self, stream: _CudaStream | None) -> Exception:
-        """FlagWaitTimeout for the peer a one-kernel all_reduce gave up on, else for the first
+        """FlagWaitTimeout for the peer a one-kernel collective gave up on, else for the first
         recent wait whose flag is still short (this stream's first), else a
         CollectiveTimeoutError."""
         peer = self._fused_peer.value - 1
         if peer >= 0:
             return FlagWaitTimeout(Flag(CudaMemory(0, 0, "peer"), 0), -1, -1,
-                                   (peer, "its part of a one-kernel all_reduce"))
+                                   (peer, "its part of a one-kernel collective"))
         last = None
         for flag, value, tag in self._recent_waits(stream):
             try:
@@ -371,7 +372,7 @@ class CudaDevice(Device):
         return CollectiveTimeoutError(
             f"CUDA stream did not finish within {self.timeout} s on device {self.device_id}")
 
-    # -- one-kernel all_reduce ------------------------------------------------------------------
+    # -- one-kernel collective ------------------------------------------------------------------
     @classmethod
     def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
         return ((FUSED_ENV, str(settings.get(FUSED_ENV)).lower()),)
@@ -410,7 +411,7 @@ class CudaDevice(Device):
                         fused_capturable=self.fused_form == "kernel")
 
     def _fused_fits(self) -> int:
-        """Blocks of the one-kernel all_reduce that fit on this GPU at once (0 where
+        """Blocks of the one-kernel collective that fit on this GPU at once (0 where
         GPURING_CUDA_FUSED is off: its kernels are then never compiled)."""
         if str(settings.get(FUSED_ENV)).lower() == "off":
             return 0
