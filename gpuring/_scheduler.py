@@ -23,8 +23,8 @@ waits are left out where they are known to hold: when the round before, on the s
 stream, waited for a piece of every other rank, each of them had started that round, so had
 finished the one before it (each rank runs its rounds in order).
 
-A small all_reduce on a device that offers it (`Schedule.fused_bytes`) is one operation on the
-caller's stream instead (`Stream.all_reduce`): no round, no event to order the caller, its
+A small collective on a device that offers it (`Schedule.fused_bytes`) is one operation on the
+caller's stream instead (`Stream.direct`): no round, no event to order the caller, its
 flags and counters the device's own, in its region. Consecutive collectives of a rank never
 overlap: each waits for the one before where it runs on another stream.
 """
@@ -116,8 +116,8 @@ class Engine:
 
     def __init__(self, device: Device, control: ControlPlane, *, capacity_bytes: int,
                  timeout: float, fused_limit: int = 0):
-        """`fused_limit`: the largest all_reduce (bytes) to run as one operation where the
-        device can (GPURING_ONE_SHOT_BYTES; the same on every rank)."""
+        """`fused_limit`: the largest input (bytes) of a collective to run as one operation
+        where the device can (GPURING_ONE_SHOT_BYTES; the same on every rank)."""
         self.device = device
         self.rank = control.rank
         self.size = control.size
@@ -131,7 +131,7 @@ class Engine:
         #: before it (-1: none; see `run`)
         self._heard_all = -1
         self._streams: list[Stream] = []
-        #: the caller's stream that last captured a one-kernel all_reduce
+        #: the caller's stream that last captured a one-kernel collective
         self._captured_on: Stream | None = None
         self._inline = device.create_stream(inline=True)
         self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
@@ -205,12 +205,13 @@ class Engine:
 
         While the stream captures a graph, the operation is recorded there, with no event
         (the host could never wait for it), and None is returned. A rank's one-kernel
-        all_reduces must never run at once (they share the device's counters), and nothing
+        collectives must never run at once (they share the device's counters), and nothing
         here sees when a graph is launched: the capturing stream must already be ordered
         after the communicator's earlier collectives (the warm-up call on it, or a
-        synchronize), and each replay after the collectives before it, as any work on a
-        stream. Two streams of one capture are refused (their kernels would be parallel
-        nodes of the graph)."""
+        synchronize), each replay after the collectives before it, and the collectives after
+        a replay after it (on its stream, or after a synchronize), as any work on a stream.
+        Two streams of one capture are refused (their kernels would be parallel nodes of the
+        graph)."""
         assert in_mem is not None
         stream = self.device.caller_stream()
         out_mem = out_mem or in_mem  # a reduce off its root writes nothing

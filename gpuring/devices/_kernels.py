@@ -89,7 +89,7 @@ def reduce_n_kernel_name(dtype: str, op: ReduceOp | str) -> str:
 
 
 def direct_kernel_name(dtype: str, op: ReduceOp | str) -> str:
-    """Symbol of the one-kernel all_reduce of `dtype` with `op` (avg uses the sum kernel)."""
+    """Symbol of the one-kernel collectives of `dtype` with `op` (avg uses the sum kernel)."""
     return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_direct_", 1)
 
 
@@ -99,7 +99,7 @@ _OP_PAIRS = tuple((dtype, op) for dtype in SUPPORTED_DTYPES
 REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_kernel_name(d, o) for d, o in _OP_PAIRS)
 #: every n-input reduce kernel in reduce.cu, one per (dtype, op)
 REDUCE_N_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_n_kernel_name(d, o) for d, o in _OP_PAIRS)
-#: every one-kernel all_reduce in reduce.cu, one per (dtype, op)
+#: every one-kernel collective in reduce.cu, one per (dtype, op)
 DIRECT_KERNEL_NAMES: tuple[str, ...] = tuple(
     direct_kernel_name(d, o) for d, o in _OP_PAIRS)
 #: the collectives gpuring_direct_* runs, by its `kind` argument (GPURING_ALL_REDUCE ...)
@@ -142,7 +142,7 @@ def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], 
 
 
 def fused_region_bytes(slot_bytes: int) -> int:
-    """Bytes of one rank's region for the one-kernel all_reduce of up to `slot_bytes` bytes
+    """Bytes of one rank's region for one-operation collectives of up to `slot_bytes` bytes
     (a multiple of 16): counters and inbox, then two slots."""
     return FUSED_DATA + 2 * slot_bytes
 
@@ -370,7 +370,8 @@ def get_reduce_n_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
 
 
 def get_direct_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
-    """The one-kernel all_reduce for (dtype, op) on GPU `device_id`, with the signature
-    `(out, in, n: uint64, divisor: int64, rank: int32, nranks: int32, r0, ..., r7,
-    slot_bytes: uint64, timeout_ns: uint64, status, abort)`."""
+    """The one-kernel collectives for (dtype, op) on GPU `device_id`, with the signature
+    `(out, in, n: uint64, divisor: int64, kind: int32 (DIRECT_KINDS), root: int32,
+    rank: int32, nranks: int32, r0, ..., r7, slot_bytes: uint64, timeout_ns: uint64, status,
+    abort)`."""
     return get_function(direct_kernel_name(dtype, op), device_id)

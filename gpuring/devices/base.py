@@ -237,7 +237,8 @@ class Device(abc.ABC):
     #: device that calls no driver (the host's) stays at 0
     operations: int = 0
 
-    #: the largest all_reduce (bytes) the device can run as one operation (`Stream.all_reduce`)
+    #: the largest input (bytes) of a collective the device can run as one operation
+    #: (`Stream.direct`)
     #: among at most `fused_max_ranks` ranks; 0: it has no such operation
     fused_max_bytes: int = 0
     fused_max_ranks: int = 0
@@ -249,7 +250,7 @@ class Device(abc.ABC):
         return ()
 
     def fused_region_bytes(self, limit: int) -> int:
-        """Bytes of each rank's region that `Stream.all_reduce` of at most `limit` bytes uses
+        """Bytes of each rank's region that `Stream.direct` of at most `limit` bytes uses
         (allocated once with the communication buffer); 0: none."""
         return 0
 
@@ -270,7 +271,7 @@ class Device(abc.ABC):
 
     def caller_stream(self) -> Stream:
         """The caller's current stream, as a stream of this device (the same object for the
-        same stream): what `Stream.all_reduce` is enqueued on."""
+        same stream): what `Stream.direct` is enqueued on."""
         raise NotImplementedError(f"{type(self).__name__} has no caller's stream")
 
     @classmethod

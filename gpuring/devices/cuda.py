@@ -33,9 +33,10 @@ itself after the device's timeout.
 A small collective may run as one operation on the caller's stream (`Stream.direct`): one
 kernel (`gpuring_direct_*` in kernels/reduce.cu: per-block flags and a call counter on the
 device), or for all_reduce three stream operations that wait with stream memory operations;
-one event record per call. The kernel's waits spin, so `GPURING_CUDA_FUSED=auto` takes it only
-where no two ranks share a GPU (processes that share a GPU without MPS take turns on it, and a
-spinning kernel holds its turn), the stream memory operations elsewhere. Nothing in the
+one event record per call. The kernel's waits spin, so `GPURING_CUDA_FUSED=auto` takes the
+stream memory operations where ranks share a GPU and have them (processes that share a GPU
+without MPS take turns on it, and a spinning kernel holds its turn), and the kernel elsewhere
+(without stream memory operations the rounds' waits spin too). Nothing in the
 kernel's arguments changes from call to call, so it can be captured in a CUDA graph: while the
 caller's stream captures, it records no event and the watchdog does not track it.
 
@@ -346,7 +347,7 @@ class CudaDevice(Device):
 
     def _recent_waits(self, first: _CudaStream | None) -> Iterator[tuple[Flag, int, Any]]:
         streams = ([first] if first is not None else []) + \
-            [s for s in self._streams if s is not first]
+            [s for s in [*self._streams, *self._callers.values()] if s is not first]
         for stream in streams:
             yield from stream.waits
 
@@ -626,9 +627,12 @@ class CudaDevice(Device):
             warnings.warn("gpuring: CUDA streams still busy at close; leaking their memory",
                           RuntimeWarning, stacklevel=2)
             return
-        self.detach_peers()
+        if not self.captured:  # a graph's kernels read the peers' regions through these
+            self.detach_peers()
         runtime = _cupy().cuda.runtime
         with self.scope():
+            if self.captured:  # ... and read and write the abort word
+                _LEAKED.append(self._abort_mem)
             if (peers_may_read or self.captured) and self._owned:
                 _LEAKED.extend(mem._owner for mem in self._owned)
                 nbytes = sum(mem.nbytes for mem in self._owned)

@@ -1031,8 +1031,11 @@ class ndarray:
         return f"cudasim.ndarray({self._a!r})"
 
     def __getitem__(self, key: Any) -> Any:
-        if not _basic_index(key):  # a gather: CuPy runs a kernel (here: read once synced)
-            _sync_current()
+        if _basic_index(key):  # a view of the same memory: no work on any stream
+            result = self._a[_unwrap(key)]
+            if isinstance(result, np.ndarray) and np.shares_memory(result, self._a):
+                return _wrap(result)
+        _sync_current()  # a value or a gather: read once the stream has written it
         return _wrap(self._a[_unwrap(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -1077,8 +1080,8 @@ _VIEWS = frozenset({"reshape", "view", "transpose", "squeeze", "swapaxes", "rave
 def _basic_index(key: Any) -> bool:
     """Whether indexing with `key` gives a view (integers, slices, ellipsis, None)."""
     keys = key if isinstance(key, tuple) else (key,)
-    return builtins.all(k is None or k is Ellipsis or isinstance(k, (int, np.integer, slice))
-                        for k in keys)
+    return builtins.all(k is None or k is Ellipsis or isinstance(k, slice) or (
+        isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))) for k in keys)
 
 
 def _unwrap(x: Any) -> Any:
