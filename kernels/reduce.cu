@@ -341,6 +341,15 @@ struct FoldBody {
     }
 };
 
+// The fold of `nsrc` sources into dst over n elements by the threads tid, tid + stride, ...:
+// one function per (dtype, op), called (not inlined) by the n-input kernel and by the
+// one-kernel collectives, so that NVRTC compiles its vector loops once.
+template <typename T, typename Op>
+__device__ __noinline__ void fold_by(T* dst, const T* const* src, int nsrc, long long divisor,
+                                     u64 n, u64 tid, u64 stride) {
+    elementwise_by<T>(FoldBody<T, Op>(dst, src, nsrc, divisor), n, tid, stride);
+}
+
 // ---------------------------------------------------------------------------------------
 // Reduce kernels: two extern "C" kernels per (dtype, op), binary and n-input.
 #define GPURING_REDUCE(NAME, T, OPNAME, OP) \
@@ -356,7 +365,8 @@ struct FoldBody {
         const volatile int* abort) { \
         if (*abort || nsrc < 1 || nsrc > GPURING_MAX_SOURCES) return; \
         const T* const src[GPURING_MAX_SOURCES] = {s0, s1, s2, s3, s4, s5, s6, s7}; \
-        elementwise<T>(FoldBody<T, OP>(dst, src, nsrc, divisor), n); \
+        fold_by<T, OP>(dst, src, nsrc, divisor, n, (u64)blockIdx.x * blockDim.x + threadIdx.x, \
+                       (u64)gridDim.x * blockDim.x); \
     }
 
 #define GPURING_REDUCE_REAL(NAME, T) \
@@ -634,8 +644,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, 
         for (int q = 0; q < nranks; ++q)
             sources[q] = (q == rank ? in : reinterpret_cast<const T*>(regions[q] + half)) +
                          at + lo;
-        elementwise_by<T>(FoldBody<T, Op>(out + lo, sources, nranks, divisor), count,
-                          threadIdx.x, blockDim.x);
+        fold_by<T, Op>(out + lo, sources, nranks, divisor, count, threadIdx.x, blockDim.x);
     }
     // every block has read the epoch by the time the last one is done: that one moves it on
     if (threadIdx.x == 0) {
