@@ -66,7 +66,7 @@ def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> N
     _run_gpu_tests(env, str(GPU_TESTS / "test_multiproc_cuda.py"),
                    str(GPU_TESTS / "test_cuda_device.py"), "-k",
                    "(multiproc or spin or clear_error or legacy or fault) and not "
-                   "one_operation and not cuda_graph")
+                   "one_operation and not cuda_graph and not dtypes_ops")
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])
