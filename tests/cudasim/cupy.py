@@ -124,7 +124,14 @@ class _Worker(threading.Thread):
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.rng = _stdrandom.Random(secrets.randbits(32))
+        #: an operation taken off the queue is running (under `cond`, as the queue)
+        self.running = False
         self.start()
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing running: work queued before now has all run."""
+        with self.cond:
+            return not self.queue and not self.running
 
     def put(self, op: Callable[[], None]) -> None:
         if _sticky:  # the context is dead: every call fails with its error, as CUDA's do
@@ -138,15 +145,18 @@ class _Worker(threading.Thread):
     def run(self) -> None:
         while True:
             with self.cond:
+                self.running = False
                 while not self.queue:
                     self.cond.wait()
                 op = self.queue.pop(0)
+                self.running = True
             if _JITTER and self.rng.random() < 0.3:
                 time.sleep(self.rng.random() * 200e-6)
             try:
                 op()
             except BaseException as exc:  # a sticky error, as on the GPU
                 self.error = exc
+            del op  # hold nothing of it while idle
 
 
 _streams: dict[int, Stream] = {}
@@ -1102,12 +1112,19 @@ _graveyard_lock = threading.Lock()
 
 
 def _bury(host: np.ndarray) -> None:
-    """Keep `host` alive until every stream has run what was queued before now."""
+    """Keep `host` alive until every stream has run what was queued before now (a queue with
+    nothing queued or running has: it needs no marker, and neither does a second stream of
+    one queue; a capturing stream records its work, so runs none of it now)."""
     markers = []
+    queues = set()
     for stream in list(_streams.values()):
+        worker = stream._worker
+        if worker in queues or stream._capturing() is not None or worker.idle():
+            continue
+        queues.add(worker)
         marker = _Marker()
         try:
-            stream._put(marker.reach)
+            worker.put(marker.reach)  # the simulator's own: no driver call
         except Exception:  # a failed stream never gets there
             continue
         markers.append(marker)
