@@ -85,3 +85,14 @@ def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,
     for r in range(1, n):
         assert digests[r] == digests[0], f"rank {r}'s results differ bitwise from rank 0's"
     return digests[0].splitlines()
+
+
+@pytest.fixture(scope="session")
+def host_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the kernels' host build (tests/cudasim/kernels_host_build) is made: one
+    directory for the whole run, shared by pytest-xdist's workers (their base temp dirs share
+    a parent), so the kernels are compiled once."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return shared / "cudasim-build"
+

@@ -16,12 +16,15 @@ the headers that NVRTC >= 13 bundles, extracted once into a cache directory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import socket
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -313,15 +316,47 @@ def cubin_for(arch: str) -> bytes:
         return path.read_bytes()
     except OSError:
         pass
-    cubin = nvrtc_compile(arch)
+    with _compile_lock(path.with_suffix(".lock")):
+        try:  # another process of this machine compiled it while this one waited
+            return path.read_bytes()
+        except OSError:
+            pass
+        cubin = nvrtc_compile(arch)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{socket.gethostname()}-{os.getpid()}.tmp")
+            partial.write_bytes(cubin)
+            partial.replace(path)  # atomic: a reader never sees part of a file
+        except OSError:  # a read-only home: compile again next time
+            pass
+    return cubin
+
+
+@contextlib.contextmanager
+def _compile_lock(path: Path, seconds: float = 600.0) -> Iterator[None]:
+    """Held while this process compiles the CUBIN `path` names: the ranks of a node that
+    start at once compile it once, the others wait and read it (a build takes a minute of
+    CPU). Bounded: after `seconds` (or where no lock file can be made) it compiles anyway."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{socket.gethostname()}-{os.getpid()}.tmp")
-        partial.write_bytes(cubin)
-        partial.replace(path)  # atomic: ranks compiling at once each write their own file
-    except OSError:  # a read-only home: compile again next time
-        pass
-    return cubin
+        lock = open(path, "a")  # closed below
+    except OSError:
+        yield
+        return
+    try:
+        deadline, delay = time.monotonic() + seconds, 0.01
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        yield
+    finally:
+        lock.close()  # releases the lock
 
 
 @functools.cache

@@ -8,6 +8,7 @@ is named after a hash of its inputs, so a directory serves as a cache.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import shutil
@@ -60,12 +61,17 @@ def build(directory: Path) -> Path:
     if out.is_file():
         return out
     directory.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([*cmd, "-o", str(partial)], capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"host build of {source.name} failed:\n{done.stderr}")
-    partial.replace(out)  # atomic: concurrent builders each write their own file
+    # one build per directory: concurrent builders (test workers) wait for the first
+    with open(directory / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file():
+            return out
+        partial = out.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([*cmd, "-o", str(partial)], capture_output=True, text=True,
+                              timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"host build of {source.name} failed:\n{done.stderr}")
+        partial.replace(out)  # atomic: a reader never sees half a library
     return out
 
 

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def sim_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def sim_env(host_build_dir: Path) -> dict[str, str]:
     try:
-        return kernels_host_build.simulator_env(tmp_path_factory.mktemp("cudasim"),
+        return kernels_host_build.simulator_env(host_build_dir,
                                                 GPURING_CUDASIM_JITTER="1")
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))

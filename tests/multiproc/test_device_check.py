@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "bench" / "device_check.sh"
 ROUND_TRIPS = 200
 
-pytestmark = pytest.mark.slow
+#: one worker runs them all: the dry run is a module fixture, made once per worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("device_check")]
 
 #: the dry run: tiny sizes, few iterations, one sweep point, the smoke test
 DRY_RUN = {
@@ -102,9 +103,9 @@ def _remove_leaked_memory(probe_json: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def check_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def check_env(host_build_dir: Path) -> dict[str, str]:
     try:
-        env = kernels_host_build.simulator_env(tmp_path_factory.mktemp("cudasim"),
+        env = kernels_host_build.simulator_env(host_build_dir,
                                                PYTHON=sys.executable, **DRY_RUN)
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))

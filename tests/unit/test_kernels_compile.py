@@ -111,3 +111,26 @@ def test_occupancy_rules_of_sm80_and_sm90() -> None:
         assert cubin.blocks_per_sm(registers, 256) == blocks, registers
     assert cubin.blocks_per_sm(8, 32) == 32  # the block limit
     assert cubin.blocks_per_sm(None, 1024) == 2  # the warp limit
+
+
+def test_one_process_compiles_while_the_others_wait(tmp_path) -> None:
+    """The ranks of a node that find no CUBIN compile it once: a second holder of the
+    compile lock waits until the first lets go (bounded: it compiles anyway after its
+    seconds)."""
+    import threading
+
+    lock = tmp_path / "reduce.lock"
+    entered = threading.Event()
+
+    def second() -> None:
+        with _kernels._compile_lock(lock, seconds=60.0):
+            entered.set()
+
+    with _kernels._compile_lock(lock):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not entered.wait(0.3)  # held: the second waits
+    assert entered.wait(30.0)  # released: it goes on
+    waiter.join()
+    with _kernels._compile_lock(lock), _kernels._compile_lock(lock, seconds=0.0):
+        pass  # past its bound a waiter goes on without the lock

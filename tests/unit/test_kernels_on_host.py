@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,9 +35,9 @@ RELEASED = 2**63 - 1  # what an abort writes into the words a rank waits on
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+def lib(host_build_dir: Path) -> ctypes.CDLL:
     try:
-        path = kernels_host_build.build(tmp_path_factory.mktemp("kernels"))
+        path = kernels_host_build.build(host_build_dir)
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))
     return kernels_host_build.load(path)
