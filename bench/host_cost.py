@@ -24,7 +24,7 @@ import numpy as np
 
 import gpuring
 from gpuring._config import parse_size
-from gpuring.devices import cuda
+from gpuring.devices import _cuda_direct, cuda
 
 
 class _RawEvent:
@@ -38,14 +38,20 @@ class _RawEvent:
 
 def _without_driver() -> None:
     """Every CudaDevice call that reaches the driver becomes a no-op: the stream operations
-    (copies, kernels, flag waits and writes, event waits, the one-operation all_reduce's
-    launches), and the raw event under an event
-    record, whose wrapper, reuse and bookkeeping still run as gpuring runs them; every event
-    has completed."""
+    (copies, kernels, flag waits and writes, event waits, the one-operation collectives'
+    launches and stream memory operation, whose arguments are still worked out), and the raw
+    event under an event record, whose wrapper, reuse and bookkeeping still run as gpuring
+    runs them; every event has completed."""
     stream = cuda._CudaStream
     for name in ("copy", "reduce", "reduce_n", "wait_flag", "write_flag", "write_flags",
-                 "wait_event", "_direct_kernel", "_all_reduce_staged"):
+                 "wait_event"):
         setattr(stream, name, lambda self, *args, **kwargs: None)
+    _cuda_direct.DirectKernel._enqueue = (  # type: ignore[method-assign]
+        lambda self, stream, args: None)
+    _cuda_direct.StagedAllReduce._enqueue = (  # type: ignore[method-assign]
+        lambda self, stream, args: None)
+    _cuda_direct.StagedAllReduce._wait = (  # type: ignore[method-assign]
+        lambda self, driver, cu: None)
     cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]
     cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]
         lambda self, event: None)

@@ -146,19 +146,19 @@ class CallPath:
                 root=call.root, one_shot_bytes=config.one_shot_bytes,
                 root_copies=name == "broadcast" and not call.in_place,
                 own_copy=not call.in_place)
+            fused = name in engine.fused_kinds and 0 < count * itemsize <= min(
+                config.one_shot_bytes, engine.fused_bytes)
+            launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
+                                    inline=nchannels == 1, fused=fused, collective=name,
+                                    root=call.root, nbytes=count * itemsize)
         except BaseException as exc:  # after agreement the peers go on: tell them
             self.give_up(exc, name)
             raise
         text = "barrier()" if x is None else (
             f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
             f"device={kind}, chunk_bytes={piece}, channels={nchannels})")
-        fused = name in engine.fused_kinds and 0 < count * itemsize <= min(
-            config.one_shot_bytes, engine.fused_bytes)
         if fused:
             text += " as one operation"
-        launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
-                                inline=nchannels == 1, fused=fused, collective=name,
-                                root=call.root)
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
 
     def _capturing(self) -> bool:

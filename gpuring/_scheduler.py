@@ -41,6 +41,7 @@ from .devices.base import (
     Arg,
     CopyI,
     Device,
+    Direct,
     Event,
     Flag,
     FlagWaitAborted,
@@ -72,15 +73,16 @@ class Launch:
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
-    __slots__ = ("_per_round", "collective", "divisor", "dtype", "engine", "fused", "hears_all",
-                 "inline", "itemsize", "op", "root", "rounds", "runners")
+    __slots__ = ("_per_round", "collective", "direct", "divisor", "dtype", "engine", "fused",
+                 "hears_all", "inline", "itemsize", "op", "root", "rounds", "runners")
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
                  itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
-                 collective: str = "all_reduce", root: int = 0):
+                 collective: str = "all_reduce", root: int = 0, direct: Direct | None = None):
         self.engine = engine
-        #: the collective runs as one operation on the caller's stream, not in rounds
+        #: the collective runs as one operation on the caller's stream, not in rounds: `direct`
         self.fused = fused
+        self.direct = direct
         self.collective = collective
         self.root = root
         self.rounds = rounds
@@ -176,13 +178,20 @@ class Engine:
 
     def prepare(self, rounds: tuple[RoundPlan, ...], *, dtype: str, itemsize: int,
                 op: ReduceOp, inline: bool, fused: bool = False, collective: str = "all_reduce",
-                root: int = 0) -> Launch:
+                root: int = 0, nbytes: int = 0) -> Launch:
         """`rounds` of `collective` ready to run on this engine (`inline`: on one stream, in
         the calling thread where the device can; `fused`: one of `fused_kinds` with an input
-        of at most `fused_bytes`, run as one operation instead of `rounds`)."""
-        if fused and (collective not in self.fused_kinds or not 0 < self.fused_bytes):
-            raise ValueError(f"this engine runs no {collective} as one operation")
-        return Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root)
+        of `nbytes`, at most `fused_bytes`, run as one operation instead of `rounds`)."""
+        direct = None
+        if fused:
+            if collective not in self.fused_kinds or not 0 < nbytes <= self.fused_bytes:
+                raise ValueError(f"this engine runs no {collective} of {nbytes} bytes as one "
+                                 "operation")
+            direct = self.device.prepare_direct(
+                collective, self._regions, self.rank, root, dtype, op,
+                self.size if op is ReduceOp.AVG else 1, nbytes)
+        return Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root,
+                      direct)
 
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
             collective_seq: int) -> Event | None:
@@ -212,12 +221,10 @@ class Engine:
         a replay after it (on its stream, or after a synchronize), as any work on a stream.
         Two streams of one capture are refused (their kernels would be parallel nodes of the
         graph)."""
-        assert in_mem is not None
+        direct = launch.direct
+        assert in_mem is not None and direct is not None
         stream = self.device.caller_stream()
         out_mem = out_mem or in_mem  # a reduce off its root writes nothing
-        out, inp = Span(out_mem, 0, out_mem.nbytes), Span(in_mem, 0, in_mem.nbytes)
-        step = (launch.collective, out, inp, self._regions, self.rank, launch.root,
-                launch.dtype, launch.op, launch.divisor)
         try:
             if stream.capturing():
                 other = self._captured_on
@@ -227,11 +234,11 @@ class Engine:
                         "stream's capture holds one already: capture the communicator's "
                         "collectives on one stream")
                 self._captured_on = stream
-                stream.direct(*step, captured=True)
+                direct.run(stream, out_mem, in_mem, captured=True)
                 return None
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            stream.direct(*step)
+            direct.run(stream, out_mem, in_mem)
             self._last, self._last_stream = stream.record(), stream
         except FlagWaitTimeout as exc:
             raise self._timeout_error(exc, name, collective_seq) from None

@@ -18,7 +18,7 @@ from .._ops import ReduceOp
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
 
-__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Device", "Schedule",
+__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Direct", "Device", "Schedule",
            "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
            "Runner", "open_peer"]
@@ -183,18 +183,6 @@ class Stream(abc.ABC):
         for flag in flags:
             self.write_flag(flag, value)
 
-    def direct(self, kind: str, out: Span, inp: Span, regions: Sequence[Span], rank: int,
-               root: int, dtype: str, op: ReduceOp, divisor: int = 1, *,
-               captured: bool = False) -> None:
-        """The collective `kind` (one of `Schedule.fused_kinds`) of `inp` into `out` as one
-        operation that every rank enqueues alike, every rank reading its peers directly:
-        reductions fold in rank order (the bits of `reduce_n`). `regions[q]` is rank q's
-        region of `Device.fused_region_bytes`, mapped here, which only these operations use
-        (its size says how large an input it holds). The operation waits for the peers
-        itself, each wait bounded. `captured`: the stream records it into a graph, whose
-        replays run it again. A device that offers none raises NotImplementedError."""
-        raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")
-
     def capturing(self) -> bool:
         """Whether the stream records work into a graph instead of running it (CUDA graph
         capture). Default: never."""
@@ -211,6 +199,18 @@ class Stream(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Block the host until the stream is idle; raise the first error an operation hit."""
+
+
+class Direct(abc.ABC):
+    """A collective prepared to run as one operation that every rank enqueues alike, every
+    rank reading its peers directly (`Device.prepare_direct`): reductions fold in rank order
+    (the bits of `Stream.reduce_n`). It waits for the peers itself, each wait bounded."""
+
+    @abc.abstractmethod
+    def run(self, stream: Stream, out: Memory, inp: Memory, *, captured: bool = False) -> None:
+        """Enqueue the collective of `inp` (the prepared size) into `out` on `stream` (the
+        caller's). `captured`: the stream records it into a graph, whose replays run it
+        again."""
 
 
 class Device(abc.ABC):
@@ -268,6 +268,14 @@ class Device(abc.ABC):
     def check(self) -> None:
         """Raise what the device's completed work says went wrong by itself: FlagWaitTimeout
         for a wait that gave up, FlagWaitAborted once aborted. Default: nothing to say."""
+
+    def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
+                       dtype: str, op: ReduceOp, divisor: int, nbytes: int) -> Direct:
+        """The collective `kind` (one of `Schedule.fused_kinds`) of an input of `nbytes`
+        prepared as one operation. `regions[q]` is rank q's region of `fused_region_bytes`,
+        mapped here, which only these operations use (its size says how large an input it
+        holds). A device that offers none raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")
 
     def caller_stream(self) -> Stream:
         """The caller's current stream, as a stream of this device (the same object for the

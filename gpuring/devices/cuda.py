@@ -55,7 +55,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -64,6 +64,7 @@ from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
 from . import _kernels
+from ._cuda_direct import prepare_direct
 from ._cuda_driver import (
     FLAGS_ENV,
     Scope,
@@ -82,12 +83,14 @@ from ._cuda_streams import (
 from ._cuda_streams import THREADS as _THREADS
 from .base import (
     Device,
+    Direct,
     Event,
     Flag,
     FlagWaitAborted,
     FlagWaitTimeout,
     Memory,
     Schedule,
+    Span,
     Stream,
 )
 
@@ -418,6 +421,11 @@ class CudaDevice(Device):
             return 0
         return self._sm_count * self.blocks_per_sm(self.direct_kernel("float32",
                                                                           ReduceOp.SUM))
+
+    def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
+                       dtype: str, op: ReduceOp, divisor: int, nbytes: int) -> Direct:
+        """In the job's form (`fused_form`): see `_cuda_direct`."""
+        return prepare_direct(self, kind, regions, rank, root, dtype, op, divisor, nbytes)
 
     def capturing(self) -> bool:
         with self.scope():

@@ -148,10 +148,6 @@ class _Caller:
     def capturing(self) -> bool:
         return self.captures
 
-    def direct(self, kind: str, out: Any, inp: Any, regions: Any, rank: int, root: int,
-               dtype: str, op: ReduceOp, divisor: int, *, captured: bool = False) -> None:
-        self.log.append(("captured" if captured else kind, self))
-
     def record(self) -> _Event:
         self.log.append(("record", self))
         return _Event(self)
@@ -161,6 +157,16 @@ class _Caller:
 
     def synchronize(self) -> None:
         self.log.append(("synchronize", self))
+
+
+class _Direct:
+    """A prepared one-operation collective that notes where it runs."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def run(self, stream: _Caller, out: Any, inp: Any, *, captured: bool = False) -> None:
+        stream.log.append(("captured" if captured else self.kind, stream))
 
 
 class _FusedDevice(_Device):
@@ -187,6 +193,10 @@ class _FusedDevice(_Device):
     def caller_stream(self) -> _Caller:
         return self.current
 
+    def prepare_direct(self, kind: str, regions: Any, rank: int, root: int, dtype: str,
+                       op: ReduceOp, divisor: int, nbytes: int) -> _Direct:
+        return _Direct(kind)
+
     def capturing(self) -> bool:
         return self.current.captures
 
@@ -211,7 +221,7 @@ def test_a_fused_all_reduce_is_one_operation_on_the_callers_stream() -> None:
     assert engine.default_chunk_bytes == 1 << 16  # whole pieces: the buffer region's size
     assert engine._data_offset - engine._flag_bytes == 4096  # the region, before the data
     launch = engine.prepare((), dtype="float32", itemsize=4, op=ReduceOp.SUM, inline=True,
-                            fused=True)
+                            fused=True, nbytes=64)
     first, second = device.callers
     engine.run(launch, _Mem(), _Mem(), "all_reduce", 1)  # type: ignore[arg-type]
     engine.run(launch, _Mem(), _Mem(), "all_reduce", 2)  # type: ignore[arg-type]
@@ -233,7 +243,7 @@ def test_a_fused_all_reduce_under_capture_records_no_event() -> None:
     engine = Engine(device, _Control(0, 2), capacity_bytes=1 << 16, timeout=1.0,  # type: ignore[arg-type]
                     fused_limit=4096)
     launch = engine.prepare((), dtype="float32", itemsize=4, op=ReduceOp.SUM, inline=True,
-                            fused=True)
+                            fused=True, nbytes=64)
     first, second = device.callers
     engine.run(launch, _Mem(), _Mem(), "all_reduce", 1)  # type: ignore[arg-type]
     device.log.clear()

@@ -1,0 +1,174 @@
+"""CudaDevice's one-operation collectives (`Device.prepare_direct`): everything a call
+enqueues is worked out once per prepared collective (kernel, grid, every argument but the two
+arrays' addresses), so that a call costs one launch of Python work. Two forms (see
+`gpuring.devices.cuda`): one kernel that waits for its peers itself (`DirectKernel`), and,
+for all_reduce where ranks share a GPU, three stream operations that wait with a stream
+memory operation (`StagedAllReduce`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._ops import ReduceOp
+from . import _kernels
+from ._cuda_driver import check_cu
+from ._cuda_streams import THREADS, CudaMemory, _addr, _CudaStream, _flag_addr, _inbox
+from .base import Direct, Flag, Memory, Span, Stream
+
+if TYPE_CHECKING:
+    from .cuda import CudaDevice
+
+__all__ = ["prepare_direct"]
+
+_BLOCK = (THREADS,)
+#: input bytes per block of the one kernel
+_BYTES_PER_BLOCK = 4096
+
+
+def prepare_direct(device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
+                   root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int) -> Direct:
+    """The collective in the job's form (`CudaDevice.fused_form`)."""
+    slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
+    if not 0 < nbytes <= slot or kind not in _kernels.DIRECT_KINDS:
+        raise ValueError(f"no one-operation {kind} of {nbytes} bytes (at most {slot})")
+    if device.fused_form == "memops":
+        if kind != "all_reduce":
+            raise ValueError(f"the stream-memory-operation form runs no {kind}")
+        return StagedAllReduce(device, regions, rank, slot, dtype, op, divisor, nbytes)
+    return DirectKernel(device, kind, regions, rank, root, slot, dtype, op, divisor, nbytes)
+
+
+class DirectKernel(Direct):
+    """One launch of gpuring_direct_* (kernels/reduce.cu): a block per 4 KiB of input, at
+    most the job's `fused_blocks`, the same grid on every rank (it depends on the size only).
+    Copies (all_gather, broadcast) run as bytes. Nothing in the launch changes from call to
+    call but the arrays (the call's epoch is a counter on the GPU), so it can be captured."""
+
+    __slots__ = ("_device", "_grid", "_kernel", "_nbytes", "_rest")
+
+    def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
+                 root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
+        if kind in ("all_gather", "broadcast"):
+            dtype, op = "uint8", ReduceOp.SUM
+        itemsize = np.dtype(dtype).itemsize
+        elements = nbytes // len(regions) if kind == "reduce_scatter" else nbytes
+        if nbytes % itemsize or elements % itemsize:
+            raise ValueError(f"{nbytes} bytes is not a whole number of {dtype}")
+        pointers = [np.uint64(_addr(region)) for region in regions]
+        pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
+        self._device = device
+        self._kernel = device.direct_kernel(dtype, op)
+        self._grid = (max(1, min(device.fused_blocks, -(-nbytes // _BYTES_PER_BLOCK))),)
+        self._nbytes = nbytes
+        self._rest = (np.uint64(elements // itemsize), np.int64(divisor),
+                      np.int32(_kernels.DIRECT_KINDS[kind]), np.int32(root), np.int32(rank),
+                      np.int32(len(regions)), *pointers, np.uint64(slot),
+                      np.uint64(device.timeout_ns), np.uint64(device.status_ptr),
+                      np.uint64(device.abort_ptr))
+
+    def run(self, stream: Stream, out: Memory, inp: Memory, *, captured: bool = False) -> None:
+        dev = self._device
+        dev.check()
+        assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
+        if inp.nbytes != self._nbytes:
+            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
+        if captured:
+            dev.captured = True  # the graph holds the device's memory from now on
+        with dev.scope():
+            self._enqueue(stream, (np.uint64(out.ptr), np.uint64(inp.ptr), *self._rest))
+        dev.operations += 1
+
+    def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
+        """The driver call."""
+        self._kernel(self._grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
+
+
+class StagedAllReduce(Direct):
+    """Three operations, none spinning: gpuring_stage_publish copies the input into this
+    rank's slot (call e uses slot e % 2, e counted by the device) and then tells every peer,
+    one cuStreamBatchMemOp waits until every peer told this rank, gpuring_reduce_n folds the
+    slots in rank order into out. Slot e % 2 is written again at call e + 2, after this
+    stream waited in call e + 1 for every peer to start it, so to finish call e. The
+    waited-on words are this rank's own (abort releases them). Not capturable: the epoch is
+    the host's."""
+
+    __slots__ = ("_device", "_divisor", "_dtype", "_grid", "_kernel", "_nbytes", "_op",
+                 "_params", "_rank", "_stage_rest", "_staged", "_told", "_waits")
+
+    def __init__(self, device: CudaDevice, regions: Sequence[Span], rank: int, slot: int,
+                 dtype: str, op: ReduceOp, divisor: int, nbytes: int):
+        self._device = device
+        self._rank, self._dtype, self._op, self._divisor = rank, dtype, op, divisor
+        self._nbytes = nbytes
+        #: per epoch parity: every rank's staged copy
+        self._staged = tuple(
+            tuple(Span(r.mem, r.offset + _kernels.FUSED_DATA + parity * slot, nbytes)
+                  for r in regions) for parity in (0, 1))
+        peers = [q for q in range(len(regions)) if q != rank]
+        told = [np.uint64(_flag_addr(_inbox(regions[q], rank))) for q in peers]
+        self._told = (*told, *[np.uint64(0)] * (8 - len(told)), np.int32(len(told)))
+        self._waits: tuple[tuple[Flag, Any], ...] = tuple(
+            (_inbox(regions[rank], q), (q, "its part of a one-operation all_reduce"))
+            for q in peers)
+        for flag, _ in self._waits:
+            device.note_wait_word(_flag_addr(flag))
+        self._kernel = _kernels.get_function(_kernels.STAGE_KERNEL, device.device_id)
+        self._grid = (device.grid_for(self._kernel, nbytes, 16),)
+        # the blocks-done word of this rank's region, and the abort word
+        self._stage_rest = (np.uint64(_addr(regions[rank]) + 8), np.uint64(device.abort_ptr))
+        self._params: list[Any] | None = None  # the wait's parameters, made on first use
+
+    def _wait_params(self) -> list[Any]:
+        from cuda.bindings import driver
+
+        params = []
+        for flag, _ in self._waits:
+            param = driver.CUstreamBatchMemOpParams()
+            param.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+            param.waitValue.address = driver.CUdeviceptr(_flag_addr(flag))
+            param.waitValue.flags = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            params.append(param)
+        return params
+
+    def run(self, stream: Stream, out: Memory, inp: Memory, *, captured: bool = False) -> None:
+        assert isinstance(stream, _CudaStream) and isinstance(inp, CudaMemory)
+        dev = self._device
+        dev.check()
+        if captured:
+            raise ValueError("the stream-memory-operation form cannot be captured")
+        if inp.nbytes != self._nbytes:
+            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
+        dev.fused_epoch += 1
+        epoch = dev.fused_epoch
+        staged = self._staged[epoch & 1]
+        with dev.scope():
+            self._enqueue(stream, (np.uint64(_addr(staged[self._rank])), np.uint64(inp.ptr),
+                                   np.uint64(self._nbytes), *self._told, np.uint64(epoch),
+                                   *self._stage_rest))
+            dev.operations += 1
+            for flag, tag in self._waits:
+                stream.waits.append((flag, epoch, tag))
+            driver, cu = stream._driver_stream()
+            if self._params is None:
+                self._params = self._wait_params()
+            for param in self._params:
+                param.waitValue.value64 = driver.cuuint64_t(epoch)
+            self._wait(driver, cu)
+            dev.operations += 1
+        sources = [Span(inp, 0, self._nbytes) if q == self._rank else s
+                   for q, s in enumerate(staged)]
+        stream.reduce_n(Span(out, 0, self._nbytes), sources, self._dtype, self._op,
+                        self._divisor)
+
+    def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
+        """The staging kernel's launch (a driver call)."""
+        self._kernel(self._grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
+
+    def _wait(self, driver: Any, cu: Any) -> None:
+        """The stream memory operation (a driver call)."""
+        assert self._params is not None
+        check_cu(driver.cuStreamBatchMemOp(cu, len(self._params), self._params, 0),
+                 "cuStreamBatchMemOp")
