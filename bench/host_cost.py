@@ -10,7 +10,9 @@ all_reduce calls back to back: what remains is gpuring's own Python on the call 
 Python call per driver call it would make (an event record still runs gpuring's own
 wrapper, reuse and bookkeeping, with a raw event that records nothing). Reported per rank: the
 median of 5 runs of the loop, and the driver calls one all_reduce makes
-(`comm.device_operations`). Needs CuPy: a GPU, or the CUDA simulator of tests/cudasim (see
+(`comm.device_operations`). The ranks take turns, so that each times its calls while the
+others wait idle (2 ranks on 2 cores would otherwise share them with every other thread of
+the job). Needs CuPy: a GPU, or the CUDA simulator of tests/cudasim (see
 tests/multiproc/test_cuda_simulated.py).
 """
 
@@ -84,26 +86,30 @@ def main() -> None:
         cupy.cuda.Device().synchronize()
         _without_driver()
         runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                comm.all_reduce(x, out=out)
-            runs.append((time.perf_counter() - t0) / args.iters * 1e6)
-        if args.profile and comm.rank == 0:
-            import cProfile
-            import pstats
+        for turn in range(comm.size):  # one rank at a time: the others wait, idle
+            comm._control.barrier(60.0, "host_cost turn")
+            if turn != comm.rank:
+                continue
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    comm.all_reduce(x, out=out)
+                runs.append((time.perf_counter() - t0) / args.iters * 1e6)
+            if args.profile and comm.rank == 0:
+                import cProfile
+                import pstats
 
-            profiler = cProfile.Profile()
-            profiler.enable()
-        for _ in range(args.iters if args.profile else 0):
-            comm.all_reduce(x, out=out)
-        if args.profile and comm.rank == 0:
-            profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(args.iters):
+                    comm.all_reduce(x, out=out)
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        comm._control.barrier(60.0, "host_cost done")
         print(f"rank {comm.rank}: all_reduce of {n * 4} B float32 on {comm.size} ranks: "
               f"{statistics.median(runs):.2f} us of gpuring's Python per call without the "
-              f"driver (runs: {', '.join(f'{r:.2f}' for r in runs)}), {calls:.0f} driver "
-              "calls per call", flush=True)
+              f"driver, best run {min(runs):.2f} (runs: {', '.join(f'{r:.2f}' for r in runs)}), "
+              f"{calls:.0f} driver calls per call", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def _input_and_op(x: Any, op: ReduceOp | str) -> tuple[Any, ReduceOp]:
 def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
                channels: int | None) -> Call:
     x, rop = _input_and_op(x, op)
-    out = output_array(out, x, x.shape, "all_reduce", in_place=_same(x), hint="out=x")
+    if out is not x:  # out=x is in place: the same array, nothing to check
+        out = output_array(out, x, x.shape, "all_reduce", in_place=_same(x), hint="out=x")
     return Call("all_reduce", x, out, rop, 0, chunk_bytes, channels)
 
 
@@ -72,7 +73,7 @@ def all_gather(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
     out = output_array(out, x, (size, *x.shape), "all_gather",
                        in_place=lambda out: _arrays.same_memory(out[rank, ...], x),
                        hint="x=out[rank]")
-    in_place = given and bool(_arrays.array_module(x).may_share_memory(out, x))
+    in_place = given and _arrays.may_overlap(out, x)
     return Call("all_gather", x, out, ReduceOp.SUM, 0, chunk_bytes, channels, in_place)
 
 
@@ -138,7 +139,7 @@ def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
         raise ValueError(f"{name}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{name}: out must be C-contiguous")
-    if out is not x and _arrays.array_module(x).may_share_memory(out, x):
+    if out is not x and _arrays.may_overlap(out, x):
         if in_place is None or not in_place(out):
             how = f"pass {hint} to work in place, or " if hint else "pass "
             raise ValueError(f"{name}: out overlaps x; {how}a separate array")

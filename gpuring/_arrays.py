@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["device_kind", "array_module", "dtype_name", "contiguous", "same_memory", "to_host"]
+__all__ = ["device_kind", "array_module", "dtype_name", "contiguous", "may_overlap", "same_memory",
+           "to_host"]
 
 
 def _is_cupy(x: Any) -> bool:
@@ -62,6 +63,16 @@ def contiguous(x: Any) -> Any:
 
 def _address(x: Any) -> int:
     return int(x.data.ptr) if _is_cupy(x) else int(x.ctypes.data)
+
+
+def may_overlap(a: Any, b: Any) -> bool:
+    """Whether two arrays of one kind may share memory. C-contiguous CuPy arrays cover
+    exactly [ptr, ptr + nbytes): compared directly (cupy.may_share_memory costs more than
+    the collective's own Python)."""
+    if _is_cupy(a) and a.flags.c_contiguous and b.flags.c_contiguous:
+        pa, pb = a.data.ptr, b.data.ptr
+        return pa < pb + b.nbytes and pb < pa + a.nbytes and a.nbytes > 0 and b.nbytes > 0
+    return bool(array_module(a).may_share_memory(a, b))
 
 
 def same_memory(a: Any, b: Any) -> bool:

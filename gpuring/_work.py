@@ -178,11 +178,19 @@ class Executor:
                 self._cond.notify_all()
 
 
+#: NumPy's array type, and CuPy's once CuPy is imported
+_native_types: list[type] = [np.ndarray]
+
+
 def _native(a: Any) -> bool:
-    if type(a) is np.ndarray:
+    kind = type(a)
+    if kind in _native_types:
         return True
     cupy = sys.modules.get("cupy")
-    return cupy is not None and type(a) is cupy.ndarray
+    if cupy is None or kind is not cupy.ndarray:
+        return False
+    _native_types.append(kind)
+    return True
 
 
 def public_verb(method: F) -> F:
@@ -195,7 +203,8 @@ def public_verb(method: F) -> F:
         if executor is not None and executor.busy():
             executor.drain()
         out = kwargs.get("out")
-        if args and type(args[0]) is np.ndarray and (out is None or type(out) is np.ndarray):
+        if args and type(args[0]) in _native_types and (out is None or type(out) is type(
+                args[0])):
             return method(self, *args, **kwargs)  # the common case, decided first
         if args and not (_native(args[0]) and (out is None or _native(out))):
             from . import interop

@@ -4,6 +4,7 @@ current in any thread without leaving a context on another GPU (`Scope`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from typing import Any
@@ -96,6 +97,10 @@ def warn_spin_waits(reason: str) -> None:
         RuntimeWarning, stacklevel=4)
 
 
+#: the scope of a device that is current already
+_NOTHING = contextlib.nullcontext()
+
+
 class Scope:
     """`with device.scope():` this device is current in the calling thread for the block.
     The previous device is restored only if the thread had a CUDA context before: making a
@@ -105,6 +110,18 @@ class Scope:
     def __init__(self, device_id: int):
         self._id = device_id
         self._local = threading.local()
+        self._runtime: Any = None  # cupy.cuda.runtime, looked up on first use
+
+    def enter(self) -> contextlib.AbstractContextManager[None]:
+        """What `with` enters: nothing to do where the device is current already and this
+        thread was seen with its context (the common case, on every call's path: one runtime
+        call), else this scope's switch."""
+        runtime = self._runtime
+        if runtime is None:
+            runtime = self._runtime = _cupy().cuda.runtime
+        if runtime.getDevice() == self._id and getattr(self._local, "context", False):
+            return _NOTHING
+        return self
 
     def __enter__(self) -> None:
         cuda = _cupy().cuda
@@ -116,6 +133,7 @@ class Scope:
             runtime.setDevice(self._id)
         elif cuda.driver.ctxGetCurrent() == 0:
             runtime.setDevice(self._id)  # a current context, for driver API calls
+        self._local.context = True  # this thread has a context on the device from now on
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []

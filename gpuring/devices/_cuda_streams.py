@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import time
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,14 +65,20 @@ def _give_back(spare: list[Any], raw: Any) -> None:
 
 
 class _CudaEvent(Event):
+    __slots__ = ("_device", "_spare", "raw")
+
     def __init__(self, raw: Any, device: CudaDevice, *, reuse: bool = False):
         """`reuse`: `raw` came from `CudaDevice._event` and goes back to it once this object
         is gone. Nothing else holds it then, so recording it again is safe: the waits queued
         on it already took the record they saw."""
         self.raw = raw
         self._device = device
-        if reuse:
-            weakref.finalize(self, _give_back, device._spare_events, raw)
+        self._spare: list[Any] | None = device._spare_events if reuse else None
+
+    def __del__(self) -> None:
+        spare = getattr(self, "_spare", None)  # None too if __init__ did not finish
+        if spare is not None:
+            _give_back(spare, self.raw)
 
     def query(self) -> bool:
         """True once the stream passed the event; raises the CUDA error of a failed kernel

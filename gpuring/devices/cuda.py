@@ -56,6 +56,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -267,9 +268,9 @@ class CudaDevice(Device):
         self.fused_epoch = 0  #: the stream-memory-operation form's calls so far
 
     # -- helpers ------------------------------------------------------------------------------
-    def scope(self) -> Scope:
+    def scope(self) -> AbstractContextManager[None]:
         """Context manager: this device current in the calling thread (see `Scope`)."""
-        return self._scope
+        return self._scope.enter()
 
     def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
         """(kernel, itemsize) of the reduce for (dtype, op) on this GPU; looked up once."""
@@ -514,13 +515,13 @@ class CudaDevice(Device):
         return mem
 
     def wrap(self, array: Any) -> CudaMemory:
-        cupy = _cupy()
-        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
+        if not isinstance(array, _cupy().ndarray) or not array.flags.c_contiguous:
             raise TypeError("CudaDevice wraps C-contiguous CuPy arrays only")
-        if array.device.id != self.device_id:
-            raise ValueError(f"array is on device {array.device.id}, "
+        data = array.data
+        if data.device_id != self.device_id:
+            raise ValueError(f"array is on device {data.device_id}, "
                              f"the communicator uses device {self.device_id}")
-        return CudaMemory(int(array.data.ptr), int(array.nbytes), "borrowed", array)
+        return CudaMemory(data.ptr, array.nbytes, "borrowed", array)
 
     def seal(self, mem: Memory) -> None:
         """Nothing to do on CUDA (HostDevice unlinks its shared-memory file here)."""

@@ -988,8 +988,17 @@ class RawModule:
 # ------------------------------------------------------------------------------ arrays
 
 class _Data:
-    def __init__(self, ptr: int):
+    """cupy.cuda.MemoryPointer: the address, and the device the memory is on."""
+
+    __slots__ = ("device_id", "ptr")
+
+    def __init__(self, ptr: int, device_id: int):
         self.ptr = ptr
+        self.device_id = device_id
+
+
+#: one Device object per GPU for `ndarray.device` (CuPy's are as cheap to get)
+_array_devices: dict[int, Device] = {}
 
 
 class ndarray:
@@ -999,6 +1008,8 @@ class ndarray:
         self._a = host
         self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
         _note_array(host, self._device_id)
+        # the address never changes: made once, as attribute reads cost CuPy next to nothing
+        self._data = _Data(host.ctypes.data, self._device_id)
 
     def __del__(self) -> None:
         # On a GPU, freed device memory is never handed to the host's allocator, and CuPy's
@@ -1017,8 +1028,14 @@ class ndarray:
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
-    data = property(lambda self: _Data(self._a.ctypes.data))
-    device = property(lambda self: Device(self._device_id))
+    data = property(lambda self: self._data)
+
+    @property
+    def device(self) -> Device:
+        found = _array_devices.get(self._device_id)
+        if found is None:
+            found = _array_devices[self._device_id] = Device(self._device_id)
+        return found
     T = property(lambda self: ndarray(self._a.T))
 
     def set(self, host: np.ndarray, stream: Stream | None = None) -> None:
