@@ -101,12 +101,13 @@ class Schedule(NamedTuple):
     """How a device runs one job's collectives, chosen from every rank's `export` handle
     (`Device.schedule`): the same on every rank."""
 
-    #: the largest input (bytes) of a collective that runs as one `Stream.direct`; 0: none
+    #: the largest input (bytes) of a collective that runs as one operation
+    #: (`Device.prepare_direct`); 0: none
     fused_bytes: int = 0
     #: pieces are whole buffer regions where the user set no chunk size: the ranks share one
     #: processor, which runs one rank's work at a time, so pipelining pieces overlaps nothing
     whole_pieces: bool = False
-    #: the collectives that run as one operation (`Stream.direct`) up to `fused_bytes`
+    #: the collectives that run as one operation (`Device.prepare_direct`) up to `fused_bytes`
     fused_kinds: frozenset[str] = frozenset()
     #: those operations can be captured into a CUDA graph (nothing they enqueue changes
     #: from call to call)
@@ -238,7 +239,7 @@ class Device(abc.ABC):
     operations: int = 0
 
     #: the largest input (bytes) of a collective the device can run as one operation
-    #: (`Stream.direct`)
+    #: (`Device.prepare_direct`)
     #: among at most `fused_max_ranks` ranks; 0: it has no such operation
     fused_max_bytes: int = 0
     fused_max_ranks: int = 0
@@ -250,8 +251,9 @@ class Device(abc.ABC):
         return ()
 
     def fused_region_bytes(self, limit: int) -> int:
-        """Bytes of each rank's region that `Stream.direct` of at most `limit` bytes uses
-        (allocated once with the communication buffer); 0: none."""
+        """Bytes of each rank's region that the one-operation collectives
+        (`prepare_direct`) of at most `limit` bytes use (allocated once with the communication
+        buffer); 0: none."""
         return 0
 
     def schedule(self, handles: Sequence[Any]) -> Schedule:
@@ -279,7 +281,7 @@ class Device(abc.ABC):
 
     def caller_stream(self) -> Stream:
         """The caller's current stream, as a stream of this device (the same object for the
-        same stream): what `Stream.direct` is enqueued on."""
+        same stream): where a prepared `Direct` runs."""
         raise NotImplementedError(f"{type(self).__name__} has no caller's stream")
 
     @classmethod

@@ -30,9 +30,9 @@ releases them again until the streams are idle. A timeout is the host's: `Stream
 and the communicator's watchdog bound every wait, and a spinning wait kernel gives up by
 itself after the device's timeout.
 
-A small collective may run as one operation on the caller's stream (`Stream.direct`): one
-kernel (`gpuring_direct_*` in kernels/reduce.cu: per-block flags and a call counter on the
-device), or for all_reduce three stream operations that wait with stream memory operations;
+A small collective may run as one operation on the caller's stream (`Device.prepare_direct`,
+`_cuda_direct`): one kernel (`gpuring_direct_*` in kernels/reduce.cu: per-block flags and a
+call counter on the device), or for all_reduce three stream operations that wait with stream memory operations;
 one event record per call. The kernel's waits spin, so `GPURING_CUDA_FUSED=auto` takes the
 stream memory operations where ranks share a GPU and have them (processes that share a GPU
 without MPS take turns on it, and a spinning kernel holds its turn), and the kernel elsewhere
