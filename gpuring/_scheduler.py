@@ -25,8 +25,9 @@ finished the one before it (each rank runs its rounds in order).
 
 A small collective on a device that offers it (`Schedule.fused_bytes`) is one operation on the
 caller's stream instead (`Device.prepare_direct`, prepared once): no round, no event to
-order the caller, its flags and counters the device's own, in its region. Consecutive collectives of a rank never
-overlap: each waits for the one before where it runs on another stream.
+order the caller, its flags and counters the device's own, in its region. Consecutive
+collectives of a rank never overlap: each waits for the one before where it runs on another
+stream.
 """
 
 from __future__ import annotations
