@@ -34,11 +34,12 @@ A small collective may run as one operation on the caller's stream (`Device.prep
 `_cuda_direct`): one kernel (`gpuring_direct_*` in kernels/reduce.cu: per-block flags and a
 call counter on the device), or for all_reduce three stream operations that wait with stream
 memory operations; one event record per call. The kernel's waits spin, so
-`GPURING_CUDA_FUSED=auto` takes the stream memory operations where ranks share a GPU and have them (processes that share a GPU
-without MPS take turns on it, and a spinning kernel holds its turn), and the kernel elsewhere
-(without stream memory operations the rounds' waits spin too). Nothing in the
-kernel's arguments changes from call to call, so it can be captured in a CUDA graph: while the
-caller's stream captures, it records no event and the watchdog does not track it.
+`GPURING_CUDA_FUSED=auto` takes the stream memory operations where ranks share a GPU and have
+them (processes that share a GPU without MPS take turns on it, and a spinning kernel holds its
+turn), and the kernel elsewhere (without stream memory operations the rounds' waits spin too).
+Nothing in the kernel's arguments changes from call to call, so it can be captured in a CUDA
+graph: while the caller's stream captures, it records no event and the watchdog does not track
+it.
 
 The device never synchronizes the host in a collective: `blocking` is False, and the caller's
 stream is ordered with events (`caller_event`, `order_caller_after`). Every CUDA call runs with
