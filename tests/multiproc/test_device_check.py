@@ -122,9 +122,16 @@ def _run(env: dict[str, str], out: Path) -> Run:
     return Run(done, out, seconds)
 
 
+#: the dry run, made once per process: pytest-xdist tears a module fixture down whenever a
+#: worker's queue runs dry, and the next test of the module would make it again
+_dry_runs: list[Run] = []
+
+
 @pytest.fixture(scope="module")
 def dry_run(check_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _run(check_env, tmp_path_factory.mktemp("device-check"))
+    if not _dry_runs:
+        _dry_runs.append(_run(check_env, tmp_path_factory.mktemp("device-check")))
+    return _dry_runs[0]
 
 
 def test_passes_within_a_bound(dry_run: Run) -> None:
