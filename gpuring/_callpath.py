@@ -20,7 +20,7 @@ from ._errors import (
     GpuringError,
     PeerFailureError,
 )
-from ._lifecycle import Lifecycle, in_context
+from ._lifecycle import Lifecycle, State, in_context
 from ._scheduler import Engine, Launch
 from ._status import signature_hash
 from ._timeline import Timeline
@@ -77,7 +77,8 @@ class CallPath:
 
     def run(self, call: Call) -> Any:
         """Run a checked call: prepare it once per key, then run it by its route."""
-        self.life.check(call.collective, self.seq + 1)
+        if self.life.state is not State.OPEN:
+            self.life.check(call.collective, self.seq + 1)
         key = call.key()
         with self.lock:
             prepared = self.prepared.get(key)
@@ -208,7 +209,7 @@ class CallPath:
         if x is not None and x.size:
             try:
                 in_mem = device.wrap(x)
-                out_mem = device.wrap(out) if out is not None else None
+                out_mem = in_mem if out is x else device.wrap(out) if out is not None else None
             except BaseException as exc:  # this rank's seq moved on: the peers must know
                 self.give_up(exc, name)
                 raise

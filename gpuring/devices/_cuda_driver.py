@@ -15,10 +15,17 @@ __all__ = ["FLAGS_ENV", "check_cu", "memops_support", "occupancy", "warn_spin_wa
 FLAGS_ENV = "GPURING_CUDA_FLAGS"
 
 
-def _cupy() -> Any:
-    import cupy
+_cupy_module: Any = None
 
-    return cupy
+
+def _cupy() -> Any:
+    """The cupy module, imported on first use (it needs a CUDA driver to import)."""
+    global _cupy_module
+    if _cupy_module is None:
+        import cupy
+
+        _cupy_module = cupy
+    return _cupy_module
 
 
 def check_cu(result: tuple[Any, ...], what: str) -> None:
@@ -115,7 +122,9 @@ class Scope:
     def enter(self) -> contextlib.AbstractContextManager[None]:
         """What `with` enters: nothing to do where the device is current already and this
         thread was seen with its context (the common case, on every call's path: one runtime
-        call), else this scope's switch."""
+        call), else this scope's switch. A thread whose context other code pops with the
+        driver API (cuCtxPopCurrent) while the runtime still names this device would then get
+        CUDA_ERROR_INVALID_CONTEXT from a driver call, raised as such."""
         runtime = self._runtime
         if runtime is None:
             runtime = self._runtime = _cupy().cuda.runtime

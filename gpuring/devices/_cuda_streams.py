@@ -13,7 +13,7 @@ import numpy as np
 
 from .._ops import ReduceOp
 from . import _kernels
-from ._cuda_driver import check_cu
+from ._cuda_driver import _cupy, check_cu
 from .base import Event, Flag, FlagWaitAborted, Memory, Span, Stream
 
 if TYPE_CHECKING:
@@ -28,12 +28,6 @@ _NOT_READY = 600  # cudaErrorNotReady
 #: threads per block of the data kernels
 THREADS = 256
 _RECENT_WAITS = 256  # waits remembered per stream, for error messages and abort
-
-
-def _cupy() -> Any:
-    import cupy
-
-    return cupy
 
 
 class CudaMemory(Memory):
@@ -59,13 +53,9 @@ class CudaMemory(Memory):
 _SPARE_EVENTS = 64
 
 
-def _give_back(spare: list[Any], raw: Any) -> None:
-    if len(spare) < _SPARE_EVENTS:
-        spare.append(raw)
-
-
 class _CudaEvent(Event):
     __slots__ = ("_device", "_spare", "raw")
+    _SPARE_EVENTS_KEPT = _SPARE_EVENTS
 
     def __init__(self, raw: Any, device: CudaDevice, *, reuse: bool = False):
         """`reuse`: `raw` came from `CudaDevice._event` and goes back to it once this object
@@ -77,8 +67,8 @@ class _CudaEvent(Event):
 
     def __del__(self) -> None:
         spare = getattr(self, "_spare", None)  # None too if __init__ did not finish
-        if spare is not None:
-            _give_back(spare, self.raw)
+        if spare is not None and len(spare) < self._SPARE_EVENTS_KEPT:
+            spare.append(self.raw)  # builtins only: this may run late in interpreter exit
 
     def query(self) -> bool:
         """True once the stream passed the event; raises the CUDA error of a failed kernel

@@ -349,9 +349,11 @@ def _compile_lock(path: Path, seconds: float = 600.0) -> Iterator[None]:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except BlockingIOError:  # another process holds it
                 if time.monotonic() > deadline:
                     break
+            except OSError:  # a filesystem without flock (NFS without lockd, say)
+                break
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         yield
