@@ -33,8 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "bench" / "device_check.sh"
 ROUND_TRIPS = 200
 
-#: one worker runs them all: the dry run is a module fixture, made once per worker
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("device_check")]
+pytestmark = pytest.mark.slow
 
 #: the dry run: tiny sizes, few iterations, one sweep point, the smoke test
 DRY_RUN = {
@@ -122,19 +121,20 @@ def _run(env: dict[str, str], out: Path) -> Run:
     return Run(done, out, seconds)
 
 
-#: the dry run, made once per process: pytest-xdist tears a module fixture down whenever a
-#: worker's queue runs dry, and the next test of the module would make it again
-_dry_runs: list[Run] = []
+def test_the_dry_run(check_env: dict[str, str], tmp_path: Path) -> None:
+    """One dry run, every check of what it hands back. One test, not one per check: the dry
+    run takes minutes, and pytest-xdist would make a module fixture once per worker (and again
+    whenever a worker's queue runs dry)."""
+    out = tmp_path / "device-check"
+    out.mkdir()
+    run = _run(check_env, out)
+    _passes_within_a_bound(run)
+    _leaves_at_most_8_files(run)
+    _probe_json_has_every_part(run)
+    _summary_is_printed_last(run)
 
 
-@pytest.fixture(scope="module")
-def dry_run(check_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    if not _dry_runs:
-        _dry_runs.append(_run(check_env, tmp_path_factory.mktemp("device-check")))
-    return _dry_runs[0]
-
-
-def test_passes_within_a_bound(dry_run: Run) -> None:
+def _passes_within_a_bound(dry_run: Run) -> None:
     assert dry_run.done.returncode == 0, dry_run.output[-6000:]
     assert dry_run.seconds < 420, dry_run.seconds  # generous: about a minute unloaded
     steps = dry_run.steps()
@@ -145,7 +145,7 @@ def test_passes_within_a_bound(dry_run: Run) -> None:
     assert {row["status"] for row in steps.values()} == {"ok"}, steps
 
 
-def test_leaves_at_most_8_files(dry_run: Run) -> None:
+def _leaves_at_most_8_files(dry_run: Run) -> None:
     files = sorted(p.name for p in dry_run.out.iterdir())
     assert files == ["details.tar.gz", "probe.json", "summary.txt"]
     with tarfile.open(dry_run.out / "details.tar.gz") as tar:
@@ -156,7 +156,7 @@ def test_leaves_at_most_8_files(dry_run: Run) -> None:
         assert name in names, sorted(names)
 
 
-def test_probe_json_has_every_part(dry_run: Run) -> None:
+def _probe_json_has_every_part(dry_run: Run) -> None:
     probe = dry_run.probe()
     assert probe["schema"] == "gpuring.probe/1" and probe["complete"] is True
     assert probe["settings"]["round_trips"] == ROUND_TRIPS
@@ -197,7 +197,7 @@ def test_probe_json_has_every_part(dry_run: Run) -> None:
     assert probe["mps"]["status"] == "unsupported"
 
 
-def test_summary_is_printed_last(dry_run: Run) -> None:
+def _summary_is_printed_last(dry_run: Run) -> None:
     summary = (dry_run.out / "summary.txt").read_text()
     assert dry_run.done.stdout.rstrip().endswith(summary.rstrip())
     assert summary.startswith("gpuring device check: summary")
