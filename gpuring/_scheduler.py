@@ -79,11 +79,12 @@ class Launch:
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
                  itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
-                 collective: str = "all_reduce", root: int = 0, direct: Direct | None = None):
+                 collective: str = "all_reduce", root: int = 0):
         self.engine = engine
         #: the collective runs as one operation on the caller's stream, not in rounds: `direct`
+        #: (set by `Engine.prepare`)
         self.fused = fused
-        self.direct = direct
+        self.direct: Direct | None = None
         self.collective = collective
         self.root = root
         self.rounds = rounds
@@ -183,16 +184,14 @@ class Engine:
         """`rounds` of `collective` ready to run on this engine (`inline`: on one stream, in
         the calling thread where the device can; `fused`: one of `fused_kinds` with an input
         of `nbytes`, at most `fused_bytes`, run as one operation instead of `rounds`)."""
-        direct = None
+        if fused and (collective not in self.fused_kinds or not 0 < nbytes <= self.fused_bytes):
+            raise ValueError(f"this engine runs no {collective} of {nbytes} bytes as one "
+                             "operation")
+        launch = Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root)
         if fused:
-            if collective not in self.fused_kinds or not 0 < nbytes <= self.fused_bytes:
-                raise ValueError(f"this engine runs no {collective} of {nbytes} bytes as one "
-                                 "operation")
-            direct = self.device.prepare_direct(
-                collective, self._regions, self.rank, root, dtype, op,
-                self.size if op is ReduceOp.AVG else 1, nbytes)
-        return Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root,
-                      direct)
+            launch.direct = self.device.prepare_direct(
+                collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
+        return launch
 
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
             collective_seq: int) -> Event | None:

@@ -16,20 +16,17 @@ the headers that NVRTC >= 13 bundles, extracted once into a cache directory.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import os
-import socket
-import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import settings
 from .._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_op_dtype
+from ._file_cache import cached_bytes
 
 __all__ = [
     "KernelCompileError",
@@ -312,53 +309,7 @@ def cubin_for(arch: str) -> bytes:
     key = hashlib.sha256("\0".join(
         (kernel_source(), arch, *compile_options(), f"{major}.{minor}")).encode()).hexdigest()
     path = _cache_dir() / f"reduce-{arch}-{key[:20]}.cubin"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
-    with _compile_lock(path.with_suffix(".lock")):
-        try:  # another process of this machine compiled it while this one waited
-            return path.read_bytes()
-        except OSError:
-            pass
-        cubin = nvrtc_compile(arch)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{socket.gethostname()}-{os.getpid()}.tmp")
-            partial.write_bytes(cubin)
-            partial.replace(path)  # atomic: a reader never sees part of a file
-        except OSError:  # a read-only home: compile again next time
-            pass
-    return cubin
-
-
-@contextlib.contextmanager
-def _compile_lock(path: Path, seconds: float = 600.0) -> Iterator[None]:
-    """Held while this process compiles the CUBIN `path` names: the ranks of a node that
-    start at once compile it once, the others wait and read it (a build takes a minute of
-    CPU). Bounded: after `seconds` (or where no lock file can be made) it compiles anyway."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "a")  # closed below
-    except OSError:
-        yield
-        return
-    try:
-        deadline, delay = time.monotonic() + seconds, 0.01
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:  # another process holds it
-                if time.monotonic() > deadline:
-                    break
-            except OSError:  # a filesystem without flock (NFS without lockd, say)
-                break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-        yield
-    finally:
-        lock.close()  # releases the lock
+    return cached_bytes(path, lambda: nvrtc_compile(arch))
 
 
 @functools.cache

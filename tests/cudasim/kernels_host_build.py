@@ -8,7 +8,6 @@ is named after a hash of its inputs, so a directory serves as a cache.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
 import shutil
@@ -16,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 from gpuring.devices import _kernels
+from gpuring.devices._file_cache import build_lock
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "cuda_host_emulation.h"
@@ -62,8 +62,7 @@ def build(directory: Path) -> Path:
         return out
     directory.mkdir(parents=True, exist_ok=True)
     # one build per directory: concurrent builders (test workers) wait for the first
-    with open(directory / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with build_lock(directory / ".build.lock"):
         if out.is_file():
             return out
         partial = out.with_suffix(f".{os.getpid()}.tmp")

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
-from gpuring.devices import _kernels, cuda
+from gpuring.devices import _file_cache, _kernels, cuda
 
 from ..cudasim import cubin
 
@@ -123,14 +123,14 @@ def test_one_process_compiles_while_the_others_wait(tmp_path) -> None:
     entered = threading.Event()
 
     def second() -> None:
-        with _kernels._compile_lock(lock, seconds=60.0):
+        with _file_cache.build_lock(lock, seconds=60.0):
             entered.set()
 
-    with _kernels._compile_lock(lock):
+    with _file_cache.build_lock(lock):
         waiter = threading.Thread(target=second)
         waiter.start()
         assert not entered.wait(0.3)  # held: the second waits
     assert entered.wait(30.0)  # released: it goes on
     waiter.join()
-    with _kernels._compile_lock(lock), _kernels._compile_lock(lock, seconds=0.0):
+    with _file_cache.build_lock(lock), _file_cache.build_lock(lock, seconds=0.0):
         pass  # past its bound a waiter goes on without the lock
