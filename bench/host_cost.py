@@ -104,7 +104,7 @@ def main() -> None:
                 for _ in range(args.iters):
                     comm.all_reduce(x, out=out)
                 profiler.disable()
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         comm._control.barrier(60.0, "host_cost done")
         print(f"rank {comm.rank}: all_reduce of {n * 4} B float32 on {comm.size} ranks: "
               f"{statistics.median(runs):.2f} us of gpuring's Python per call without the "

@@ -32,14 +32,26 @@ class Call:
     #: the output already holds the input where the plan would copy it (broadcast into x
     #: itself; all_gather with x as out's block of this rank), so that copy is left out
     in_place: bool = False
+    #: `key()`, once worked out
+    known_key: tuple[Any, ...] | None = None
+    #: a one-operation collective's operands (`Engine.bind`), once bound: they hold no
+    #: array, so the same call coming again (`LastCalls`) runs them as they are
+    bound: Any = None
+
+    def with_arrays(self, x: Any, out: Any) -> Call:
+        """This call on other arrays of the same layout (what it worked out kept)."""
+        return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
+                    self.channels, self.in_place, self.known_key, self.bound)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""
-        x = self.x
-        if x is None:
-            return (self.collective,)
-        return (self.collective, x.shape, x.dtype, type(x), self.op, self.root,
+        key = self.known_key
+        if key is None:
+            x = self.x
+            key = self.known_key = (self.collective,) if x is None else (
+                self.collective, x.shape, x.dtype, type(x), self.op, self.root,
                 self.chunk_bytes, self.channels, self.in_place)
+        return key
 
 
 class Signature(NamedTuple):
@@ -95,3 +107,5 @@ class PreparedCall:
     launch: Launch | None = None
     text: str = ""
     digest: int = 0
+    #: the launch may be recorded into a CUDA graph (one kernel, not verified)
+    capturable: bool = False

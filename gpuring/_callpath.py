@@ -93,8 +93,7 @@ class CallPath:
                     self.prepared.clear()
                 self.prepared[key] = prepared
             launch = prepared.launch
-            if launch is not None and (not (launch.fused and launch.engine.fused_capturable)
-                                       or self.timeline is not None or self.config.verify) \
+            if launch is not None and (not prepared.capturable or self.timeline is not None) \
                     and launch.engine.device.capturing():
                 raise GpuringError(
                     f"{call.collective} cannot be captured into a CUDA graph: only a "
@@ -103,6 +102,8 @@ class CallPath:
                     "where no two ranks share a GPU), without GPURING_VERIFY or a recording "
                     "timeline (GPURING_TIMELINE)")
             self.seq += 1
+            if prepared.route is Route.ENGINE:  # the common route, without a dict lookup
+                return self._run_engine(prepared, call)
             return _ROUTES[prepared.route](self, prepared, call)
 
     def _prepare(self, call: Call) -> PreparedCall:
@@ -160,7 +161,8 @@ class CallPath:
             f"device={kind}, chunk_bytes={piece}, channels={nchannels})")
         if fused:
             text += " as one operation"
-        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text))
+        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
+                            fused and engine.fused_capturable and not config.verify)
 
     def _capturing(self) -> bool:
         """Whether the caller's stream of any engine's device captures a graph."""
@@ -204,21 +206,23 @@ class CallPath:
         assert launch is not None
         engine = launch.engine
         device = engine.device
-        name, x, out = call.collective, call.x, call.out
+        name, x, out, bound = call.collective, call.x, call.out, call.bound
         in_mem = out_mem = None
-        if x is not None and x.size:
+        if bound is None and x is not None and x.size:
             try:
                 in_mem = device.wrap(x)
                 out_mem = in_mem if out is x else device.wrap(out) if out is not None else None
+                if launch.fused:
+                    bound = call.bound = engine.bind(launch, in_mem, out_mem)
             except BaseException as exc:  # this rank's seq moved on: the peers must know
                 self.give_up(exc, name)
                 raise
         timeline = self.timeline
         if timeline is None:
-            self._execute(prepared, launch, name, in_mem, out_mem)
+            self._execute(prepared, launch, name, in_mem, out_mem, bound)
         else:
             timeline.record(name, self.seq, x, call.op, launch.per_round(), lambda one: (
-                self._execute(prepared, one, name, in_mem, out_mem)))
+                self._execute(prepared, one, name, in_mem, out_mem, bound)))
         if x is None and not device.blocking:  # a barrier holds the host too
             try:
                 engine.synchronize()
@@ -230,10 +234,10 @@ class CallPath:
         return out
 
     def _execute(self, prepared: PreparedCall, launch: Launch, name: str,
-                 in_mem: Memory | None, out_mem: Memory | None) -> None:
+                 in_mem: Memory | None, out_mem: Memory | None, bound: Any = None) -> None:
         """Announce the collective on the status board, run `launch` (the prepared call's, or
-        one round of it), and turn any failure into this call's error (the communicator is
-        unusable afterwards)."""
+        one round of it; a fused one's operands `bound`), and turn any failure into this
+        call's error (the communicator is unusable afterwards)."""
         engine = launch.engine
         watchdog = self.watchdog
         assert watchdog is not None
@@ -243,7 +247,7 @@ class CallPath:
             if self.life.cause is not None:
                 raise self.life.cause
             watchdog.enter(seq, name, prepared.text, prepared.digest)
-            finished = engine.run(launch, in_mem, out_mem, name, seq)
+            finished = engine.run(launch, in_mem, out_mem, name, seq, bound)
         except BaseException as exc:  # whatever it is, the round counters are now unusable
             error: BaseException = exc
             if self.life.cause is not None:
@@ -272,7 +276,7 @@ class CallPath:
             return
         name, seq, life, watchdog = signature.collective, self.seq + 1, self.life, self.watchdog
         if watchdog is not None:  # a peer that closes meanwhile fails this exchange at once
-            watchdog.expect(seq, name)
+            watchdog.expect(seq, name, _described(signature))
         try:
             signatures = self.control.exchange("a collective", signature, self.config.timeout)
         except (PeerFailureError, CollectiveTimeoutError) as exc:
@@ -421,6 +425,14 @@ class CallPath:
 
 
 #: who runs a prepared call, by its route
+def _described(signature: Signature) -> str:
+    """What a signature asks for, in words of the call."""
+    if signature.device is None and not signature.shape:
+        return signature.collective + "()"
+    return (f"{signature.collective}(shape={signature.shape}, dtype={signature.dtype}, "
+            f"op={signature.op}, root={signature.root}, device={signature.device})")
+
+
 _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.ALONE: CallPath._run_alone,
     Route.MPI: CallPath._run_via_mpi,

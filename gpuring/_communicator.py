@@ -24,6 +24,7 @@ from ._errors import (
     CommunicatorClosedError,
     GpuringError,
 )
+from ._lastcalls import LastCalls
 from ._lifecycle import Outcome, State
 from ._ops import ReduceOp
 from ._scheduler import Engine
@@ -90,6 +91,7 @@ class Communicator:
         self._on_close = on_close
         self._path = CallPath(control, self.config)
         self._executor: Executor | None = None  # the async thread, made by the first *_async
+        self._last_calls = LastCalls()
         path = self._path
         self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
                                            control, path.life.outcome)
@@ -132,7 +134,8 @@ class Communicator:
         """
         if compression is not None:
             return self._all_reduce_compressed(x, op, out, chunk_bytes, channels, compression)
-        return self._path.run(_argcheck.all_reduce(x, op, out, chunk_bytes, channels))
+        return self._run("all_reduce", x, out, (op, chunk_bytes, channels), lambda: (
+            _argcheck.all_reduce(x, op, out, chunk_bytes, channels)))
 
     @public_verb
     def reduce_scatter(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
@@ -140,33 +143,46 @@ class Communicator:
         """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
         result split into `size` equal blocks. `x.size` must be divisible by `size`. In place:
         `out=x.reshape(size, -1)[rank]`."""
-        return self._path.run(_argcheck.reduce_scatter(x, op, out, chunk_bytes, channels,
-                                                   self.size, self.rank))
+        return self._run("reduce_scatter", x, out, (op, chunk_bytes, channels), lambda: (
+            _argcheck.reduce_scatter(x, op, out, chunk_bytes, channels, self.size, self.rank)))
 
     @public_verb
     def all_gather(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
                    channels: int | None = None) -> Any:
         """Every rank's `x` stacked in rank order: shape `(size, *x.shape)`. In place: pass
         `x=out[rank]` with `out`."""
-        return self._path.run(_argcheck.all_gather(x, out, chunk_bytes, channels, self.size,
-                                                   self.rank))
+        return self._run("all_gather", x, out, (chunk_bytes, channels), lambda: (
+            _argcheck.all_gather(x, out, chunk_bytes, channels, self.size, self.rank)))
 
     @public_verb
     def broadcast(self, x: Any, *, root: int = 0, out: Any = None,
                   chunk_bytes: int | None = None, channels: int | None = None) -> Any:
         """Copy root's `x` into `x` on every rank (in place) and return it; with `out`, into
         `out` instead (`x` is then read on root only, and must match `out` everywhere)."""
-        return self._path.run(_argcheck.broadcast(x, root, out, chunk_bytes, channels,
-                                                  self.size))
+        return self._run("broadcast", x, out, (root, chunk_bytes, channels), lambda: (
+            _argcheck.broadcast(x, root, out, chunk_bytes, channels, self.size)))
 
     @public_verb
     def reduce(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None,
                chunk_bytes: int | None = None, channels: int | None = None) -> Any:
         """Element-wise reduction of `x` over all ranks, delivered to `root` only: returns the
         result on root and None on the other ranks (`out` is only used on root)."""
-        call = _argcheck.reduce(x, op, root, out, chunk_bytes, channels, self.size, self.rank)
+        result = self._run("reduce", x, out, (op, root, chunk_bytes, channels), lambda: (
+            _argcheck.reduce(x, op, root, out, chunk_bytes, channels, self.size, self.rank)))
+        return result if self.rank == root else None
+
+    def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
+             check: Callable[[], Call]) -> Any:
+        """Run `verb`'s call: the last one's again where the same arrays and `args` (every
+        other argument) come again, else the call `check()` makes of them."""
+        last_calls = self._last_calls
+        call = last_calls.find(verb, x, out, args)
+        if call is not None:
+            return self._path.run(call)
+        call = check()
         result = self._path.run(call)
-        return result if self.rank == call.root else None
+        last_calls.remember(verb, x, out, args, call)
+        return result
 
     @public_verb
     def barrier(self) -> None:

@@ -193,22 +193,32 @@ class Engine:
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
         return launch
 
+    def bind(self, launch: Launch, in_mem: Memory, out_mem: Memory | None) -> Any:
+        """A fused launch's operands for these memories (`Direct.bind`: they hold no array,
+        so a call that comes again with the same arrays may keep them)."""
+        assert launch.direct is not None
+        return launch.direct.bind(out_mem or in_mem, in_mem)  # a reduce off root writes nothing
+
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
-            collective_seq: int) -> Event | None:
+            collective_seq: int, bound: Any = None) -> Event | None:
         """Enqueue `launch` after the work already on the caller's stream, and order the
         caller's stream after it. Blocking devices return once the result is complete;
         others return an event that completes with the collective. `name` and
-        `collective_seq` name the collective in errors."""
+        `collective_seq` name the collective in errors. A fused launch runs `bound` (from
+        `bind`), else the memories bound now."""
         if launch.fused:
-            return self._run_fused(launch, in_mem, out_mem, name, collective_seq)
+            if bound is None:
+                assert in_mem is not None
+                bound = self.bind(launch, in_mem, out_mem)
+            return self._run_fused(launch, bound, name, collective_seq)
         finished = self._run_rounds(launch, in_mem, out_mem, name, collective_seq,
                                     self.device.caller_event())
         if finished is not None:
             self.device.order_caller_after(finished)
         return finished
 
-    def _run_fused(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None,
-                   name: str, collective_seq: int) -> Event | None:
+    def _run_fused(self, launch: Launch, bound: Any, name: str,
+                   collective_seq: int) -> Event | None:
         """The collective as one operation on the caller's stream, after this engine's
         previous collective where that ran on another stream.
 
@@ -222,9 +232,8 @@ class Engine:
         Two streams of one capture are refused (their kernels would be parallel nodes of the
         graph)."""
         direct = launch.direct
-        assert in_mem is not None and direct is not None
+        assert direct is not None
         stream = self.device.caller_stream()
-        out_mem = out_mem or in_mem  # a reduce off its root writes nothing
         try:
             if stream.capturing():
                 other = self._captured_on
@@ -234,11 +243,11 @@ class Engine:
                         "stream's capture holds one already: capture the communicator's "
                         "collectives on one stream")
                 self._captured_on = stream
-                direct.run(stream, out_mem, in_mem, captured=True)
+                direct.run(stream, bound, captured=True)
                 return None
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            direct.run(stream, out_mem, in_mem)
+            direct.run(stream, bound)
             self._last, self._last_stream = stream.record(), stream
         except FlagWaitTimeout as exc:
             raise self._timeout_error(exc, name, collective_seq) from None

@@ -25,7 +25,7 @@ from .rendezvous.base import ControlPlane
 __all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT", "TIMED_OUT"]
 
 _PAGE = 8192
-_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT = 0, 1, 2, 3, 4, 5
+_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT, _AGREEING = 0, 1, 2, 3, 4, 5, 6
 _HISTORY = 16  # words 16.. hold (seq, hash) for the last 8 collectives
 _DEPTH = 8
 _SIG_AT, _SIG_MAX = 1024, 2048
@@ -137,6 +137,25 @@ class StatusBoard:
     def entered(self) -> list[int]:
         """The collective sequence number each rank has entered last."""
         return [int(page.i64[_SEQ]) for page in self._pages]  # type: ignore[index]
+
+    def agreeing(self, seq: int) -> None:
+        """Publish that this rank agrees with its peers on collective `seq` (before it may
+        enter it)."""
+        self._mine.i64[_AGREEING] = seq  # type: ignore[index]
+
+    def ran_ahead(self, seq: int) -> tuple[int, str] | None:
+        """A peer that has entered collective `seq` or a later one without agreeing on `seq`,
+        and the collective it entered last (its signature text), if any."""
+        for peer, page in enumerate(self._pages):
+            if peer == self.rank:
+                continue
+            words = page.i64
+            assert words is not None
+            entered = int(words[_SEQ])  # before the agreement's word: a peer writes it first
+            if entered >= seq and int(words[_AGREEING]) < seq:
+                text = self._text(page, _SIG_AT, _SIG_LEN)
+                return peer, text if entered == seq else f"#{entered}, {text}"
+        return None
 
     def left_before(self, seq: int) -> list[int]:
         """Peers that closed their communicator before entering collective `seq`."""

@@ -42,7 +42,8 @@ class Watchdog:
         self._failure: tuple[str, int | None] | None = None  # why this rank failed, whom it
         # blames, when known
         self._current: tuple[int, str, float] | None = None
-        self._expecting: tuple[int, str] | None = None  # in the control-plane check of a call
+        #: (seq, name, what) of the call this rank agrees on with its peers, if it does
+        self._expecting: tuple[int, str, str] | None = None
         self._warned_seq = 0
         self._pending: collections.deque[
             tuple[Event, float, str, int, Callable[[], None] | None]] = collections.deque()
@@ -67,10 +68,16 @@ class Watchdog:
     def leave(self) -> None:
         self._current = None
 
-    def expect(self, seq: int | None, name: str = "") -> None:
-        """This rank is agreeing on collective `seq` with its peers over the control plane
-        (None: done), so a peer that closed before `seq` fails it too."""
-        self._expecting = None if seq is None else (seq, name)
+    def expect(self, seq: int | None, name: str = "", what: str = "") -> None:
+        """This rank is agreeing on collective `seq` (`name`, described by `what`) with its
+        peers over the control plane (None: done), so a peer that closed before `seq` fails
+        it too, and so does a peer that entered `seq` without agreeing on it (its status
+        board says whether it did): a rank agrees anew only on a call none of them agreed on
+        before (they all made the same calls so far), so that peer runs another collective,
+        one agreed before, and will never come."""
+        if seq is not None:
+            self.board.agreeing(seq)
+        self._expecting = None if seq is None else (seq, name, what)
 
     def check(self) -> None:
         """Run the watchdog's check now, from the caller's thread: a failure the status board
@@ -181,8 +188,9 @@ class Watchdog:
             return
         # the collective this rank waits for: the one its host is in or agrees on, else the
         # oldest one still running on the GPU
-        current = self._current
-        waiting = current[:2] if current is not None else self._expecting
+        current, expecting = self._current, self._expecting
+        waiting = current[:2] if current is not None else (
+            expecting[:2] if expecting is not None else None)
         if waiting is None and self._pending:
             _event, _deadline, name, seq, _check = self._pending[0]
             waiting = (seq, name)
@@ -192,6 +200,16 @@ class Watchdog:
                 self._fail(PeerFailureError(
                     f"rank {gone[0]} closed its communicator without entering {waiting[1]} "
                     f"#{waiting[0]}", peer=gone[0]))
+                return
+        if current is None and expecting is not None:
+            ahead = self.board.ran_ahead(expecting[0])
+            if ahead is not None:
+                seq, name, what = expecting
+                message = (f"rank {self.rank} called {what} as {name} #{seq}, which the "
+                           f"ranks had not agreed on before, but rank {ahead[0]} went ahead "
+                           f"with {ahead[1]}, agreed before")
+                self.board.give_up(MISMATCH, message)
+                self._fail(CollectiveMismatchError(message))
                 return
         self._check_pending()
         self._check_stall()

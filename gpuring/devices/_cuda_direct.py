@@ -8,7 +8,7 @@ memory operation (`StagedAllReduce`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -69,21 +69,35 @@ class DirectKernel(Direct):
                       np.uint64(device.timeout_ns), np.uint64(device.status_ptr),
                       np.uint64(device.abort_ptr))
 
-    def run(self, stream: Stream, out: Memory, inp: Memory, *, captured: bool = False) -> None:
-        dev = self._device
-        dev.check()
+    def bind(self, out: Memory, inp: Memory) -> tuple[np.uint64, np.uint64]:
+        """The kernel's first two arguments."""
         assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
         if inp.nbytes != self._nbytes:
             raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
+        return np.uint64(out.ptr), np.uint64(inp.ptr)
+
+    def run(self, stream: Stream, operands: tuple[np.uint64, np.uint64], *,
+            captured: bool = False) -> None:
+        dev = self._device
+        dev.check()
         if captured:
             dev.captured = True  # the graph holds the device's memory from now on
         with dev.scope():
-            self._enqueue(stream, (np.uint64(out.ptr), np.uint64(inp.ptr), *self._rest))
+            self._enqueue(stream, operands + self._rest)
         dev.operations += 1
 
     def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """The driver call."""
         self._kernel(self._grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
+
+
+class _Operands(NamedTuple):
+    """A staged all_reduce's operands: the output and input, and the input's address as the
+    staging kernel takes it."""
+
+    out: Span
+    inp: Span
+    inp_ptr: np.uint64
 
 
 class StagedAllReduce(Direct):
@@ -133,19 +147,25 @@ class StagedAllReduce(Direct):
             params.append(param)
         return params
 
-    def run(self, stream: Stream, out: Memory, inp: Memory, *, captured: bool = False) -> None:
-        assert isinstance(stream, _CudaStream) and isinstance(inp, CudaMemory)
+    def bind(self, out: Memory, inp: Memory) -> _Operands:
+        assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
+        if inp.nbytes != self._nbytes:
+            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
+        return _Operands(Span(CudaMemory(out.ptr, out.nbytes, "borrowed"), 0, self._nbytes),
+                         Span(CudaMemory(inp.ptr, inp.nbytes, "borrowed"), 0, self._nbytes),
+                         np.uint64(inp.ptr))
+
+    def run(self, stream: Stream, operands: _Operands, *, captured: bool = False) -> None:
+        assert isinstance(stream, _CudaStream)
         dev = self._device
         dev.check()
         if captured:
             raise ValueError("the stream-memory-operation form cannot be captured")
-        if inp.nbytes != self._nbytes:
-            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
         dev.fused_epoch += 1
         epoch = dev.fused_epoch
         staged = self._staged[epoch & 1]
         with dev.scope():
-            self._enqueue(stream, (np.uint64(_addr(staged[self._rank])), np.uint64(inp.ptr),
+            self._enqueue(stream, (np.uint64(_addr(staged[self._rank])), operands.inp_ptr,
                                    np.uint64(self._nbytes), *self._told, np.uint64(epoch),
                                    *self._stage_rest))
             dev.operations += 1
@@ -158,10 +178,8 @@ class StagedAllReduce(Direct):
                 param.waitValue.value64 = driver.cuuint64_t(epoch)
             self._wait(driver, cu)
             dev.operations += 1
-        sources = [Span(inp, 0, self._nbytes) if q == self._rank else s
-                   for q, s in enumerate(staged)]
-        stream.reduce_n(Span(out, 0, self._nbytes), sources, self._dtype, self._op,
-                        self._divisor)
+        sources = [operands.inp if q == self._rank else s for q, s in enumerate(staged)]
+        stream.reduce_n(operands.out, sources, self._dtype, self._op, self._divisor)
 
     def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """The staging kernel's launch (a driver call)."""

@@ -208,10 +208,16 @@ class Direct(abc.ABC):
     (the bits of `Stream.reduce_n`). It waits for the peers itself, each wait bounded."""
 
     @abc.abstractmethod
-    def run(self, stream: Stream, out: Memory, inp: Memory, *, captured: bool = False) -> None:
-        """Enqueue the collective of `inp` (the prepared size) into `out` on `stream` (the
-        caller's). `captured`: the stream records it into a graph, whose replays run it
-        again."""
+    def bind(self, out: Memory, inp: Memory) -> Any:
+        """The collective's operands as `run` takes them: `inp` (of the prepared size) in,
+        `out` out. It holds their addresses, not the arrays: a call that comes again with the
+        same arrays runs the same operands (the caller keeps the arrays alive while it
+        runs)."""
+
+    @abc.abstractmethod
+    def run(self, stream: Stream, operands: Any, *, captured: bool = False) -> None:
+        """Enqueue the collective of `operands` (from `bind`) on `stream` (the caller's).
+        `captured`: the stream records it into a graph, whose replays run it again."""
 
 
 class Device(abc.ABC):

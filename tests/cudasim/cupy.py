@@ -1008,8 +1008,12 @@ class ndarray:
         self._a = host
         self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
         _note_array(host, self._device_id)
-        # the address never changes: made once, as attribute reads cost CuPy next to nothing
+        # the address and layout never change: read once, as attribute reads cost CuPy next
+        # to nothing (they are C fields of a Cython class there)
         self._data = _Data(host.ctypes.data, self._device_id)
+        self.shape, self.dtype, self.strides = host.shape, host.dtype, host.strides
+        self.size, self.ndim, self.nbytes, self.itemsize = (host.size, host.ndim, host.nbytes,
+                                                            host.itemsize)
 
     def __del__(self) -> None:
         # On a GPU, freed device memory is never handed to the host's allocator, and CuPy's
@@ -1020,13 +1024,6 @@ class ndarray:
             _bury(host)
 
     # -- what gpuring reads
-    shape = property(lambda self: self._a.shape)
-    dtype = property(lambda self: self._a.dtype)
-    size = property(lambda self: self._a.size)
-    ndim = property(lambda self: self._a.ndim)
-    nbytes = property(lambda self: self._a.nbytes)
-    itemsize = property(lambda self: self._a.itemsize)
-    strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
     data = property(lambda self: self._data)
 

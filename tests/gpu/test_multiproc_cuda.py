@@ -50,6 +50,17 @@ def test_small_all_reduce_as_one_operation(n, mode, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
+@pytest.mark.parametrize(("mode", "n"), [("kernel", 2), ("auto", 4)])
+def test_the_same_arrays_again(n, mode, tmp_path):
+    """Persistent CuPy arrays called again and again, refilled between calls (a call that
+    comes again runs the operands it bound once), and a mismatch among them."""
+    proc = launch("gpuring", n, [str(WORKER), "again", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"again-{r}.txt").read_text() for r in range(n)]
+    assert all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_reduce_captured_in_a_cuda_graph(n, tmp_path):
     """Small all_reduces captured into a CUDA graph and replayed with fresh inputs; what cannot

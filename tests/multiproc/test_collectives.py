@@ -44,6 +44,13 @@ def test_mismatch_raises_on_every_rank(launcher, n, tmp_path):
     run_case(launcher, n, "mismatch", tmp_path)
 
 
+@pytest.mark.parametrize(("launcher", "n"), _under_both([2, 3], [2]))
+def test_the_same_arrays_again(launcher, n, tmp_path):
+    """Persistent arrays called again and again, refilled between calls (the calls that
+    come again run what they worked out once), and a mismatch among them."""
+    run_case(launcher, n, "again", tmp_path)
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_module_api(launcher, tmp_path):
     run_case(launcher, 3, "module_api", tmp_path)

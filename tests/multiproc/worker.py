@@ -508,6 +508,71 @@ def case_back_to_back(c: Checker) -> None:
             comm.barrier()
 
 
+def case_again(c: Checker) -> None:
+    """The same arrays called again and again (a call that comes again skips its checks and
+    binding: `LastCalls`), their contents refilled in place between calls: every verb, small
+    (one operation on a GPU) and large, out of place and in place; a new op on the same
+    arrays, and a NumPy array reshaped in place, are new calls; a rank that changes the op on
+    the same arrays while the others run the call agreed before fails them all with a
+    mismatch, within a watchdog tick (the communicator is then unusable: data had moved)."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    root = n - 1
+    for size in (100, 50000):
+        x, out = xp.zeros(n * size, "float32"), xp.zeros(n * size, "float32")
+        mine, block = xp.zeros(size, "float32"), xp.zeros(size, "int32")
+        gathered, reduced = xp.zeros((n, size), "int32"), xp.zeros(size, "int32")
+        for call in range(4):
+            seed = 12000 + 10 * call + size
+            ins = c.inputs("float32", (n * size,), seed)
+            x[...] = dev(c, ins[rank])
+            op = "max" if call == 3 else "sum"  # the same arrays, another op: a new call
+            got = comm.all_reduce(x, op=op, out=out)
+            assert got is out
+            assert (comm._last_calls.find("all_reduce", x, out, (op, None, None))
+                    is not None), "the call was not kept"
+            c.expect(out, c.reduce_reference(ins, op), f"again all_reduce {size} {call}")
+            if call == 1:  # in place: a call of its own
+                comm.all_reduce(x, out=x)
+                c.expect(x, c.reduce_reference(ins, "sum"), f"again in place {size}")
+                x[...] = dev(c, ins[rank])
+            comm.reduce_scatter(x, out=mine)
+            c.expect(mine, c.reduce_reference(ins, "sum").reshape(n, -1)[rank],
+                     f"again reduce_scatter {size} {call}", shared=False)
+            blocks = c.inputs("int32", (size,), seed + 1)
+            block[...] = dev(c, blocks[rank])
+            comm.all_gather(block, out=gathered)
+            c.expect(gathered, np.stack(blocks), f"again all_gather {size} {call}", copy=True)
+            block[...] = dev(c, blocks[rank])
+            comm.broadcast(block, root=root)
+            c.expect(block, blocks[root], f"again broadcast {size} {call}", copy=True)
+            block[...] = dev(c, blocks[rank])
+            result = comm.reduce(block, root=root, out=reduced)
+            if rank == root:
+                c.expect(result, c.reduce_reference(blocks, "sum"), f"again reduce {size}",
+                         shared=False)
+    if xp is np:  # NumPy reshapes in place: the same object, another call
+        x = np.zeros(12, np.int64)
+        for shape in ((12,), (3, 4), (12,)):
+            x.shape = shape
+            x[...] = np.arange(12).reshape(shape) + rank
+            c.expect(comm.all_reduce(x, out=x), np.arange(12).reshape(shape) * n
+                     + sum(range(n)), f"again reshaped {shape}")
+    x = xp.ones(8, "float32")
+    comm.all_reduce(x, out=x)
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    try:  # rank 1 changes the op on the same arrays: the others run the call agreed before
+        comm.all_reduce(x, op="max" if rank == 1 else "sum", out=x)
+        if xp is not np:
+            comm.synchronize()
+    except gpuring.CollectiveMismatchError as exc:
+        assert "called all_reduce(shape=(8,), dtype=float32, op=max" in str(exc), str(exc)
+        assert "rank 0 went ahead with all_reduce(shape=(8,), dtype=float32, op=sum" in str(
+            exc), str(exc)
+    else:
+        raise AssertionError("no CollectiveMismatchError for another op on the same arrays")
+
+
 def case_mismatch(c: Checker) -> None:
     """Mismatched dtype, shape, op, root and kind raise CollectiveMismatchError on every rank."""
     comm, r = c.comm, c.comm.rank

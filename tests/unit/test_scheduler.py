@@ -165,7 +165,10 @@ class _Direct:
     def __init__(self, kind: str):
         self.kind = kind
 
-    def run(self, stream: _Caller, out: Any, inp: Any, *, captured: bool = False) -> None:
+    def bind(self, out: Any, inp: Any) -> tuple[Any, Any]:
+        return out, inp
+
+    def run(self, stream: _Caller, operands: Any, *, captured: bool = False) -> None:
         stream.log.append(("captured" if captured else self.kind, stream))
 
 
