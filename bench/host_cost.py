@@ -5,22 +5,33 @@
 Every rank first runs real collectives (warm-up, and a check of the result), then replaces
 each driver call CudaDevice makes (kernel launches, copies, stream memory operations, event
 creations, records and waits) with a call that does nothing, and times `--iters`
-all_reduce calls back to back: what remains is gpuring's own Python on the call path
-(argument checks, the prepared call, the scheduler, the instruction runner), plus one
-Python call per driver call it would make (an event record still runs gpuring's own
-wrapper, reuse and bookkeeping, with a raw event that records nothing). Reported per rank: the
-median of 5 runs of the loop, and the driver calls one all_reduce makes
-(`comm.device_operations`). The ranks take turns, so that each times its calls while the
-others wait idle (2 ranks on 2 cores would otherwise share them with every other thread of
-the job). Needs CuPy: a GPU, or the CUDA simulator of tests/cudasim (see
-tests/multiproc/test_cuda_simulated.py).
+all_reduce calls back to back on the same arrays (as a training step's buckets, or a
+loop's buffers, come again): what remains is the call path's Python (argument checks or the
+call kept from last time, the scheduler, the status board, the watchdog's bookkeeping), the
+CuPy calls it makes (the current stream, whether it captures, the current device), and one
+no-op Python call per driver call it would make (an event record still runs gpuring's own
+wrapper, reuse and bookkeeping, with a raw event that records nothing). Reported per rank:
+the median of 5 runs of the loop and the best, the driver calls one all_reduce makes
+(`comm.device_operations`), and how the median splits between gpuring's own code, CuPy's
+and the no-op stand-ins with the loop: a statistical profile of more runs (SIGPROF every
+100 us of CPU time, or as often as the kernel's clock allows; each sample goes to the
+innermost frame of gpuring, CuPy or this script, so standard-library and C calls count for
+their caller; on a GPU, CuPy's Cython has no frames, so its time counts as gpuring's).
+The ranks take turns, so that each times its calls while the others wait idle (2 ranks on
+2 cores would otherwise share them with every other thread of the job). Needs CuPy: a
+GPU, or the CUDA simulator of tests/cudasim (see tests/multiproc/test_cuda_simulated.py),
+whose CuPy is Python.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import signal
 import statistics
 import time
+from collections.abc import Callable
+from types import FrameType
 
 import numpy as np
 
@@ -60,6 +71,42 @@ def _without_driver() -> None:
     cuda._CudaEvent.query = lambda self: True  # type: ignore[method-assign]
 
 
+def _owner(frame: FrameType | None) -> str:
+    """Whose code a sample is in: the innermost frame of gpuring, CuPy (or the simulator
+    that stands for it) or this script ("stand-ins": the loop, and the no-op driver calls)."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "gpuring" or module.startswith("gpuring."):
+            return "gpuring"
+        if module.split(".")[0] in ("cupy", "cupyx", "cupy_backends"):
+            return "cupy"
+        if module == "__main__":
+            return "stand-ins"
+        frame = frame.f_back
+    return "other"
+
+
+def _profile(loop: Callable[[], None], samples_wanted: int = 2000,
+             seconds: float = 20.0) -> collections.Counter[str]:
+    """Samples of runs of `loop` per owner (`_owner`): runs until `samples_wanted` samples
+    or `seconds` (the timer ticks as the kernel's clock allows, often every few ms)."""
+    samples: collections.Counter[str] = collections.Counter()
+
+    def sample(signum: int, frame: FrameType | None) -> None:
+        samples[_owner(frame)] += 1
+
+    previous = signal.signal(signal.SIGPROF, sample)
+    signal.setitimer(signal.ITIMER_PROF, 1e-4, 1e-4)
+    deadline = time.monotonic() + seconds
+    try:
+        while samples.total() < samples_wanted and time.monotonic() < deadline:
+            loop()
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, previous)
+    return samples
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1K", help="bytes of float32 (default 1K)")
@@ -86,15 +133,21 @@ def main() -> None:
         cupy.cuda.Device().synchronize()
         _without_driver()
         runs = []
+        samples: collections.Counter[str] = collections.Counter()
+
+        def loop() -> None:
+            for _ in range(args.iters):
+                comm.all_reduce(x, out=out)
+
         for turn in range(comm.size):  # one rank at a time: the others wait, idle
             comm._control.barrier(60.0, "host_cost turn")
             if turn != comm.rank:
                 continue
             for _ in range(5):
                 t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    comm.all_reduce(x, out=out)
+                loop()
                 runs.append((time.perf_counter() - t0) / args.iters * 1e6)
+            samples = _profile(loop)
             if args.profile and comm.rank == 0:
                 import cProfile
                 import pstats
@@ -106,10 +159,14 @@ def main() -> None:
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         comm._control.barrier(60.0, "host_cost done")
+        median, total = statistics.median(runs), samples.total() or 1
+        split = ", ".join(f"{owner} {median * count / total:.2f} us ({count / total:.0%})"
+                          for owner, count in samples.most_common())
         print(f"rank {comm.rank}: all_reduce of {n * 4} B float32 on {comm.size} ranks: "
-              f"{statistics.median(runs):.2f} us of gpuring's Python per call without the "
-              f"driver, best run {min(runs):.2f} (runs: {', '.join(f'{r:.2f}' for r in runs)}), "
-              f"{calls:.0f} driver calls per call", flush=True)
+              f"{median:.2f} us of host time per call without the driver, best run "
+              f"{min(runs):.2f} (runs: {', '.join(f'{r:.2f}' for r in runs)}), "
+              f"{calls:.0f} driver calls per call; of the median ({total} samples): {split}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ class CallPath:
         """Run a checked call: prepare it once per key, then run it by its route."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
-        key = call.key()
+        key = call.known_key or call.key()
         with self.lock:
             prepared = self.prepared.get(key)
             if prepared is None:

@@ -104,10 +104,6 @@ def warn_spin_waits(reason: str) -> None:
         RuntimeWarning, stacklevel=4)
 
 
-#: the scope of a device that is current already
-_NOTHING = contextlib.nullcontext()
-
-
 class Scope:
     """`with device.scope():` this device is current in the calling thread for the block.
     The previous device is restored only if the thread had a CUDA context before: making a
@@ -119,17 +115,20 @@ class Scope:
         self._local = threading.local()
         self._runtime: Any = None  # cupy.cuda.runtime, looked up on first use
 
-    def enter(self) -> contextlib.AbstractContextManager[None]:
+    def enter(self) -> contextlib.AbstractContextManager[Any]:
         """What `with` enters: nothing to do where the device is current already and this
         thread was seen with its context (the common case, on every call's path: one runtime
-        call), else this scope's switch. A thread whose context other code pops with the
-        driver API (cuCtxPopCurrent) while the runtime still names this device would then get
+        call), else this scope's switch. Nothing is this thread's own uncontended lock, whose
+        enter and exit are C calls (a nullcontext's are Python calls, and this is on every
+        call's path three times). A thread whose context other code pops with the driver API
+        (cuCtxPopCurrent) while the runtime still names this device would then get
         CUDA_ERROR_INVALID_CONTEXT from a driver call, raised as such."""
         runtime = self._runtime
         if runtime is None:
             runtime = self._runtime = _cupy().cuda.runtime
-        if runtime.getDevice() == self._id and getattr(self._local, "context", False):
-            return _NOTHING
+        nothing = getattr(self._local, "nothing", None)  # set once this thread had a context
+        if nothing is not None and runtime.getDevice() == self._id:
+            return nothing  # type: ignore[no-any-return]
         return self
 
     def __enter__(self) -> None:
@@ -142,7 +141,8 @@ class Scope:
             runtime.setDevice(self._id)
         elif cuda.driver.ctxGetCurrent() == 0:
             runtime.setDevice(self._id)  # a current context, for driver API calls
-        self._local.context = True  # this thread has a context on the device from now on
+        if getattr(self._local, "nothing", None) is None:  # a context on the device from now on
+            self._local.nothing = threading.RLock()
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []

@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -201,6 +201,9 @@ class CudaDevice(Device):
         self.device_id = device_id
         self.gpu = cupy.cuda.Device(device_id)
         self._scope = Scope(device_id)
+        self._current_stream = cupy.cuda.get_current_stream  # on every call's path
+        #: `with device.scope():` this device is current in the calling thread (see `Scope`)
+        self.scope: Callable[[], AbstractContextManager[Any]] = self._scope.enter
         self.timeout = timeout
         self.timeout_ns = int(timeout * 1e9)
 
@@ -269,10 +272,6 @@ class CudaDevice(Device):
         self.fused_epoch = 0  #: the stream-memory-operation form's calls so far
 
     # -- helpers ------------------------------------------------------------------------------
-    def scope(self) -> AbstractContextManager[None]:
-        """Context manager: this device current in the calling thread (see `Scope`)."""
-        return self._scope.enter()
-
     def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
         """(kernel, itemsize) of the reduce for (dtype, op) on this GPU; looked up once."""
         found = self._reduce_kernels.get((dtype, op))
@@ -441,7 +440,7 @@ class CudaDevice(Device):
         this device may still order work after it (a stream another library destroys could
         be). The per-thread default stream is one handle for every thread, but each thread's
         own stream: its wrappers are per thread."""
-        raw = _cupy().cuda.get_current_stream(self.device_id)
+        raw = self._current_stream(self.device_id)
         key = (raw.ptr, threading.get_ident() if raw.ptr == _PER_THREAD_STREAM else 0)
         stream = self._callers.get(key)
         if stream is None:
