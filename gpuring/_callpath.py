@@ -424,7 +424,6 @@ class CallPath:
         return error
 
 
-#: who runs a prepared call, by its route
 def _described(signature: Signature) -> str:
     """What a signature asks for, in words of the call."""
     if signature.device is None and not signature.shape:
@@ -433,6 +432,7 @@ def _described(signature: Signature) -> str:
             f"op={signature.op}, root={signature.root}, device={signature.device})")
 
 
+#: who runs a prepared call, by its route
 _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.ALONE: CallPath._run_alone,
     Route.MPI: CallPath._run_via_mpi,

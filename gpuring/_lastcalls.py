@@ -1,5 +1,5 @@
 """Calls that come again: a verb called with the very same arrays and arguments as its last
-call (persistent buffers: a training step's gradient buckets, an inference loop's
+call on that input (persistent buffers: a training step's gradient buckets, an inference loop's
 activations) reuses that call's checks, plan key and bound operands instead of working them
 out anew.
 
@@ -10,6 +10,7 @@ and dtype (NumPy lets all three be set in place)."""
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, NamedTuple
 
@@ -41,22 +42,26 @@ class _Last(NamedTuple):
 
 
 class LastCalls:
-    """Per communicator, each verb's last call. Thread-safe as far as it needs to be: an
-    entry is replaced whole, and a reader works on the entry it read."""
+    """Per communicator, the last call of each verb on each input array (at most `limit`
+    calls, the oldest forgotten first): a step that goes over several buckets finds each
+    bucket's call. Thread-safe as far as it needs to be: an entry is replaced whole, and a
+    reader works on the entry it read."""
 
-    __slots__ = ("_last",)
+    __slots__ = ("_last", "limit")
 
-    def __init__(self) -> None:
-        self._last: dict[str, _Last] = {}
+    def __init__(self, limit: int = 64) -> None:
+        self._last: dict[tuple[str, int], _Last] = {}
+        self.limit = limit
 
     def find(self, verb: str, x: Any, out: Any, args: tuple[Any, ...]) -> Call | None:
         """The checked call of `verb` for these arguments (`args`: every one but the two
-        arrays) if its last call had the same, else None."""
-        last = self._last.get(verb)
-        if last is None or last.args != args:
+        arrays, compared by identity: an equal value of another type, `root=True` for
+        `root=1`, must be checked anew) if its last call on `x` had the same, else None."""
+        last = self._last.get((verb, id(x)))
+        if last is None or not all(map(operator.is_, args, last.args)):
             return None
         held, held_out = last.x(), last.out
-        if held is not x or (held_out is None) != (out is None) or (
+        if held is None or held is not x or (held_out is None) != (out is None) or (
                 held_out is not None and held_out() is not out):
             return None
         layout = last.layouts
@@ -69,9 +74,9 @@ class LastCalls:
         return last.call.with_arrays(x, out if output == "given" else x if output == "x" else None)
 
     def remember(self, verb: str, x: Any, out: Any, args: tuple[Any, ...], call: Call) -> None:
-        """Keep `call`, just run, for the next call of `verb`: only where it is the user's
-        arrays it ran on (not a contiguous copy of `x`, nor an output allocated for it,
-        which each call makes anew)."""
+        """Keep `call`, just run, for the next call of `verb` on `x`: only where it is the
+        user's arrays it ran on (not a contiguous copy of `x`, nor an output allocated for
+        it, which each call makes anew)."""
         if call.x is not x or x is None:
             return
         if call.out is None:
@@ -88,7 +93,14 @@ class LastCalls:
                           call.with_arrays(None, None), output)
         except TypeError:  # an array type that cannot be held weakly: not remembered
             return
-        self._last[verb] = entry
+        key = (verb, id(x))
+        last = self._last
+        if key not in last and len(last) >= self.limit:
+            try:
+                del last[next(iter(last))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                pass
+        last[key] = entry
 
     def clear(self) -> None:
         self._last.clear()

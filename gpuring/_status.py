@@ -152,6 +152,8 @@ class StatusBoard:
             words = page.i64
             assert words is not None
             entered = int(words[_SEQ])  # before the agreement's word: a peer writes it first
+            with self._fence:  # and the two reads stay in that order on any CPU
+                pass
             if entered >= seq and int(words[_AGREEING]) < seq:
                 text = self._text(page, _SIG_AT, _SIG_LEN)
                 return peer, text if entered == seq else f"#{entered}, {text}"

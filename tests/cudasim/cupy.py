@@ -997,6 +997,9 @@ class _Data:
         self.device_id = device_id
 
 
+#: an array's layout, kept as plain attributes (C fields in CuPy: reading them costs nothing)
+_LAYOUT = ("shape", "dtype", "strides", "size", "ndim", "nbytes", "itemsize")
+
 #: one Device object per GPU for `ndarray.device` (CuPy's are as cheap to get)
 _array_devices: dict[int, Device] = {}
 
@@ -1008,12 +1011,28 @@ class ndarray:
         self._a = host
         self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
         _note_array(host, self._device_id)
-        # the address and layout never change: read once, as attribute reads cost CuPy next
-        # to nothing (they are C fields of a Cython class there)
+        # the address never changes, the layout only through `shape`: read once, as attribute
+        # reads cost CuPy next to nothing (they are C fields of a Cython class there)
         self._data = _Data(host.ctypes.data, self._device_id)
-        self.shape, self.dtype, self.strides = host.shape, host.dtype, host.strides
-        self.size, self.ndim, self.nbytes, self.itemsize = (host.size, host.ndim, host.nbytes,
-                                                            host.itemsize)
+        self._layout()
+
+    def _layout(self) -> None:
+        host, put = self._a, object.__setattr__
+        for name in _LAYOUT:
+            put(self, name, getattr(host, name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As CuPy: `shape` reshapes the array in place (a view of the same bytes), the other
+        layout attributes cannot be set."""
+        if name == "shape":  # a new view of the same bytes (work queued on the old one
+            view = self._a.view()  # still lands there), or an error as CuPy's where a
+            view.shape = value  # reshape needs a copy
+            object.__setattr__(self, "_a", view)
+            self._layout()
+        elif name in _LAYOUT:
+            raise AttributeError(f"attribute '{name}' of 'cupy.ndarray' objects is not writable")
+        else:
+            object.__setattr__(self, name, value)
 
     def __del__(self) -> None:
         # On a GPU, freed device memory is never handed to the host's allocator, and CuPy's

@@ -512,7 +512,7 @@ def case_again(c: Checker) -> None:
     """The same arrays called again and again (a call that comes again skips its checks and
     binding: `LastCalls`), their contents refilled in place between calls: every verb, small
     (one operation on a GPU) and large, out of place and in place; a new op on the same
-    arrays, and a NumPy array reshaped in place, are new calls; a rank that changes the op on
+    arrays, and an array reshaped in place, are new calls; a rank that changes the op on
     the same arrays while the others run the call agreed before fails them all with a
     mismatch, within a watchdog tick (the communicator is then unusable: data had moved)."""
     comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
@@ -550,13 +550,12 @@ def case_again(c: Checker) -> None:
             if rank == root:
                 c.expect(result, c.reduce_reference(blocks, "sum"), f"again reduce {size}",
                          shared=False)
-    if xp is np:  # NumPy reshapes in place: the same object, another call
-        x = np.zeros(12, np.int64)
-        for shape in ((12,), (3, 4), (12,)):
-            x.shape = shape
-            x[...] = np.arange(12).reshape(shape) + rank
-            c.expect(comm.all_reduce(x, out=x), np.arange(12).reshape(shape) * n
-                     + sum(range(n)), f"again reshaped {shape}")
+    x = xp.zeros(12, "int64")  # reshaped in place (NumPy and CuPy): the same object, a new call
+    for shape in ((12,), (3, 4), (12,)):
+        x.shape = shape
+        x[...] = dev(c, np.arange(12).reshape(shape) + rank)
+        c.expect(comm.all_reduce(x, out=x), np.arange(12).reshape(shape) * n + sum(range(n)),
+                 f"again reshaped {shape}")
     x = xp.ones(8, "float32")
     comm.all_reduce(x, out=x)
     if xp is not np:

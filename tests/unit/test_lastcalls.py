@@ -47,6 +47,28 @@ def test_anything_else_is_a_new_call() -> None:
     assert last.find("all_reduce", x, out, ARGS) is not None
 
 
+def test_arguments_are_the_same_objects() -> None:
+    """An equal argument of another type (root=True for root=1, 0.0 for 0) would pass the
+    checks of a fresh call only by equality: it is a new call, and its checks raise."""
+    last = LastCalls()
+    x = np.ones(8, np.float32)
+    last.remember("broadcast", x, None, (1, None, None), _ran(x, x))
+    assert last.find("broadcast", x, None, (1, None, None)) is not None
+    assert last.find("broadcast", x, None, (True, None, None)) is None
+    assert last.find("broadcast", x, None, (1.0, None, None)) is None
+
+
+def test_each_input_array_has_its_last_call() -> None:
+    """A step that goes over several buckets finds each bucket's call; the oldest go first
+    past the limit."""
+    last = LastCalls(limit=4)
+    buckets = [np.full(8, i, np.float32) for i in range(6)]
+    for bucket in buckets:
+        last.remember("all_reduce", bucket, bucket, ARGS, _ran(bucket, bucket))
+    found = [last.find("all_reduce", b, b, ARGS) is not None for b in buckets]
+    assert found == [False, False, True, True, True, True]
+
+
 def test_a_layout_changed_in_place_is_a_new_call() -> None:
     """NumPy lets shape and dtype change on the same object."""
     last = LastCalls()
@@ -64,11 +86,13 @@ def test_no_array_is_kept_alive() -> None:
     last = LastCalls()
     x, out = np.ones(8, np.float32), np.zeros(8, np.float32)
     last.remember("all_reduce", x, out, ARGS, _ran(x, out))
-    gone_x, gone_out = weakref.ref(x), weakref.ref(out)
+    gone_x, gone_out, where = weakref.ref(x), weakref.ref(out), id(x)
     del x, out
     gc.collect()
     assert gone_x() is None and gone_out() is None
     assert last.find("all_reduce", np.ones(8, np.float32), None, ARGS) is None
+    assert ("all_reduce", where) in last._last  # the entry, whose array is gone, finds nothing
+    assert last.find("all_reduce", None, None, ARGS) is None
 
 
 def test_arrays_made_for_the_call_are_not_remembered() -> None:
