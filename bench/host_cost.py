@@ -65,6 +65,8 @@ def _without_driver() -> None:
         lambda self, stream, args: None)
     _cuda_direct.StagedAllReduce._wait = (  # type: ignore[method-assign]
         lambda self, driver, cu: None)
+    _cuda_direct.StagedAllReduce._fold = (  # type: ignore[method-assign]
+        lambda self, stream, args: None)
     cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]
     cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]
         lambda self, event: None)

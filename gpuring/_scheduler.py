@@ -234,8 +234,8 @@ class Engine:
         direct = launch.direct
         assert direct is not None
         stream = self.device.caller_stream()
-        try:
-            if stream.capturing():
+        try:  # (a form that cannot be captured was refused under capture before the call)
+            if self.fused_capturable and stream.capturing():
                 other = self._captured_on
                 if other is not None and other is not stream and other.capturing():
                     raise GpuringError(

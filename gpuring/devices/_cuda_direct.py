@@ -92,35 +92,37 @@ class DirectKernel(Direct):
 
 
 class _Operands(NamedTuple):
-    """A staged all_reduce's operands: the output and input, and the input's address as the
-    staging kernel takes it."""
+    """A staged all_reduce's operands: the input's address as the staging kernel takes it,
+    and per epoch parity the arguments of each launch of the fold into the output."""
 
-    out: Span
-    inp: Span
     inp_ptr: np.uint64
+    folds: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]
 
 
 class StagedAllReduce(Direct):
     """Three operations, none spinning: gpuring_stage_publish copies the input into this
     rank's slot (call e uses slot e % 2, e counted by the device) and then tells every peer,
     one cuStreamBatchMemOp waits until every peer told this rank, gpuring_reduce_n folds the
-    slots in rank order into out. Slot e % 2 is written again at call e + 2, after this
+    slots in rank order into out (the bits of `Stream.reduce_n`; its launches' arguments are
+    made when the operands are bound). Slot e % 2 is written again at call e + 2, after this
     stream waited in call e + 1 for every peer to start it, so to finish call e. The
     waited-on words are this rank's own (abort releases them). Not capturable: the epoch is
     the host's."""
 
-    __slots__ = ("_device", "_divisor", "_dtype", "_grid", "_kernel", "_nbytes", "_op",
-                 "_params", "_rank", "_stage_rest", "_staged", "_told", "_waits")
+    __slots__ = ("_device", "_divisor", "_elements", "_fold_grid", "_fold_kernel", "_grid",
+                 "_kernel", "_nbytes", "_nbytes_arg", "_params", "_rank", "_stage_at",
+                 "_stage_rest", "_staged", "_told", "_waits")
 
     def __init__(self, device: CudaDevice, regions: Sequence[Span], rank: int, slot: int,
                  dtype: str, op: ReduceOp, divisor: int, nbytes: int):
         self._device = device
-        self._rank, self._dtype, self._op, self._divisor = rank, dtype, op, divisor
-        self._nbytes = nbytes
-        #: per epoch parity: every rank's staged copy
+        self._rank, self._divisor = rank, divisor
+        self._nbytes, self._nbytes_arg = nbytes, np.uint64(nbytes)
+        #: per epoch parity: every rank's staged copy, and where this rank stages its input
         self._staged = tuple(
-            tuple(Span(r.mem, r.offset + _kernels.FUSED_DATA + parity * slot, nbytes)
-                  for r in regions) for parity in (0, 1))
+            tuple(_addr(r) + _kernels.FUSED_DATA + parity * slot for r in regions)
+            for parity in (0, 1))
+        self._stage_at = tuple(np.uint64(staged[rank]) for staged in self._staged)
         peers = [q for q in range(len(regions)) if q != rank]
         told = [np.uint64(_flag_addr(_inbox(regions[q], rank))) for q in peers]
         self._told = (*told, *[np.uint64(0)] * (8 - len(told)), np.int32(len(told)))
@@ -129,8 +131,15 @@ class StagedAllReduce(Direct):
             for q in peers)
         for flag, _ in self._waits:
             device.note_wait_word(_flag_addr(flag))
-        self._kernel = _kernels.get_function(_kernels.STAGE_KERNEL, device.device_id)
-        self._grid = (device.grid_for(self._kernel, nbytes, 16),)
+        self._fold_kernel, itemsize = device.reduce_n_kernel(dtype, op)
+        if nbytes % itemsize:
+            raise ValueError(f"{nbytes} bytes is not a whole number of {dtype}")
+        self._elements = nbytes // itemsize
+        with device.scope():
+            self._kernel = _kernels.get_function(_kernels.STAGE_KERNEL, device.device_id)
+            self._grid = (device.grid_for(self._kernel, nbytes, 16),)
+            self._fold_grid = (device.grid_for(self._fold_kernel, self._elements,
+                                               max(1, 16 // itemsize)),)
         # the blocks-done word of this rank's region, and the abort word
         self._stage_rest = (np.uint64(_addr(regions[rank]) + 8), np.uint64(device.abort_ptr))
         self._params: list[Any] | None = None  # the wait's parameters, made on first use
@@ -149,11 +158,22 @@ class StagedAllReduce(Direct):
 
     def bind(self, out: Memory, inp: Memory) -> _Operands:
         assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
-        if inp.nbytes != self._nbytes:
-            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
-        return _Operands(Span(CudaMemory(out.ptr, out.nbytes, "borrowed"), 0, self._nbytes),
-                         Span(CudaMemory(inp.ptr, inp.nbytes, "borrowed"), 0, self._nbytes),
-                         np.uint64(inp.ptr))
+        if inp.nbytes != self._nbytes or out.nbytes < self._nbytes:
+            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes} into "
+                             f"{out.nbytes}")
+        folds = []
+        for staged in self._staged:  # this rank's own input stands for its staged copy
+            sources = [inp.ptr if q == self._rank else a for q, a in enumerate(staged)]
+            launches = []
+            for addrs, last in _kernels.fold_launches(out.ptr, sources):
+                pointers = [np.uint64(a) for a in addrs]
+                pointers += [np.uint64(0)] * (_kernels.MAX_SOURCES - len(addrs))
+                launches.append((np.uint64(out.ptr), *pointers, np.int32(len(addrs)),
+                                 np.uint64(self._elements),
+                                 np.int64(self._divisor if last else 1),
+                                 np.uint64(self._device.abort_ptr)))
+            folds.append(tuple(launches))
+        return _Operands(np.uint64(inp.ptr), (folds[0], folds[1]))
 
     def run(self, stream: Stream, operands: _Operands, *, captured: bool = False) -> None:
         assert isinstance(stream, _CudaStream)
@@ -163,23 +183,28 @@ class StagedAllReduce(Direct):
             raise ValueError("the stream-memory-operation form cannot be captured")
         dev.fused_epoch += 1
         epoch = dev.fused_epoch
-        staged = self._staged[epoch & 1]
+        parity = epoch & 1
         with dev.scope():
-            self._enqueue(stream, (np.uint64(_addr(staged[self._rank])), operands.inp_ptr,
-                                   np.uint64(self._nbytes), *self._told, np.uint64(epoch),
-                                   *self._stage_rest))
+            self._enqueue(stream, (self._stage_at[parity], operands.inp_ptr, self._nbytes_arg,
+                                   *self._told, np.uint64(epoch), *self._stage_rest))
             dev.operations += 1
             for flag, tag in self._waits:
                 stream.waits.append((flag, epoch, tag))
             driver, cu = stream._driver_stream()
             if self._params is None:
                 self._params = self._wait_params()
+            value = driver.cuuint64_t(epoch)  # each parameter copies it
             for param in self._params:
-                param.waitValue.value64 = driver.cuuint64_t(epoch)
+                param.waitValue.value64 = value
             self._wait(driver, cu)
             dev.operations += 1
-        sources = [operands.inp if q == self._rank else s for q, s in enumerate(staged)]
-        stream.reduce_n(operands.out, sources, self._dtype, self._op, self._divisor)
+            for args in operands.folds[parity]:
+                self._fold(stream, args)
+                dev.operations += 1
+
+    def _fold(self, stream: Stream, args: tuple[Any, ...]) -> None:
+        """One launch of the fold (a driver call)."""
+        self._fold_kernel(self._fold_grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
 
     def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """The staging kernel's launch (a driver call)."""

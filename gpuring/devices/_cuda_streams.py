@@ -122,16 +122,18 @@ class _CudaStream(Stream):
         self._caller = caller
         self.waits: collections.deque[tuple[Flag, int, Any]] = collections.deque(
             maxlen=_RECENT_WAITS)
-        self._cu: Any = None  # the driver's CUstream for stream memory operations
+        #: (driver module, the driver's CUstream) for stream memory operations
+        self._cu: tuple[Any, Any] | None = None
 
-    def _driver_stream(self) -> Any:
+    def _driver_stream(self) -> tuple[Any, Any]:
         """(driver module, CUstream), made once per stream. Called inside `scope()`, which
         makes the device's context current for the driver call."""
-        from cuda.bindings import driver
+        found = self._cu
+        if found is None:
+            from cuda.bindings import driver
 
-        if self._cu is None:
-            self._cu = driver.CUstream(self.raw.ptr)
-        return driver, self._cu
+            found = self._cu = (driver, driver.CUstream(self.raw.ptr))
+        return found
 
     def copy(self, dst: Span, src: Span) -> None:
         """A copy engine transfer (`GPURING_CUDA_COPY=memcpy`), except from a peer's memory:

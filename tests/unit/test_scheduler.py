@@ -191,7 +191,7 @@ class _FusedDevice(_Device):
 
     def schedule(self, handles: Any) -> Schedule:
         return Schedule(self.fused_max_bytes, whole_pieces=True,
-                        fused_kinds=frozenset({"all_reduce"}))
+                        fused_kinds=frozenset({"all_reduce"}), fused_capturable=True)
 
     def caller_stream(self) -> _Caller:
         return self.current
