@@ -43,16 +43,35 @@ def _input_and_op(x: Any, op: ReduceOp | str) -> tuple[Any, ReduceOp]:
     return x, _op(op, x)
 
 
+#: the schedules a call may ask for, per collective
+_ALGORITHMS = {"all_reduce": ("ring", "direct", "one_shot"), "reduce_scatter": ("ring", "direct"),
+               "reduce": ("ring", "direct")}
+
+
+def _algorithm(name: str, algorithm: str | None) -> str | None:
+    """`algorithm` checked against what `name` offers (None: the communicator's choice)."""
+    if algorithm is None:
+        return None
+    offered = _ALGORITHMS[name]
+    if algorithm not in offered:
+        raise ValueError(f"{name}: algorithm must be one of {', '.join(map(repr, offered))} "
+                         f"(or None for the communicator's choice), got {algorithm!r}")
+    return algorithm
+
+
 def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
-               channels: int | None) -> Call:
+               channels: int | None, algorithm: str | None = None) -> Call:
+    algorithm = _algorithm("all_reduce", algorithm)
     x, rop = _input_and_op(x, op)
     if out is not x:  # out=x is in place: the same array, nothing to check
         out = output_array(out, x, x.shape, "all_reduce", in_place=_same(x), hint="out=x")
-    return Call("all_reduce", x, out, rop, 0, chunk_bytes, channels)
+    return Call("all_reduce", x, out, rop, 0, chunk_bytes, channels, algorithm=algorithm)
 
 
 def reduce_scatter(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
-                   channels: int | None, size: int, rank: int) -> Call:
+                   channels: int | None, size: int, rank: int,
+                   algorithm: str | None = None) -> Call:
+    algorithm = _algorithm("reduce_scatter", algorithm)
     x, rop = _input_and_op(x, op)
     if x.size % size:
         raise ValueError(f"reduce_scatter needs x.size divisible by the {size} ranks, "
@@ -61,7 +80,7 @@ def reduce_scatter(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None
     out = output_array(out, x, (x.size // size,), "reduce_scatter",
                        in_place=lambda out: _arrays.same_memory(out, mine),
                        hint="out=x.reshape(size, -1)[rank]")
-    return Call("reduce_scatter", x, out, rop, 0, chunk_bytes, channels)
+    return Call("reduce_scatter", x, out, rop, 0, chunk_bytes, channels, algorithm=algorithm)
 
 
 def all_gather(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
@@ -96,13 +115,14 @@ def broadcast(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: in
 
 
 def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | None,
-           channels: int | None, size: int, rank: int) -> Call:
+           channels: int | None, size: int, rank: int, algorithm: str | None = None) -> Call:
     ReduceOp.parse(op)  # a bad op, then a bad root, then a bad array
     root = _root(root, size)
+    algorithm = _algorithm("reduce", algorithm)
     x, rop = _input_and_op(x, op)
     out = (output_array(out, x, x.shape, "reduce", in_place=_same(x), hint="out=x")
            if rank == root else None)
-    return Call("reduce", x, out, rop, root, chunk_bytes, channels)
+    return Call("reduce", x, out, rop, root, chunk_bytes, channels, algorithm=algorithm)
 
 
 def input_array(x: Any) -> Any:

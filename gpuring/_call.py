@@ -32,6 +32,8 @@ class Call:
     #: the output already holds the input where the plan would copy it (broadcast into x
     #: itself; all_gather with x as out's block of this rank), so that copy is left out
     in_place: bool = False
+    #: the schedule asked for ("ring", "direct", "one_shot"; None: the communicator's)
+    algorithm: str | None = None
     #: `key()`, once worked out
     known_key: tuple[Any, ...] | None = None
     #: a one-operation collective's operands (`Engine.bind`), once bound: they hold no
@@ -41,7 +43,7 @@ class Call:
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout (what it worked out kept)."""
         return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
-                    self.channels, self.in_place, self.known_key, self.bound)
+                    self.channels, self.in_place, self.algorithm, self.known_key, self.bound)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""
@@ -50,7 +52,7 @@ class Call:
             x = self.x
             key = self.known_key = (self.collective,) if x is None else (
                 self.collective, x.shape, x.dtype, type(x), self.op, self.root,
-                self.chunk_bytes, self.channels, self.in_place)
+                self.chunk_bytes, self.channels, self.in_place, self.algorithm)
         return key
 
 
@@ -69,6 +71,10 @@ class Signature(NamedTuple):
     one_shot_bytes: int | None = None
     buffer_bytes: int | None = None
     verify: bool | None = None
+    #: the schedule (`plan_collective`'s `algorithm`, as the communicator resolved it)
+    algorithm: str | None = None
+    #: deterministic mode (every reduction a fold in rank order)
+    deterministic: bool = False
     #: the device's settings that shape its schedule (`Device.schedule_settings`)
     device_settings: tuple[tuple[str, str], ...] | None = None
 

@@ -118,9 +118,15 @@ class CallPath:
         else:
             kind, dtype = _arrays.device_kind(x), _arrays.dtype_name(x)
             shape, count, itemsize = tuple(x.shape), x.size, x.dtype.itemsize
-            plain = Signature(name, kind, shape, dtype, call.op.value, call.root)
+            plain = Signature(name, kind, shape, dtype, call.op.value, call.root,
+                              deterministic=config.deterministic)
+        algorithm = self._algorithm(call, count * itemsize)
         if self.size == 1 or ((x is None or kind == "cpu") and self._via_mpi()):
             self._agree(plain)
+            if self.size > 1 and config.deterministic and name in _FOLDS:
+                raise GpuringError(
+                    f"{name}: deterministic mode has no {name} through MPI (NumPy arrays "
+                    "across nodes, or GPURING_TRANSPORT=mpi): MPI's reduction order is its own")
             return PreparedCall(Route.ALONE if self.size == 1 else Route.MPI)
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
@@ -136,6 +142,7 @@ class CallPath:
             signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
                                        one_shot_bytes=config.one_shot_bytes,
                                        buffer_bytes=capacity, verify=config.verify,
+                                       algorithm=algorithm,
                                        device_settings=devices.schedule_settings())
         self._ensure_watchdog()
         self._agree(signature)
@@ -147,9 +154,9 @@ class CallPath:
                 capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
                 root=call.root, one_shot_bytes=config.one_shot_bytes,
                 root_copies=name == "broadcast" and not call.in_place,
-                own_copy=not call.in_place)
-            fused = name in engine.fused_kinds and 0 < count * itemsize <= min(
-                config.one_shot_bytes, engine.fused_bytes)
+                own_copy=not call.in_place, algorithm=algorithm)
+            fused = name in engine.fused_kinds and algorithm != "ring" and \
+                0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
             launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                     inline=nchannels == 1, fused=fused, collective=name,
                                     root=call.root, nbytes=count * itemsize)
@@ -158,11 +165,33 @@ class CallPath:
             raise
         text = "barrier()" if x is None else (
             f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
-            f"device={kind}, chunk_bytes={piece}, channels={nchannels})")
+            f"device={kind}, chunk_bytes={piece}, channels={nchannels}, "
+            f"algorithm={algorithm})")
         if fused:
             text += " as one operation"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
                             fused and engine.fused_capturable and not config.verify)
+
+    def _algorithm(self, call: Call, nbytes: int) -> str:
+        """The schedule of `call` (`plan_collective`'s `algorithm`): the call's, else the
+        communicator's; in deterministic mode one that folds in rank order (one-shot for an
+        all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct), and the ring refused."""
+        name, config = call.collective, self.config
+        if name not in _FOLDS:
+            return "auto"
+        asked = call.algorithm or config.algorithm
+        if asked == "one_shot" and name != "all_reduce":  # GPURING_ALGORITHM's, all_reduce's
+            asked = "auto"
+        if config.deterministic:
+            if asked == "ring":
+                raise GpuringError(
+                    f"{name}: deterministic mode folds every element in rank order, which "
+                    "the ring does not (its order depends on the segment): ask for 'direct' "
+                    "or 'one_shot', or for none")
+            if asked == "auto":
+                small = name == "all_reduce" and 0 < nbytes <= config.one_shot_bytes
+                asked = "auto" if small else "direct"
+        return asked
 
     def _capturing(self) -> bool:
         """Whether the caller's stream of any engine's device captures a graph."""
@@ -422,6 +451,10 @@ class CallPath:
         if isinstance(error, GpuringError):
             return in_context(error, name, seq, self.rank)
         return error
+
+
+#: the collectives that reduce, which deterministic mode and `algorithm` are about
+_FOLDS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 
 
 def _described(signature: Signature) -> str:

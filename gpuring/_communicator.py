@@ -126,25 +126,30 @@ class Communicator:
     @public_verb
     def all_reduce(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
                    chunk_bytes: int | None = None, channels: int | None = None,
-                   compression: str | None = None) -> Any:
+                   compression: str | None = None, algorithm: str | None = None) -> Any:
         """Element-wise reduction of `x` over all ranks; every rank gets the result.
 
         `out=x` reduces in place. Returns `out` (a new array when `out` is None).
         `compression="fp16"|"bf16"` sends float32/float64 through the ring in that format.
+        `algorithm="ring"|"direct"|"one_shot"` picks the schedule (GPURING_ALGORITHM).
         """
         if compression is not None:
+            if algorithm is not None:
+                raise ValueError("all_reduce: compression runs its own ring: pass no algorithm")
             return self._all_reduce_compressed(x, op, out, chunk_bytes, channels, compression)
-        return self._run("all_reduce", x, out, (op, chunk_bytes, channels), lambda: (
-            _argcheck.all_reduce(x, op, out, chunk_bytes, channels)))
+        return self._run("all_reduce", x, out, (op, chunk_bytes, channels, algorithm), lambda: (
+            _argcheck.all_reduce(x, op, out, chunk_bytes, channels, algorithm)))
 
     @public_verb
     def reduce_scatter(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
-                       chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+                       chunk_bytes: int | None = None, channels: int | None = None,
+                       algorithm: str | None = None) -> Any:
         """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
         result split into `size` equal blocks. `x.size` must be divisible by `size`. In place:
-        `out=x.reshape(size, -1)[rank]`."""
-        return self._run("reduce_scatter", x, out, (op, chunk_bytes, channels), lambda: (
-            _argcheck.reduce_scatter(x, op, out, chunk_bytes, channels, self.size, self.rank)))
+        `out=x.reshape(size, -1)[rank]`. `algorithm="ring"|"direct"` picks the schedule."""
+        return self._run("reduce_scatter", x, out, (op, chunk_bytes, channels, algorithm),
+                         lambda: _argcheck.reduce_scatter(x, op, out, chunk_bytes, channels,
+                                                          self.size, self.rank, algorithm))
 
     @public_verb
     def all_gather(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
@@ -164,11 +169,14 @@ class Communicator:
 
     @public_verb
     def reduce(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None,
-               chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+               chunk_bytes: int | None = None, channels: int | None = None,
+               algorithm: str | None = None) -> Any:
         """Element-wise reduction of `x` over all ranks, delivered to `root` only: returns the
-        result on root and None on the other ranks (`out` is only used on root)."""
-        result = self._run("reduce", x, out, (op, root, chunk_bytes, channels), lambda: (
-            _argcheck.reduce(x, op, root, out, chunk_bytes, channels, self.size, self.rank)))
+        result on root and None on the other ranks (`out` is only used on root).
+        `algorithm="ring"|"direct"` picks the schedule (ring: a chain)."""
+        result = self._run("reduce", x, out, (op, root, chunk_bytes, channels, algorithm),
+                           lambda: _argcheck.reduce(x, op, root, out, chunk_bytes, channels,
+                                                    self.size, self.rank, algorithm))
         return result if self.rank == root else None
 
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
@@ -211,6 +219,10 @@ class Communicator:
                                compression: str) -> Any:
         from ._compression import all_reduce_compressed, wire_dtype
 
+        if self.config.deterministic:
+            raise GpuringError("all_reduce: deterministic mode has no compressed all_reduce "
+                               "(compression rounds the values on the way and runs its own "
+                               "ring)")
         rop = ReduceOp.parse(op)
         x = _argcheck.input_array(x)
         wire_dtype(compression)  # a bad name is the first thing to hear of

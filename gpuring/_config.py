@@ -15,7 +15,8 @@ __all__ = ["Config", "parse_size"]
 _FROM = {"timeout": "GPURING_TIMEOUT", "chunk_bytes": "GPURING_CHUNK_BYTES",
          "channels": "GPURING_CHANNELS", "buffer_bytes": "GPURING_BUFFER_BYTES",
          "one_shot_bytes": "GPURING_ONE_SHOT_BYTES", "stall_warning_s": "GPURING_STALL_WARNING",
-         "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT"}
+         "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT",
+         "algorithm": "GPURING_ALGORITHM", "deterministic": "GPURING_DETERMINISTIC"}
 
 
 def _default(field: str) -> Any:
@@ -37,6 +38,8 @@ class Config:
     stall_warning_s: float = _default("stall_warning_s")
     verify: bool = _default("verify")
     transport: str = _default("transport")
+    algorithm: str = _default("algorithm")
+    deterministic: bool = _default("deterministic")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
@@ -59,5 +62,11 @@ class Config:
             raise ValueError(f"channels must be between 1 and 32, got {self.channels}")
         if self.transport not in ("auto", "mpi"):
             raise ValueError(f"transport must be 'auto' or 'mpi', got {self.transport!r}")
+        if self.algorithm not in ("auto", "ring", "direct", "one_shot"):
+            raise ValueError("algorithm must be 'auto', 'ring', 'direct' or 'one_shot', got "
+                             f"{self.algorithm!r}")
+        if self.deterministic and self.algorithm == "ring":
+            raise ValueError("deterministic mode folds in rank order, which the ring does not: "
+                             "leave algorithm 'auto' or choose 'direct' or 'one_shot'")
         if self.buffer_bytes is not None and self.buffer_bytes < 4096:
             raise ValueError(f"buffer_bytes must be at least 4096, got {self.buffer_bytes}")

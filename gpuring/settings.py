@@ -83,6 +83,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_ONE_SHOT_BYTES", parse_size, 64 << 10, "64K",
             "all_reduce up to this size runs one-shot (lowest latency); on the GPU, any "
             "collective whose input is up to this size (and 4M) runs as one operation"),
+    Setting("GPURING_ALGORITHM", _choice("auto", "ring", "direct", "one_shot"), "auto", "auto",
+            "all_reduce, reduce_scatter and reduce: `ring` (a chain for reduce), `direct` "
+            "(two-shot: each rank reduces its segment of every rank's data in rank order, "
+            "then the segments are copied), `one_shot` (all_reduce: every rank reduces "
+            "everything), `auto` (one-shot up to `GPURING_ONE_SHOT_BYTES`, then the ring; "
+            "direct in deterministic mode); a call's `algorithm=` overrides it"),
+    Setting("GPURING_DETERMINISTIC", _flag, False, "0",
+            "1: every element of every all_reduce, reduce_scatter and reduce result is the "
+            "fold of the ranks' values in rank order, the same bits whatever the size, "
+            "`chunk_bytes`, `channels` and fusion"),
     Setting("GPURING_STALL_WARNING", float, 60.0, "60",
             "seconds in a collective before missing ranks are logged"),
     Setting("GPURING_VERIFY", _flag, False, "0",

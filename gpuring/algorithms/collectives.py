@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+from .direct import DIRECT_KINDS, direct_round
 from .oneshot import barrier_round, one_shot_all_reduce
 from .plan import RoundPlan, split_even
 from .ring import (
@@ -18,14 +19,19 @@ from .ring import (
     ring_round,
 )
 
-__all__ = ["plan_collective"]
+__all__ = ["plan_collective", "ALGORITHMS"]
+
+#: what `algorithm` may ask for: "auto" (one-shot up to `one_shot_bytes`, then the ring),
+#: "ring" (the ring; a chain for reduce), "direct" (two-shot: `direct`), "one_shot" (every
+#: rank reduces everything, in rounds of a buffer region; all_reduce only)
+ALGORITHMS = ("auto", "ring", "direct", "one_shot")
 
 
 @functools.lru_cache(maxsize=512)
 def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                     capacity_bytes: int, chunk_bytes: int, channels: int, root: int = 0,
                     one_shot_bytes: int = 0, root_copies: bool = False,
-                    own_copy: bool = True) -> tuple[RoundPlan, ...]:
+                    own_copy: bool = True, algorithm: str = "auto") -> tuple[RoundPlan, ...]:
     """The rounds `rank` runs for one collective.
 
     `count` is the element count of the input (all_reduce, reduce_scatter: whole input;
@@ -33,8 +39,14 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     one buffer region; `one_shot_bytes` the largest all_reduce that runs one-shot;
     `root_copies`: the root of a broadcast also copies its input to its output (out of
     place); without `own_copy` an all_gather does not copy this rank's input into its own
-    block of the output (in place, where the input is that block).
+    block of the output (in place, where the input is that block). `algorithm`: one of
+    `ALGORITHMS` for all_reduce, reduce_scatter and reduce ("auto" for the others).
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, not {algorithm!r}")
+    if (algorithm == "one_shot" and kind != ALL_REDUCE) or (
+            algorithm == "direct" and kind not in DIRECT_KINDS):
+        raise ValueError(f"{kind} has no {algorithm} schedule")
     if n < 2:
         raise ValueError("collectives across one rank need no plan")
     if not 0 <= root < n:
@@ -48,14 +60,20 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                          f"{capacity_bytes} bytes; use a larger chunk_bytes")
     if kind == "barrier":
         return (barrier_round(n, rank),)
-    if kind == ALL_REDUCE and 0 < count * itemsize <= one_shot_bytes and count <= cap:
+    if kind == ALL_REDUCE and algorithm == "auto" and 0 < count * itemsize <= one_shot_bytes \
+            and count <= cap:
         return (one_shot_all_reduce(n, rank, count),)
     rounds: list[RoundPlan] = []
-    if kind == ALL_REDUCE:
+    if kind == ALL_REDUCE and algorithm == "one_shot":
+        for a in range(0, count, cap):
+            rounds.append(one_shot_all_reduce(n, rank, min(cap, count - a), a))
+    elif kind == ALL_REDUCE:
         for a in range(0, count, cap):
             length = min(cap, count - a)
             segs = tuple(Segment(a + s, s, a + s, k) for s, k in split_even(length, n))
-            rounds.append(ring_round(kind, n, rank, segs, chunk, channels))
+            rounds.append(direct_round(kind, n, rank, segs, chunk, channels)
+                          if algorithm == "direct" else
+                          ring_round(kind, n, rank, segs, chunk, channels))
     elif kind == REDUCE_SCATTER:
         if count % n:
             raise ValueError(f"reduce_scatter needs a count divisible by {n}, got {count}")
@@ -64,7 +82,14 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         for j in range(0, block, step):
             length = min(step, block - j)
             segs = tuple(Segment(b * block + j, b * length, j, length) for b in range(n))
-            rounds.append(ring_round(kind, n, rank, segs, chunk, channels))
+            rounds.append(direct_round(kind, n, rank, segs, chunk, channels)
+                          if algorithm == "direct" else
+                          ring_round(kind, n, rank, segs, chunk, channels))
+    elif kind == REDUCE and algorithm == "direct":
+        for a in range(0, count, cap):
+            length = min(cap, count - a)
+            segs = tuple(Segment(a + s, s, a + s, k) for s, k in split_even(length, n))
+            rounds.append(direct_round(kind, n, rank, segs, chunk, channels, root=root))
     elif kind == ALL_GATHER:
         step = cap // n
         for j in range(0, count, step):

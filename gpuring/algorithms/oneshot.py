@@ -13,16 +13,17 @@ from .plan import BUF, IN, OUT, RS, Copy, Loc, Op, Reduce, ReduceN, RoundPlan, S
 __all__ = ["one_shot_all_reduce", "barrier_round"]
 
 
-def one_shot_all_reduce(n: int, rank: int, count: int) -> RoundPlan:
-    """All-reduce of `count` elements in a single piece on one channel (n >= 2)."""
+def one_shot_all_reduce(n: int, rank: int, count: int, offset: int = 0) -> RoundPlan:
+    """All-reduce of `count` elements from element `offset` of the arrays in a single piece
+    on one channel (n >= 2)."""
     others = tuple(peer for peer in range(n) if peer != rank)
-    ops: list[Op] = [Copy(Loc(BUF, 0, rank, RS), Loc(IN, 0), count), Signal(1, others)]
+    ops: list[Op] = [Copy(Loc(BUF, 0, rank, RS), Loc(IN, offset), count), Signal(1, others)]
     ops += [Wait(peer, 1) for peer in range(n) if peer != rank]
     staged = tuple(Loc(BUF, 0, peer, RS) for peer in range(n))
     if n == 2:
-        ops.append(Reduce(Loc(OUT, 0), staged[0], staged[1], count, True))
+        ops.append(Reduce(Loc(OUT, offset), staged[0], staged[1], count, True))
     else:  # one pass over every rank's data, not n - 1 passes over the output
-        ops.append(ReduceN(Loc(OUT, 0), staged, count, True))
+        ops.append(ReduceN(Loc(OUT, offset), staged, count, True))
     return RoundPlan((tuple(ops),))
 
 

@@ -61,6 +61,17 @@ def test_the_same_arrays_again(n, mode, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
+@pytest.mark.parametrize(("case", "n", "env"), [
+    ("deterministic", 2, {"GPURING_DETERMINISTIC": "1", "GPURING_BUFFER_BYTES": "256K"}),
+    ("direct", 3, {"GPURING_CUDA_FUSED": "kernel"})])
+def test_direct_and_deterministic(case, n, env, tmp_path):
+    """Deterministic mode (small buffers: several rounds) and algorithm= per call on CuPy
+    arrays: the rank-order fold's bits, as on the host."""
+    proc = launch("gpuring", n, [str(WORKER), case, str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", **env}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_reduce_captured_in_a_cuda_graph(n, tmp_path):
     """Small all_reduces captured into a CUDA graph and replayed with fresh inputs; what cannot

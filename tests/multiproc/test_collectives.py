@@ -51,6 +51,19 @@ def test_the_same_arrays_again(launcher, n, tmp_path):
     run_case(launcher, n, "again", tmp_path)
 
 
+@pytest.mark.parametrize(("launcher", "n"), _under_both([2, 5], [3]))
+def test_deterministic_mode(launcher, n, tmp_path):
+    """GPURING_DETERMINISTIC=1, buffers of 256 KiB (several rounds): the rank-order fold's
+    bits, whatever the size, chunk_bytes, channels and fusion."""
+    run_case(launcher, n, "deterministic", tmp_path,
+             env={"GPURING_DETERMINISTIC": "1", "GPURING_BUFFER_BYTES": "256K"})
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_algorithm_per_call(n, tmp_path):
+    run_case("gpuring", n, "direct", tmp_path)
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_module_api(launcher, tmp_path):
     run_case(launcher, 3, "module_api", tmp_path)

@@ -321,18 +321,106 @@ def case_sizes(c: Checker) -> None:
 
 def rank_order_fold(ins: list[np.ndarray], op: str) -> np.ndarray:
     """ins[0] op ins[1] op ... in rank order, each step rounded to the dtype (16-bit floats
-    computed in float32), avg dividing at the last step: the bits of the one-kernel
-    all_reduce (sum, avg and max of real dtypes)."""
+    computed in float32), avg dividing at the last step (16-bit floats: the float32 sum,
+    rounded once after the division; other floats: the sum rounded, then divided): the bits
+    of the one-kernel all_reduce and of deterministic mode (sum, avg, prod, min and max of
+    real float dtypes)."""
     fold = ins[0].copy()
     for k, a in enumerate(ins[1:], 2):
-        if op == "max":
-            fold = np.maximum(fold, a)
-        else:
-            wide = np.float32 if a.dtype.kind == "f" and a.dtype.itemsize == 2 else a.dtype
-            fold = (fold.astype(wide) + a.astype(wide)).astype(a.dtype)
+        if op in ("max", "min"):
+            fold = np.maximum(fold, a) if op == "max" else np.minimum(fold, a)
+            continue
+        half = a.dtype.name in ("float16", "bfloat16")  # (bfloat16's kind is "V")
+        wide = np.float32 if half else a.dtype
+        step = np.multiply(fold.astype(wide), a.astype(wide)) if op == "prod" else (
+            np.add(fold.astype(wide), a.astype(wide)))
         if op == "avg" and k == len(ins):
-            fold = (fold / np.float32(len(ins))).astype(a.dtype)
+            if not half:
+                step = step.astype(a.dtype)
+            step = step / (np.float32 if half or a.dtype == np.float32 else a.dtype.type)(
+                len(ins))
+        fold = step.astype(a.dtype)
     return fold
+
+
+def case_deterministic(c: Checker) -> None:
+    """Deterministic mode (GPURING_DETERMINISTIC=1, with small buffers): every all_reduce,
+    reduce_scatter, reduce and all_reduce_many result is the rank-order fold bit for bit,
+    whatever the size (one-shot or one operation, one round, several rounds), chunk_bytes,
+    channels and fusion; the ring is refused, and the communicator goes on."""
+    from gpuring import GpuringError
+
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    assert comm.config.deterministic
+    root = n - 1
+    cases = [("float32", "sum"), ("float16", "sum"), ("float64", "avg"), ("float32", "prod"),
+             ("float32", "max"), ("int32", "min")]
+    if "bfloat16" in FLOATS:
+        cases.append(("bfloat16", "avg"))
+    tunings = [(None, None), (4096, 1), (1 << 14, 3)]
+    seed = 15000
+    for size in (7, 3000, 40000, 150000):  # 150000 float64: several rounds of the buffer
+        for (dtype, op), (chunk, channels) in zip(
+                cases, tunings * len(cases), strict=False):
+            seed += 1
+            ins = c.inputs(dtype, (n * size,), seed, op)
+            label = f"deterministic {dtype} {op} {n * size} chunk {chunk} channels {channels}"
+            got = comm.all_reduce(dev(c, ins[rank]), op=op, chunk_bytes=chunk,
+                                  channels=channels)
+            c.expect(got, rank_order_fold(ins, op), f"{label} all_reduce", copy=True)
+            got = comm.reduce_scatter(dev(c, ins[rank]), op=op, chunk_bytes=chunk,
+                                      channels=channels)
+            c.expect(got, rank_order_fold([a.reshape(n, -1)[rank] for a in ins], op),
+                     f"{label} reduce_scatter", copy=True, shared=False)
+            got = comm.reduce(dev(c, ins[rank]), op=op, root=root, chunk_bytes=chunk,
+                              channels=channels)
+            if rank == root:
+                c.expect(got, rank_order_fold(ins, op), f"{label} reduce", copy=True,
+                         shared=False)
+    arrays = [c.inputs("float32", shape, 15500 + i) for i, shape in
+              enumerate([(33,), (100, 7), (5,), (4000,)])]
+    for fusion in (1 << 10, 1 << 20):  # alone, then packed together
+        got = comm.all_reduce_many([dev(c, a[rank]) for a in arrays], fusion_bytes=fusion)
+        for i, (g, a) in enumerate(zip(got, arrays, strict=True)):
+            c.expect(g, rank_order_fold(a, "sum"), f"deterministic fused {fusion} {i}",
+                     copy=True)
+    try:
+        comm.all_reduce(dev(c, np.ones(3000, np.float32)), algorithm="ring")
+    except GpuringError as exc:
+        assert "deterministic" in str(exc), str(exc)
+    else:
+        raise AssertionError("the ring ran in deterministic mode")
+    ins = c.inputs("float32", (5000,), 15900)
+    c.expect(comm.all_reduce(dev(c, ins[rank]), algorithm="direct"), rank_order_fold(ins, "sum"),
+             "deterministic after the refusal", copy=True)
+
+
+def case_direct(c: Checker) -> None:
+    """algorithm="direct" (and "one_shot") asked per call, without deterministic mode: the
+    rank-order fold's bits too; "ring" as asked; a wrong name refused."""
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    seed = 16000
+    for size in (10, 5000, 100000):
+        for algorithm in ("direct", "one_shot", "ring"):
+            seed += 1
+            ins = c.inputs("float32", (n * size,), seed)
+            got = comm.all_reduce(dev(c, ins[rank]), algorithm=algorithm, chunk_bytes=8192,
+                                  channels=2)
+            label = f"{algorithm} all_reduce {n * size}"
+            if algorithm == "ring":
+                c.expect(got, c.reduce_reference(ins, "sum"), label)
+            else:
+                c.expect(got, rank_order_fold(ins, "sum"), label, copy=True)
+        ins = c.inputs("float64", (n * size,), seed + 500, "prod")
+        got = comm.reduce_scatter(dev(c, ins[rank]), op="prod", algorithm="direct")
+        c.expect(got, rank_order_fold([a.reshape(n, -1)[rank] for a in ins], "prod"),
+                 f"direct reduce_scatter {size}", copy=True, shared=False)
+    try:
+        comm.reduce_scatter(dev(c, np.ones(n, np.float32)), algorithm="one_shot")
+    except ValueError as exc:
+        assert "algorithm must be one of" in str(exc), str(exc)
+    else:
+        raise AssertionError("reduce_scatter took algorithm='one_shot'")
 
 
 def case_graph_capture(c: Checker) -> None:

@@ -278,6 +278,26 @@ def test_messages_say_what_to_do(comm):
         comm.all_reduce(np.ones(3, bool))
 
 
+def test_algorithms_are_checked(comm):
+    """A schedule the collective lacks, or an unknown one, is refused with the choices; the
+    settings refuse the ring in deterministic mode."""
+    from gpuring._config import Config
+
+    x = np.ones(4, np.float32)
+    for verb, algorithm in ((comm.all_reduce, "tree"), (comm.reduce_scatter, "one_shot"),
+                            (comm.reduce, "one_shot")):
+        with pytest.raises(ValueError, match="algorithm must be one of"):
+            verb(x, algorithm=algorithm)
+    with pytest.raises(ValueError, match="compression runs its own ring"):
+        comm.all_reduce(x, compression="fp16", algorithm="direct")
+    for algorithm in ("ring", "direct", "one_shot"):
+        assert comm.all_reduce(x, algorithm=algorithm).tolist() == [1.0] * 4
+    with pytest.raises(ValueError, match="algorithm must be"):
+        Config(algorithm="tree").validate()
+    with pytest.raises(ValueError, match="deterministic mode"):
+        Config(algorithm="ring", deterministic=True).validate()
+
+
 def test_closed_communicator_refuses_work():
     c = Communicator(SingleProcess())
     c.close()

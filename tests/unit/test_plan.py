@@ -8,7 +8,9 @@ the devices: a Signal reaches only the ranks it names, so a reader left out dead
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import random
 from typing import Any
 
@@ -38,17 +40,22 @@ class Violation(AssertionError):
 
 
 def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, channels: int = 1,
-             capacity: int = 1 << 20, one_shot: int = 0, seed: int = 0):
-    """Run the plans of all ranks; return (inputs, outputs)."""
+             capacity: int = 1 << 20, one_shot: int = 0, seed: int = 0, algorithm: str = "auto",
+             ordered: bool = False):
+    """Run the plans of all ranks; return (inputs, outputs). `ordered`: each input element
+    is ((rank, index),) and a reduction concatenates its operands in the order the plan
+    names them, so an output element says which ranks' values were folded in which order."""
     rng = random.Random(seed)
-    inputs = [[rng.randrange(1, 1000) for _ in range(count)] for _ in range(n)]
+    inputs: list[list[Any]] = [
+        [((r, i),) if ordered else rng.randrange(1, 1000) for i in range(count)]
+        for r in range(n)]
     out_len = {"all_gather": n * count, "reduce_scatter": count // n}.get(kind, count)
     outputs = [[None] * out_len for _ in range(n)]
     if kind == "broadcast":
         outputs = [list(inputs[r]) for r in range(n)]  # in place
     plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=capacity,
                              chunk_bytes=chunk, channels=channels, root=root,
-                             one_shot_bytes=one_shot) for r in range(n)]
+                             one_shot_bytes=one_shot, algorithm=algorithm) for r in range(n)]
     nrounds = {len(p) for p in plans}
     assert len(nrounds) == 1, "ranks disagree on the number of rounds"
     for rnd in range(nrounds.pop()):
@@ -103,7 +110,7 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
                 if len(op.srcs) < 2:
                     raise Violation(f"rank {r} folds {len(op.srcs)} sources")
                 columns = zip(*(read(r, s, op.length) for s in op.srcs), strict=True)
-                write(r, op.dst, [sum(col) for col in columns])
+                write(r, op.dst, [functools.reduce(operator.add, col) for col in columns])
             elif type(op) is Signal:
                 if r in op.readers or len(set(op.readers)) != len(op.readers):
                     raise Violation(f"rank {r} signals {op.readers}")
@@ -143,6 +150,7 @@ def check(kind, n, count, **kw):
 
 
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+DIRECT = ["all_reduce", "reduce_scatter", "reduce"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -156,6 +164,54 @@ def test_exhaustive_small(kind, n):
             for root in roots:
                 check(kind, n, count, chunk=chunk, channels=channels, root=root,
                       seed=count * 7 + chunk)
+
+
+@pytest.mark.parametrize("kind", DIRECT)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_direct_exhaustive_small(kind, n):
+    for count in range(0, 3 * n + 2):
+        if kind == "reduce_scatter" and count % n:
+            continue
+        for chunk, channels in itertools.product([1, 2, 3], [1, 2, 3]):
+            for root in range(n) if kind == "reduce" else [0]:
+                check(kind, n, count, chunk=chunk, channels=channels, root=root,
+                      seed=count * 7 + chunk, algorithm="direct")
+
+
+@pytest.mark.parametrize("kind", DIRECT)
+@pytest.mark.parametrize("n", [2, 3, 4, 9])
+def test_direct_folds_every_element_in_rank_order(kind, n):
+    """Whatever the size, rounds, pieces and channels, every element of a direct result is
+    one fold of ranks 0, 1, ..., n-1 in that order (deterministic mode's bits); so is the
+    one-shot all_reduce's."""
+    cases = [(count, chunk, channels, capacity) for count in (n, 5 * n, 12 * n)
+             for chunk in (1, 4) for channels in (1, 3) for capacity in (n, 4 * n, 1 << 20)]
+    algorithms = ["direct", "one_shot"] if kind == "all_reduce" else ["direct"]
+    for algorithm, (count, chunk, channels, capacity) in itertools.product(algorithms, cases):
+        root = n - 1
+        _, outputs = simulate(kind, n, count, root=root, chunk=chunk, channels=channels,
+                              capacity=capacity, algorithm=algorithm, ordered=True)
+        fold = [tuple((q, i) for q in range(n)) for i in range(count)]
+        for r in range(n):
+            if kind == "all_reduce" or (kind == "reduce" and r == root):
+                assert outputs[r] == fold, (algorithm, count, chunk, channels, capacity, r)
+            elif kind == "reduce_scatter":
+                block = count // n
+                assert outputs[r] == fold[r * block:(r + 1) * block]
+
+
+def test_a_ring_does_not_fold_in_rank_order():
+    """What the direct schedule is for: the ring's order depends on the segment."""
+    _, outputs = simulate("all_reduce", 3, 6, ordered=True)
+    assert outputs[0] != [tuple((q, i) for q in range(3)) for i in range(6)]
+
+
+def test_an_algorithm_a_collective_lacks_is_refused():
+    for kind, algorithm in (("all_gather", "direct"), ("broadcast", "direct"),
+                            ("reduce", "one_shot"), ("all_reduce", "tree")):
+        with pytest.raises(ValueError, match=r"schedule|algorithm must be"):
+            plan_collective(kind, 3, 0, 9, itemsize=4, capacity_bytes=4096, chunk_bytes=4,
+                            channels=1, algorithm=algorithm)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -209,10 +265,14 @@ def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
     """A Signal names every rank that waits on it and no other (an extra reader would be a
     write nobody reads; a missing one, a wait released by nothing)."""
     count = 4 * n
-    for one_shot in (0, count):
+    variants = [(0, "auto"), (count, "auto")] + (
+        [(0, "direct")] if kind in DIRECT else []) + (
+        [(0, "one_shot")] if kind == "all_reduce" else [])
+    for one_shot, algorithm in variants:
         plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=1 << 20,
                                  chunk_bytes=2, channels=2, root=1 % n,
-                                 one_shot_bytes=one_shot) for r in range(n)]
+                                 one_shot_bytes=one_shot, algorithm=algorithm)
+                 for r in range(n)]
         for rnd in range(len(plans[0])):
             for c in range(max(len(p[rnd].channels) for p in plans)):
                 waiters = {(r, op.peer) for r in range(n) if c < len(plans[r][rnd].channels)
@@ -226,12 +286,16 @@ def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
 @settings(max_examples=60, deadline=None)
 @given(kind=st.sampled_from(KINDS), n=st.integers(2, 7), count=st.integers(0, 200),
        chunk=st.integers(1, 40), channels=st.integers(1, 4), capacity_mult=st.integers(1, 30),
-       root=st.integers(0, 6), seed=st.integers(0, 1000))
-def test_random_shapes(kind, n, count, chunk, channels, capacity_mult, root, seed):
+       root=st.integers(0, 6), seed=st.integers(0, 1000),
+       algorithm=st.sampled_from(["auto", "ring", "direct", "one_shot"]))
+def test_random_shapes(kind, n, count, chunk, channels, capacity_mult, root, seed, algorithm):
     if kind == "reduce_scatter":
         count -= count % n
+    if (algorithm == "direct" and kind not in DIRECT) or (
+            algorithm == "one_shot" and kind != "all_reduce"):
+        algorithm = "auto"
     check(kind, n, count, chunk=chunk, channels=channels, capacity=n * capacity_mult,
-          root=root % n, seed=seed)
+          root=root % n, seed=seed, algorithm=algorithm)
 
 
 def test_split_even():
