@@ -11,7 +11,7 @@ from ._call import Call
 from ._ops import ReduceOp, check_op_dtype
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "input_array",
-           "output_array"]
+           "output_array", "check_algorithm"]
 
 
 _CHECKED: dict[tuple[Any, Any], ReduceOp] = {}
@@ -48,7 +48,7 @@ _ALGORITHMS = {"all_reduce": ("ring", "direct", "one_shot"), "reduce_scatter": (
                "reduce": ("ring", "direct")}
 
 
-def _algorithm(name: str, algorithm: str | None) -> str | None:
+def check_algorithm(name: str, algorithm: str | None) -> str | None:
     """`algorithm` checked against what `name` offers (None: the communicator's choice)."""
     if algorithm is None:
         return None
@@ -61,7 +61,7 @@ def _algorithm(name: str, algorithm: str | None) -> str | None:
 
 def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
                channels: int | None, algorithm: str | None = None) -> Call:
-    algorithm = _algorithm("all_reduce", algorithm)
+    algorithm = check_algorithm("all_reduce", algorithm)
     x, rop = _input_and_op(x, op)
     if out is not x:  # out=x is in place: the same array, nothing to check
         out = output_array(out, x, x.shape, "all_reduce", in_place=_same(x), hint="out=x")
@@ -71,7 +71,7 @@ def all_reduce(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
 def reduce_scatter(x: Any, op: ReduceOp | str, out: Any, chunk_bytes: int | None,
                    channels: int | None, size: int, rank: int,
                    algorithm: str | None = None) -> Call:
-    algorithm = _algorithm("reduce_scatter", algorithm)
+    algorithm = check_algorithm("reduce_scatter", algorithm)
     x, rop = _input_and_op(x, op)
     if x.size % size:
         raise ValueError(f"reduce_scatter needs x.size divisible by the {size} ranks, "
@@ -118,7 +118,7 @@ def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | N
            channels: int | None, size: int, rank: int, algorithm: str | None = None) -> Call:
     ReduceOp.parse(op)  # a bad op, then a bad root, then a bad array
     root = _root(root, size)
-    algorithm = _algorithm("reduce", algorithm)
+    algorithm = check_algorithm("reduce", algorithm)
     x, rop = _input_and_op(x, op)
     out = (output_array(out, x, x.shape, "reduce", in_place=_same(x), hint="out=x")
            if rank == root else None)

@@ -121,9 +121,11 @@ class CallPath:
             plain = Signature(name, kind, shape, dtype, call.op.value, call.root,
                               deterministic=config.deterministic)
         algorithm = self._algorithm(call, count * itemsize)
+        plain = plain._replace(algorithm=algorithm)
         if self.size == 1 or ((x is None or kind == "cpu") and self._via_mpi()):
-            self._agree(plain)
-            if self.size > 1 and config.deterministic and name in _FOLDS:
+            refused = self.size > 1 and config.deterministic and name in _FOLDS
+            self._agree(plain, remember=not refused)
+            if refused:
                 raise GpuringError(
                     f"{name}: deterministic mode has no {name} through MPI (NumPy arrays "
                     "across nodes, or GPURING_TRANSPORT=mpi): MPI's reduction order is its own")
@@ -142,10 +144,15 @@ class CallPath:
             signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
                                        one_shot_bytes=config.one_shot_bytes,
                                        buffer_bytes=capacity, verify=config.verify,
-                                       algorithm=algorithm,
                                        device_settings=devices.schedule_settings())
         self._ensure_watchdog()
-        self._agree(signature)
+        refused = config.deterministic and algorithm == "ring"
+        self._agree(signature, remember=not refused)
+        if refused:  # agreed: every rank refuses it
+            raise GpuringError(
+                f"{name}: deterministic mode folds every element in rank order, which the "
+                "ring does not (its order depends on the segment): ask for 'direct' or "
+                "'one_shot', or for none")
         try:
             engine = self._engine(kind, capacity)
             piece = chunk or engine.default_chunk_bytes
@@ -174,23 +181,18 @@ class CallPath:
 
     def _algorithm(self, call: Call, nbytes: int) -> str:
         """The schedule of `call` (`plan_collective`'s `algorithm`): the call's, else the
-        communicator's; in deterministic mode one that folds in rank order (one-shot for an
-        all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct), and the ring refused."""
+        communicator's; in deterministic mode, where none is asked for, one that folds in rank
+        order (one-shot for an all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct). A
+        ring asked for in deterministic mode is refused once the ranks agreed on it."""
         name, config = call.collective, self.config
         if name not in _FOLDS:
             return "auto"
         asked = call.algorithm or config.algorithm
         if asked == "one_shot" and name != "all_reduce":  # GPURING_ALGORITHM's, all_reduce's
             asked = "auto"
-        if config.deterministic:
-            if asked == "ring":
-                raise GpuringError(
-                    f"{name}: deterministic mode folds every element in rank order, which "
-                    "the ring does not (its order depends on the segment): ask for 'direct' "
-                    "or 'one_shot', or for none")
-            if asked == "auto":
-                small = name == "all_reduce" and 0 < nbytes <= config.one_shot_bytes
-                asked = "auto" if small else "direct"
+        if config.deterministic and asked == "auto":
+            small = name == "all_reduce" and 0 < nbytes <= config.one_shot_bytes
+            asked = "one_shot" if small else "direct"
         return asked
 
     def _capturing(self) -> bool:
@@ -299,8 +301,10 @@ class CallPath:
             watchdog.track(finished, name, seq, engine.device.check)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
-    def _agree(self, signature: Signature) -> None:
-        """Check that every rank runs the same collective; cached per signature."""
+    def _agree(self, signature: Signature, *, remember: bool = True) -> None:
+        """Check that every rank runs the same collective; cached per signature, unless not
+        to `remember` it (a call refused once agreed: each attempt agrees anew, so a rank
+        that tries it again while its peers call something else meets a mismatch)."""
         if signature in self.agreed:
             return
         name, seq, life, watchdog = signature.collective, self.seq + 1, self.life, self.watchdog
@@ -330,7 +334,8 @@ class CallPath:
         if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
             self.agreed.clear()  # on every rank at once (the same calls agreed on);
             self.prepared.clear()  # a prepared call is only reused while still agreed
-        self.agreed.add(signature)
+        if remember:
+            self.agreed.add(signature)
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""

@@ -134,9 +134,8 @@ class Communicator:
         `algorithm="ring"|"direct"|"one_shot"` picks the schedule (GPURING_ALGORITHM).
         """
         if compression is not None:
-            if algorithm is not None:
-                raise ValueError("all_reduce: compression runs its own ring: pass no algorithm")
-            return self._all_reduce_compressed(x, op, out, chunk_bytes, channels, compression)
+            return self._all_reduce_compressed(x, op, out, chunk_bytes, channels, compression,
+                                               algorithm)
         return self._run("all_reduce", x, out, (op, chunk_bytes, channels, algorithm), lambda: (
             _argcheck.all_reduce(x, op, out, chunk_bytes, channels, algorithm)))
 
@@ -216,13 +215,14 @@ class Communicator:
 
     def _all_reduce_compressed(self, x: Any, op: ReduceOp | str, out: Any,
                                chunk_bytes: int | None, channels: int | None,
-                               compression: str) -> Any:
+                               compression: str, algorithm: str | None) -> Any:
         from ._compression import all_reduce_compressed, wire_dtype
 
         if self.config.deterministic:
-            raise GpuringError("all_reduce: deterministic mode has no compressed all_reduce "
-                               "(compression rounds the values on the way and runs its own "
-                               "ring)")
+            raise GpuringError("all_reduce: deterministic mode has no compressed all_reduce: "
+                               "compression rounds each rank's values to 16 bits before they "
+                               "are reduced, so its result is not the fold of the values")
+        _argcheck.check_algorithm("all_reduce", algorithm)
         rop = ReduceOp.parse(op)
         x = _argcheck.input_array(x)
         wire_dtype(compression)  # a bad name is the first thing to hear of
@@ -231,7 +231,8 @@ class Communicator:
                                          in_place=lambda out: _arrays.same_memory(out, x),
                                          hint="out=x")
         return all_reduce_compressed(self, x, op=rop, out=out, compression=compression,
-                                     chunk_bytes=chunk_bytes, channels=channels)
+                                     chunk_bytes=chunk_bytes, channels=channels,
+                                     algorithm=algorithm)
 
     @property
     def device_operations(self) -> int:

@@ -50,9 +50,10 @@ def unit_roundoff(compression: str) -> float:
 
 def all_reduce_compressed(comm: Communicator, x: Any, *, op: ReduceOp, out: Any,
                           compression: str, chunk_bytes: int | None,
-                          channels: int | None) -> Any:
+                          channels: int | None, algorithm: str | None = None) -> Any:
     """all_reduce of float32/float64 `x` (C-contiguous) into `out` (checked by the caller:
-    `x`'s shape and dtype) through the `compression` wire format."""
+    `x`'s shape and dtype) through the `compression` wire format, on the schedule
+    `algorithm` (None: the communicator's)."""
     dtype = _arrays.dtype_name(x)
     if dtype not in ("float32", "float64"):
         raise TypeError(f"compression={compression!r} applies to float32 and float64 arrays, "
@@ -60,7 +61,8 @@ def all_reduce_compressed(comm: Communicator, x: Any, *, op: ReduceOp, out: Any,
     wire = wire_dtype(compression)  # bf16 on CUDA: CuPy >= 14 with ml_dtypes
     ring_op = ReduceOp.SUM if op is ReduceOp.AVG else op
     low = x.astype(wire)
-    comm.all_reduce(low, op=ring_op, out=low, chunk_bytes=chunk_bytes, channels=channels)
+    comm.all_reduce(low, op=ring_op, out=low, chunk_bytes=chunk_bytes, channels=channels,
+                    algorithm=algorithm)
     out[...] = low
     if op is ReduceOp.AVG:
         out /= comm.size

@@ -87,8 +87,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "all_reduce, reduce_scatter and reduce: `ring` (a chain for reduce), `direct` "
             "(two-shot: each rank reduces its segment of every rank's data in rank order, "
             "then the segments are copied), `one_shot` (all_reduce: every rank reduces "
-            "everything), `auto` (one-shot up to `GPURING_ONE_SHOT_BYTES`, then the ring; "
-            "direct in deterministic mode); a call's `algorithm=` overrides it"),
+            "everything), `auto` (all_reduce: one-shot up to `GPURING_ONE_SHOT_BYTES` where "
+            "that fits a buffer region, else the ring; the others: the ring; in deterministic "
+            "mode one-shot for a small all_reduce, else direct); a call's `algorithm=` "
+            "overrides it"),
     Setting("GPURING_DETERMINISTIC", _flag, False, "0",
             "1: every element of every all_reduce, reduce_scatter and reduce result is the "
             "fold of the ranks' values in rank order, the same bits whatever the size, "

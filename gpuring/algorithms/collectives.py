@@ -21,7 +21,8 @@ from .ring import (
 
 __all__ = ["plan_collective", "ALGORITHMS"]
 
-#: what `algorithm` may ask for: "auto" (one-shot up to `one_shot_bytes`, then the ring),
+#: what `algorithm` may ask for: "auto" (all_reduce: one-shot up to `one_shot_bytes` where it
+#: fits one buffer region, else the ring; the others: the ring or chain),
 #: "ring" (the ring; a chain for reduce), "direct" (two-shot: `direct`), "one_shot" (every
 #: rank reduces everything, in rounds of a buffer region; all_reduce only)
 ALGORITHMS = ("auto", "ring", "direct", "one_shot")

@@ -384,12 +384,19 @@ def case_deterministic(c: Checker) -> None:
         for i, (g, a) in enumerate(zip(got, arrays, strict=True)):
             c.expect(g, rank_order_fold(a, "sum"), f"deterministic fused {fusion} {i}",
                      copy=True)
-    try:
+    try:  # every rank asks for the ring: refused on every rank, once agreed
         comm.all_reduce(dev(c, np.ones(3000, np.float32)), algorithm="ring")
     except GpuringError as exc:
         assert "deterministic" in str(exc), str(exc)
     else:
         raise AssertionError("the ring ran in deterministic mode")
+    try:  # only rank 0 asks for it: a mismatch, on every rank
+        comm.all_reduce(dev(c, np.ones(3000, np.float32)),
+                        algorithm="ring" if rank == 0 else None)
+    except gpuring.CollectiveMismatchError as exc:
+        assert "algorithm" in exc.differences, exc.differences
+    else:
+        raise AssertionError("ranks ran different schedules in deterministic mode")
     ins = c.inputs("float32", (5000,), 15900)
     c.expect(comm.all_reduce(dev(c, ins[rank]), algorithm="direct"), rank_order_fold(ins, "sum"),
              "deterministic after the refusal", copy=True)

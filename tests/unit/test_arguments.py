@@ -288,8 +288,9 @@ def test_algorithms_are_checked(comm):
                             (comm.reduce, "one_shot")):
         with pytest.raises(ValueError, match="algorithm must be one of"):
             verb(x, algorithm=algorithm)
-    with pytest.raises(ValueError, match="compression runs its own ring"):
-        comm.all_reduce(x, compression="fp16", algorithm="direct")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        comm.all_reduce(x, compression="fp16", algorithm="tree")
+    assert comm.all_reduce(x, compression="fp16", algorithm="direct").tolist() == [1.0] * 4
     for algorithm in ("ring", "direct", "one_shot"):
         assert comm.all_reduce(x, algorithm=algorithm).tolist() == [1.0] * 4
     with pytest.raises(ValueError, match="algorithm must be"):
