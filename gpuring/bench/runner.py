@@ -125,6 +125,7 @@ def _in_force(comm: Any, device: str) -> dict[str, Any]:
         "channels": config.channels or devices.default_channels,
         "buffer_bytes": config.buffer_bytes or devices.default_buffer_bytes,
         "one_shot_bytes": config.one_shot_bytes, "transport": config.transport,
+        "algorithm": config.algorithm, "deterministic": config.deterministic,
         "timeout": config.timeout, "verify": config.verify}
     return {"config": values,
             "environment": {k: v for k, v in sorted(os.environ.items())
