@@ -98,3 +98,26 @@ def test_the_root_cause_is_reported_before_the_ranks_that_gave_up_because_of_it(
     finally:
         for board in boards:
             board.close()
+
+
+def test_a_peer_that_entered_without_agreeing_ran_ahead() -> None:
+    """While rank 1 agrees on collective 5, a peer that entered 5 having agreed on it too (it
+    left the exchange first) is fine; one that entered 5 without agreeing ran a call agreed
+    before: that peer and its collective are named."""
+    boards = _boards(3)
+    try:
+        for board in boards:  # every rank agreed on and entered collective 4
+            board.agreeing(4)
+            board.enter(4, "all_reduce(op=sum)", 44)
+        boards[1].agreeing(5)
+        assert boards[1].ran_ahead(5) is None
+        boards[0].agreeing(5)
+        boards[0].enter(5, "all_reduce(op=max)", 55)  # agreed on 5, then entered it
+        assert boards[1].ran_ahead(5) is None
+        boards[2].enter(5, "all_reduce(op=sum)", 44)  # entered 5 on the agreement of 4
+        assert boards[1].ran_ahead(5) == (2, "all_reduce(op=sum)")
+        boards[2].enter(6, "barrier()", 66)  # and went further
+        assert boards[1].ran_ahead(5) == (2, "#6, barrier()")
+    finally:
+        for board in boards:
+            board.close()
