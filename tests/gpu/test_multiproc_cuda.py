@@ -50,7 +50,7 @@ def test_small_all_reduce_as_one_operation(n, mode, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
-@pytest.mark.parametrize(("mode", "n"), [("kernel", 2), ("auto", 3)])
+@pytest.mark.parametrize(("mode", "n"), [("kernel", 2), ("auto", 2)])
 def test_the_same_arrays_again(n, mode, tmp_path):
     """Persistent CuPy arrays called again and again, refilled between calls (a call that
     comes again runs the operands it bound once), and a mismatch among them."""
