@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from . import settings
+from .algorithms.collectives import ALGORITHMS
 from .settings import parse_size
 
 __all__ = ["Config", "parse_size"]
@@ -62,9 +63,9 @@ class Config:
             raise ValueError(f"channels must be between 1 and 32, got {self.channels}")
         if self.transport not in ("auto", "mpi"):
             raise ValueError(f"transport must be 'auto' or 'mpi', got {self.transport!r}")
-        if self.algorithm not in ("auto", "ring", "direct", "one_shot"):
-            raise ValueError("algorithm must be 'auto', 'ring', 'direct' or 'one_shot', got "
-                             f"{self.algorithm!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
+                             f"got {self.algorithm!r}")
         if self.deterministic and self.algorithm == "ring":
             raise ValueError("deterministic mode folds in rank order, which the ring does not: "
                              "leave algorithm 'auto' or choose 'direct' or 'one_shot'")

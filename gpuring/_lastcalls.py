@@ -101,6 +101,3 @@ class LastCalls:
             except (KeyError, RuntimeError, StopIteration):  # another thread got there first
                 pass
         last[key] = entry
-
-    def clear(self) -> None:
-        self._last.clear()

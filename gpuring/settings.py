@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .algorithms.collectives import ALGORITHMS
+
 __all__ = ["Setting", "SETTINGS", "get", "parse_size", "markdown_table"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -83,7 +85,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_ONE_SHOT_BYTES", parse_size, 64 << 10, "64K",
             "all_reduce up to this size runs one-shot (lowest latency); on the GPU, any "
             "collective whose input is up to this size (and 4M) runs as one operation"),
-    Setting("GPURING_ALGORITHM", _choice("auto", "ring", "direct", "one_shot"), "auto", "auto",
+    Setting("GPURING_ALGORITHM", _choice(*ALGORITHMS), "auto", "auto",
             "all_reduce, reduce_scatter and reduce: `ring` (a chain for reduce), `direct` "
             "(two-shot: each rank reduces its segment of every rank's data in rank order, "
             "then the segments are copied), `one_shot` (all_reduce: every rank reduces "
