@@ -7,8 +7,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["device_kind", "array_module", "dtype_name", "contiguous", "may_overlap", "same_memory",
-           "to_host"]
+from ._errors import GpuringError
+
+__all__ = ["device_kind", "array_module", "module_for", "dtype_name", "contiguous", "address",
+           "may_overlap", "same_memory", "to_host"]
 
 
 def _is_cupy(x: Any) -> bool:
@@ -42,6 +44,17 @@ def array_module(x: Any) -> Any:
     return np
 
 
+def module_for(kind: str) -> Any:
+    """The array module of a device kind: numpy for "cpu", cupy for "cuda"."""
+    if kind == "cpu":
+        return np
+    try:
+        import cupy
+    except ImportError:
+        raise GpuringError("CuPy arrays need CuPy (pip install 'gpuring[cuda13]')") from None
+    return cupy
+
+
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 
 
@@ -61,7 +74,8 @@ def contiguous(x: Any) -> Any:
     return array_module(x).ascontiguousarray(x)
 
 
-def _address(x: Any) -> int:
+def address(x: Any) -> int:
+    """Where `x`'s data starts (a device address for CuPy arrays)."""
     return int(x.data.ptr) if _is_cupy(x) else int(x.ctypes.data)
 
 
@@ -77,7 +91,7 @@ def may_overlap(a: Any, b: Any) -> bool:
 
 def same_memory(a: Any, b: Any) -> bool:
     """True when `a` and `b` cover exactly the same bytes."""
-    return bool(_address(a) == _address(b) and a.nbytes == b.nbytes)
+    return bool(address(a) == address(b) and a.nbytes == b.nbytes)
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -11,6 +11,7 @@ from ._errors import CollectiveMismatchError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
+    from ._registry import Placement
     from ._scheduler import Launch
 
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
@@ -39,11 +40,15 @@ class Call:
     #: a one-operation collective's operands (`Engine.bind`), once bound: they hold no
     #: array, so the same call coming again (`LastCalls`) runs them as they are
     bound: Any = None
+    #: where the arrays lie in registered memory (None: plain arrays), worked out with the key
+    placement: Placement | None = None
 
     def with_arrays(self, x: Any, out: Any) -> Call:
-        """This call on other arrays of the same layout (what it worked out kept)."""
+        """This call on other arrays of the same layout and placement (what it worked out
+        kept)."""
         return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
-                    self.channels, self.in_place, self.algorithm, self.known_key, self.bound)
+                    self.channels, self.in_place, self.algorithm, self.known_key, self.bound,
+                    self.placement)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""
@@ -52,7 +57,7 @@ class Call:
             x = self.x
             key = self.known_key = (self.collective,) if x is None else (
                 self.collective, x.shape, x.dtype, type(x), self.op, self.root,
-                self.chunk_bytes, self.channels, self.in_place, self.algorithm)
+                self.chunk_bytes, self.channels, self.in_place, self.algorithm, self.placement)
         return key
 
 
@@ -77,6 +82,15 @@ class Signature(NamedTuple):
     deterministic: bool = False
     #: the device's settings that shape its schedule (`Device.schedule_settings`)
     device_settings: tuple[tuple[str, str], ...] | None = None
+    #: the registrations the input and the output lie in (`Placement.ids`; None: plain)
+    registered: tuple[int | None, int | None] | None = None
+    #: how far into them (`Placement.offsets`): this rank's, which its peers learn here and
+    #: which may differ from theirs (so it is never compared)
+    offsets: tuple[int | None, int | None] | None = None
+
+
+#: the fields of a Signature that are each rank's own, never compared
+_OWN_FIELDS = frozenset({"offsets"})
 
 
 def check_alike(signatures: list[Signature], name: str, rank: int) -> None:
@@ -84,6 +98,8 @@ def check_alike(signatures: list[Signature], name: str, rank: int) -> None:
     differ, and each rank's value (`name` and `rank`: this rank's call)."""
     differences: dict[str, dict[int, object]] = {}
     for i, field in enumerate(Signature._fields):
+        if field in _OWN_FIELDS:
+            continue
         values: dict[int, object] = {r: s[i] for r, s in enumerate(signatures)}
         if len(set(map(repr, values.values()))) > 1:
             differences[field] = values

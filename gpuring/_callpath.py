@@ -5,6 +5,7 @@ path when something fails (the lifecycle's transitions, telling the peers, relea
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 import zlib
@@ -21,6 +22,7 @@ from ._errors import (
     PeerFailureError,
 )
 from ._lifecycle import Lifecycle, State, in_context
+from ._registry import Registration, Registry
 from ._scheduler import Engine, Launch
 from ._status import signature_hash
 from ._timeline import Timeline
@@ -66,7 +68,9 @@ class CallPath:
         self.life = Lifecycle(control.rank)
         self.engines: dict[str, Engine] = {}
         self.prepared: dict[tuple[Any, ...], PreparedCall] = {}
-        self.agreed: set[Signature] = set()
+        #: the signatures agreed on, each with every rank's (in rank order)
+        self.agreed: dict[Signature, list[Signature]] = {}
+        self.registry = Registry()  #: registered memory (`register`)
         self.seq = 0  #: collectives this rank started
         self.last_collective = "collective"  #: the name of the last one
         self.lock = threading.RLock()
@@ -79,7 +83,11 @@ class CallPath:
         """Run a checked call: prepare it once per key, then run it by its route."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
-        key = call.known_key or call.key()
+        key = call.known_key
+        if key is None:
+            if self.registry and call.x is not None:
+                call.placement = self.registry.placement(call.collective, call.x, call.out)
+            key = call.key()
         with self.lock:
             prepared = self.prepared.get(key)
             if prepared is None:
@@ -135,9 +143,8 @@ class CallPath:
             chunk = call.chunk_bytes or config.chunk_bytes
             nchannels = call.channels or config.channels or devices.default_channels
             Config(chunk_bytes=chunk, channels=nchannels).validate()
-        engine = self.engines.get(kind)
-        capacity = engine.capacity if engine is not None else (
-            config.buffer_bytes or devices.default_buffer_bytes)
+        capacity = self._capacity(kind)
+        placement = call.placement
         if x is None:
             signature = plain._replace(chunk_bytes=1, channels=1, verify=config.verify)
         else:
@@ -145,9 +152,12 @@ class CallPath:
                                        one_shot_bytes=config.one_shot_bytes,
                                        buffer_bytes=capacity, verify=config.verify,
                                        device_settings=devices.schedule_settings())
+            if placement is not None:
+                signature = signature._replace(registered=placement.ids(),
+                                               offsets=placement.offsets())
         self._ensure_watchdog()
         refused = config.deterministic and algorithm == "ring"
-        self._agree(signature, remember=not refused)
+        signatures = self._agree(signature, remember=not refused)
         if refused:  # agreed: every rank refuses it
             raise GpuringError(
                 f"{name}: deterministic mode folds every element in rank order, which the "
@@ -156,17 +166,23 @@ class CallPath:
         try:
             engine = self._engine(kind, capacity)
             piece = chunk or engine.default_chunk_bytes
+            peer_in, peer_out = (False, False) if placement is None else (
+                ident is not None for ident in placement.ids())
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
                 capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
                 root=call.root, one_shot_bytes=config.one_shot_bytes,
-                root_copies=name == "broadcast" and not call.in_place,
-                own_copy=not call.in_place, algorithm=algorithm)
+                in_place=call.in_place or (placement is not None and peer_in
+                                           and placement.inp == placement.out),
+                algorithm=algorithm, peer_in=peer_in, peer_out=peer_out)
+            registered = any(plan.registered for plan in rounds)
+            peers = self.registry.peer_arrays(signatures, count * itemsize) if registered \
+                else ()
             fused = name in engine.fused_kinds and algorithm != "ring" and \
                 0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
             launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                     inline=nchannels == 1, fused=fused, collective=name,
-                                    root=call.root, nbytes=count * itemsize)
+                                    root=call.root, nbytes=count * itemsize, peers=peers)
         except BaseException as exc:  # after agreement the peers go on: tell them
             self.give_up(exc, name)
             raise
@@ -176,6 +192,8 @@ class CallPath:
             f"algorithm={algorithm})")
         if fused:
             text += " as one operation"
+        elif registered:
+            text += f" in registered memory {signature.registered}"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
                             fused and engine.fused_capturable and not config.verify)
 
@@ -301,12 +319,14 @@ class CallPath:
             watchdog.track(finished, name, seq, engine.device.check)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
-    def _agree(self, signature: Signature, *, remember: bool = True) -> None:
-        """Check that every rank runs the same collective; cached per signature, unless not
-        to `remember` it (a call refused once agreed: each attempt agrees anew, so a rank
-        that tries it again while its peers call something else meets a mismatch)."""
-        if signature in self.agreed:
-            return
+    def _agree(self, signature: Signature, *, remember: bool = True) -> list[Signature]:
+        """Check that every rank runs the same collective, and return every rank's signature
+        (in rank order); cached per signature, unless not to `remember` it (a call refused
+        once agreed: each attempt agrees anew, so a rank that tries it again while its peers
+        call something else meets a mismatch)."""
+        known = self.agreed.get(signature)
+        if known is not None:
+            return known
         name, seq, life, watchdog = signature.collective, self.seq + 1, self.life, self.watchdog
         if watchdog is not None:  # a peer that closes meanwhile fails this exchange at once
             watchdog.expect(seq, name, _described(signature))
@@ -335,7 +355,8 @@ class CallPath:
             self.agreed.clear()  # on every rank at once (the same calls agreed on);
             self.prepared.clear()  # a prepared call is only reused while still agreed
         if remember:
-            self.agreed.add(signature)
+            self.agreed[signature] = signatures
+        return signatures
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
@@ -347,6 +368,37 @@ class CallPath:
             raise GpuringError("NumPy collectives across nodes (or GPURING_TRANSPORT=mpi) "
                                "need the ranks to come from mpiexec")
         return True
+
+    def _capacity(self, kind: str) -> int:
+        """The size of a buffer region of the engine for `kind` (the agreed setting, or the
+        device's default, until the engine exists)."""
+        engine = self.engines.get(kind)
+        return engine.capacity if engine is not None else (
+            self.config.buffer_bytes or device_class(kind).default_buffer_bytes)
+
+    def register(self, kind: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An array of `kind` ("cpu", "cuda"), `shape` and `dtype` (a NumPy dtype) in
+        registered memory, made by every rank at once (`Communicator.empty`); None where the
+        ranks have no peer to map it (a world of one, NumPy collectives through MPI)."""
+        name = "empty"
+        with self.lock:
+            if self.life.state is not State.OPEN:
+                self.life.check(name, self.seq + 1)
+            if self.size == 1 or (kind == "cpu" and self._via_mpi()):
+                return None
+            self._ensure_watchdog()
+            self._agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
+            try:
+                engine = self._engine(kind, self._capacity(kind))
+                nbytes = math.prod(shape) * dtype.itemsize
+                mems = engine.register(self.control, nbytes)
+                array = engine.device.array(mems[self.rank], shape, dtype)
+            except BaseException as exc:  # after agreement the peers go on: tell them
+                self.give_up(exc, name)
+                raise
+            self.registry.add(Registration(self.registry.next_ident(), kind, mems,
+                                           _arrays.address(array), nbytes))
+            return array
 
     def _engine(self, kind: str, capacity: int) -> Engine:
         engine = self.engines.get(kind)

@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec
 
+import numpy as np
+
 from . import _argcheck, _arrays, interop
 from ._call import Call
 from ._callpath import CallPath, weakly
@@ -190,6 +192,39 @@ class Communicator:
         result = self._path.run(call)
         last_calls.remember(verb, x, out, args, call)
         return result
+
+    # -- registered memory ----------------------------------------------------------------
+    def empty(self, shape: int | Sequence[int], dtype: Any = "float64", *,
+              device: str = "cpu") -> Any:
+        """A new array (NumPy for `device="cpu"`, CuPy for `"cuda"`) in memory every peer
+        maps: collectives on such arrays read the peers' arrays where they lie instead of
+        staging them through the communication buffers (see the README's "Registered
+        memory"). Every rank calls it alike, as a collective (the same shape, dtype and
+        device, in the same order as its other collectives). The memory is zero-filled. It
+        stays valid for as long as the array (or a view of it) lives; once the communicator
+        is closed, it is an ordinary array. Where there is no peer to map it (a world of
+        one, NumPy collectives through MPI) it is an ordinary array from the start."""
+        return self._registered("empty", shape, dtype, device)
+
+    def zeros(self, shape: int | Sequence[int], dtype: Any = "float64", *,
+              device: str = "cpu") -> Any:
+        """`empty` (whose memory is zero-filled): a registered array of zeros."""
+        return self._registered("zeros", shape, dtype, device)
+
+    def _registered(self, name: str, shape: int | Sequence[int], dtype: Any,
+                    device: str) -> Any:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: device must be 'cpu' or 'cuda', got {device!r}")
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"{name}: shape must be non-negative ints, got {shape!r}")
+        xp = _arrays.module_for(device)
+        dtype = np.dtype(dtype)
+        self._drain_async()
+        array = self._path.register(device, dims, dtype)
+        if array is None:  # nobody to map it: an ordinary array
+            array = xp.zeros(dims, dtype=dtype)
+        return array
 
     @public_verb
     def barrier(self) -> None:

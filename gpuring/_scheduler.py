@@ -33,7 +33,7 @@ stream.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
 from ._ops import ReduceOp
@@ -60,7 +60,7 @@ from .devices.base import (
 )
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Engine", "Launch", "MAX_CHANNELS"]
+__all__ = ["Engine", "Launch", "PeerArrays", "MAX_CHANNELS"]
 
 MAX_CHANNELS = 32
 _PAGE = 4096
@@ -69,18 +69,30 @@ _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
 
 
+class PeerArrays(NamedTuple):
+    """A rank's input and output of a collective on registered memory, mapped here (None:
+    not registered)."""
+
+    inp: Span | None
+    out: Span | None
+
+
 class Launch:
     """A collective prepared for one engine: its rounds, the dtype and op, whether it runs on
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
     __slots__ = ("_per_round", "collective", "direct", "divisor", "dtype", "engine", "fused",
-                 "hears_all", "inline", "itemsize", "op", "root", "rounds", "runners")
+                 "hears_all", "inline", "itemsize", "op", "peers", "root", "rounds", "runners")
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
                  itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
-                 collective: str = "all_reduce", root: int = 0):
+                 collective: str = "all_reduce", root: int = 0,
+                 peers: tuple[PeerArrays, ...] = ()):
         self.engine = engine
+        #: every rank's registered input and output, mapped here, which registered rounds
+        #: read (`RoundPlan.registered`); empty for collectives on plain arrays
+        self.peers = peers
         #: the collective runs as one operation on the caller's stream, not in rounds: `direct`
         #: (set by `Engine.prepare`)
         self.fused = fused
@@ -111,7 +123,8 @@ class Launch:
         if self._per_round is None:
             self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
                                            self.op, self.inline, collective=self.collective,
-                                           root=self.root) for plan in self.rounds)
+                                           root=self.root, peers=self.peers)
+                                    for plan in self.rounds)
         return self._per_round
 
 
@@ -138,7 +151,8 @@ class Engine:
         #: the caller's stream that last captured a one-kernel collective
         self._captured_on: Stream | None = None
         self._inline = device.create_stream(inline=True)
-        self._runners: collections.OrderedDict[tuple[Any, ...], tuple[RoundPlan, Runner]] = (
+        self._runners: collections.OrderedDict[
+            tuple[Any, ...], tuple[RoundPlan, tuple[PeerArrays, ...], Runner]] = (
             collections.OrderedDict())
         # the inbox: DONE per rank, READY per channel and rank; then the device's region for
         # one-operation all_reduces; data starts on a new page
@@ -180,14 +194,18 @@ class Engine:
 
     def prepare(self, rounds: tuple[RoundPlan, ...], *, dtype: str, itemsize: int,
                 op: ReduceOp, inline: bool, fused: bool = False, collective: str = "all_reduce",
-                root: int = 0, nbytes: int = 0) -> Launch:
+                root: int = 0, nbytes: int = 0, peers: tuple[PeerArrays, ...] = ()) -> Launch:
         """`rounds` of `collective` ready to run on this engine (`inline`: on one stream, in
         the calling thread where the device can; `fused`: one of `fused_kinds` with an input
-        of `nbytes`, at most `fused_bytes`, run as one operation instead of `rounds`)."""
+        of `nbytes`, at most `fused_bytes`, run as one operation instead of `rounds`; `peers`:
+        every rank's registered arrays, which registered rounds read)."""
         if fused and (collective not in self.fused_kinds or not 0 < nbytes <= self.fused_bytes):
             raise ValueError(f"this engine runs no {collective} of {nbytes} bytes as one "
                              "operation")
-        launch = Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root)
+        if any(plan.registered for plan in rounds) and len(peers) != self.size:
+            raise ValueError("a registered round needs every rank's arrays")
+        launch = Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root,
+                        peers)
         if fused:
             launch.direct = self.device.prepare_direct(
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
@@ -307,7 +325,6 @@ class Engine:
                     self._heard_all = seq if hears_all else -1
                 return self._finish([self._inline])
             self._heard_all = -1
-            dtype, itemsize, op, divisor = launch.dtype, launch.itemsize, launch.op, launch.divisor
             used: list[Stream] = []
             for plan in rounds:
                 self._seq += 1
@@ -319,7 +336,7 @@ class Engine:
                         for event in waits_for(stream):
                             stream.wait_event(event)
                 for c, stream in enumerate(streams):
-                    self._runner(plan, c, seq & 1, dtype, itemsize, op, divisor, stream,
+                    self._runner(launch, plan, c, seq & 1, stream,
                                  len(streams) == 1)(in_mem, out_mem, seq)
                 if len(streams) > 1:  # DONE once every channel's reads are complete
                     first = streams[0]
@@ -374,48 +391,60 @@ class Engine:
         without its credit waits where `key[2]`: compiled once, kept by the launch."""
         r, parity, known = key
         plan = launch.rounds[r]
-        runners = tuple(self._compile(plan, c, parity, launch.dtype, launch.itemsize,
-                                      launch.op, launch.divisor, self._inline,
+        runners = tuple(self._compile(launch, plan, c, parity, self._inline,
                                       c == len(plan.channels) - 1, credits=not known)
                         for c in range(len(plan.channels)))
         launch.runners[key] = runners
         return runners
 
-    def _compile(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
-                 op: ReduceOp, divisor: int, stream: Stream, with_done: bool, *,
-                 credits: bool = True) -> Runner:
-        program = self._program(plan.channels[c], c, parity, itemsize, divisor, with_done,
-                                credits=credits)
-        return self.device.compile(program, dtype, op, stream)
+    def _compile(self, launch: Launch, plan: RoundPlan, c: int, parity: int, stream: Stream,
+                 with_done: bool, *, credits: bool = True) -> Runner:
+        program = self._program(plan.channels[c], c, parity, launch.itemsize, launch.divisor,
+                                with_done, credits=credits and not plan.registered,
+                                peers=launch.peers)
+        return self.device.compile(program, launch.dtype, launch.op, stream)
 
-    def _runner(self, plan: RoundPlan, c: int, parity: int, dtype: str, itemsize: int,
-                op: ReduceOp, divisor: int, stream: Stream, with_done: bool) -> Runner:
-        key = (id(plan), c, parity, dtype, op, divisor, stream, with_done)
+    def _runner(self, launch: Launch, plan: RoundPlan, c: int, parity: int, stream: Stream,
+                with_done: bool) -> Runner:
+        """The runner of channel `c` of `plan` (a round of `launch`) on `stream`, kept for
+        the launches of every call with the same plan (and registered arrays)."""
+        peers = launch.peers
+        key = (id(plan), id(peers), c, parity, launch.dtype, launch.op, launch.divisor, stream,
+               with_done)
         hit = self._runners.get(key)
-        if hit is not None and hit[0] is plan:
+        if hit is not None and hit[0] is plan and hit[1] is peers:
             self._runners.move_to_end(key)
-            return hit[1]
-        runner = self._compile(plan, c, parity, dtype, itemsize, op, divisor, stream, with_done)
-        self._runners[key] = (plan, runner)
+            return hit[2]
+        runner = self._compile(launch, plan, c, parity, stream, with_done)
+        self._runners[key] = (plan, peers, runner)
         if len(self._runners) > _RUNNER_CACHE:
             self._runners.popitem(last=False)
         return runner
 
     def _program(self, ops: ChannelPlan, c: int, parity: int, itemsize: int, divisor: int,
-                 with_done: bool, *, credits: bool = True) -> tuple[Instruction, ...]:
+                 with_done: bool, *, credits: bool = True,
+                 peers: tuple[PeerArrays, ...] = ()) -> tuple[Instruction, ...]:
         """Device instructions for one channel of a round: plan locations become spans of
-        the buffers (input/output stay arguments), relative flag values stay relative.
-        Without `credits` the round does not wait for the buffer credits (known already)."""
+        the buffers and of the peers' registered arrays (`peers`; this rank's input and
+        output stay arguments), relative flag values stay relative. Without `credits` the
+        round does not wait for the buffer credits (known already, or no buffer is used)."""
         base = self._data_offset + parity * 2 * self.capacity
         mems = self._mems
         local = mems[self.rank]
+        me = self.rank
 
         def operand(loc: Loc, length: int) -> Span | Arg:
             nbytes = length * itemsize
             if loc.space == BUF:
                 offset = base + loc.region * self.capacity + loc.offset * itemsize
                 return Span(mems[loc.rank], offset, nbytes)
-            return Arg(0 if loc.space == IN else 1, loc.offset * itemsize, nbytes)
+            if loc.rank in (-1, me):
+                return Arg(0 if loc.space == IN else 1, loc.offset * itemsize, nbytes)
+            array = peers[loc.rank].inp if loc.space == IN else peers[loc.rank].out
+            if array is None:
+                raise ValueError(f"rank {loc.rank}'s {'input' if loc.space == IN else 'output'}"
+                                 " is not registered memory")
+            return Span(array.mem, array.offset + loc.offset * itemsize, nbytes)
 
         # Credit: every rank, this one included (its other channels), has finished round
         # seq - 2, which used the buffer half this round is about to write.
@@ -441,6 +470,19 @@ class Engine:
         if with_done:
             program += [WriteI(flag, 0, 0) for flag in self._done_to]
         return tuple(program)
+
+    def register(self, control: ControlPlane, nbytes: int) -> tuple[Memory, ...]:
+        """Registered memory: `nbytes` of this device that every rank maps, made with every
+        rank at once (each rank's, in rank order; this rank's is its own allocation). It is
+        freed with the device: a user array made over it keeps its own share alive."""
+        device = self.device
+        local = device.alloc(max(nbytes, 1))
+        handles = control.exchange("registration (handles)", device.export(local), self.timeout)
+        mems = tuple(local if r == self.rank else open_peer(device, h, r)
+                     for r, h in enumerate(handles))
+        control.barrier(self.timeout, "registration (mapped)")
+        device.seal(local)
+        return mems
 
     def close(self, control: ControlPlane, *, orderly: bool) -> None:
         """Free this engine. On a device whose peers map our memory through the driver (GPU),

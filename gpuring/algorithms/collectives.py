@@ -8,6 +8,7 @@ import functools
 from .direct import DIRECT_KINDS, direct_round
 from .oneshot import barrier_round, one_shot_all_reduce
 from .plan import RoundPlan, split_even
+from .registered import registered_form, registered_round
 from .ring import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -31,17 +32,20 @@ ALGORITHMS = ("auto", "ring", "direct", "one_shot")
 @functools.lru_cache(maxsize=512)
 def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                     capacity_bytes: int, chunk_bytes: int, channels: int, root: int = 0,
-                    one_shot_bytes: int = 0, root_copies: bool = False,
-                    own_copy: bool = True, algorithm: str = "auto") -> tuple[RoundPlan, ...]:
+                    one_shot_bytes: int = 0, in_place: bool = False,
+                    algorithm: str = "auto", peer_in: bool = False,
+                    peer_out: bool = False) -> tuple[RoundPlan, ...]:
     """The rounds `rank` runs for one collective.
 
     `count` is the element count of the input (all_reduce, reduce_scatter: whole input;
     all_gather: one rank's block; broadcast, reduce: the array). `capacity_bytes` is the size of
     one buffer region; `one_shot_bytes` the largest all_reduce that runs one-shot;
-    `root_copies`: the root of a broadcast also copies its input to its output (out of
-    place); without `own_copy` an all_gather does not copy this rank's input into its own
-    block of the output (in place, where the input is that block). `algorithm`: one of
-    `ALGORITHMS` for all_reduce, reduce_scatter and reduce ("auto" for the others).
+    `in_place`: the output is the input (all_reduce, reduce_scatter, reduce: the same
+    memory; broadcast: the root copies nothing; all_gather: the input is this rank's block of
+    the output, which it does not copy). `algorithm`: one of `ALGORITHMS` for all_reduce,
+    reduce_scatter and reduce ("auto" for the others). `peer_in`/`peer_out`: every rank's
+    input/output is registered memory its peers map: where a registered form applies
+    (`registered_form`), the collective is its one round, whatever its size.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, not {algorithm!r}")
@@ -61,6 +65,11 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                          f"{capacity_bytes} bytes; use a larger chunk_bytes")
     if kind == "barrier":
         return (barrier_round(n, rank),)
+    form = registered_form(kind, algorithm, peer_in, peer_out, in_place) if (
+        peer_in or peer_out) else None
+    if form is not None:
+        return (registered_round(form, n, rank, count, chunk, channels, peer_in=peer_in,
+                                 in_place=in_place, root=root),) if count else ()
     if kind == ALL_REDUCE and algorithm == "auto" and 0 < count * itemsize <= one_shot_bytes \
             and count <= cap:
         return (one_shot_all_reduce(n, rank, count),)
@@ -96,12 +105,13 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         for j in range(0, count, step):
             length = min(step, count - j)
             segs = tuple(Segment(j, b * length, b * count + j, length) for b in range(n))
-            rounds.append(ring_round(kind, n, rank, segs, chunk, channels, own_copy=own_copy))
+            rounds.append(ring_round(kind, n, rank, segs, chunk, channels,
+                                     own_copy=not in_place))
     elif kind in (BROADCAST, REDUCE):
         for a in range(0, count, cap):
             length = min(cap, count - a)
             rounds.append(chain_round(kind, n, rank, root, a, length, chunk, channels,
-                                      root_copies=root_copies))
+                                      root_copies=not in_place))
     else:
         raise ValueError(f"unknown collective {kind!r}")
     return tuple(rounds)

@@ -26,7 +26,9 @@ AG = 1  #: final segments and all-gather forwards
 
 
 class Loc(NamedTuple):
-    """`space` IN/OUT (rank, region unused) or BUF of `rank` in `region`; `offset` in elements."""
+    """`space` BUF of `rank` in `region`, or IN/OUT: this rank's input or output where `rank`
+    is -1, else rank `rank`'s (registered memory, which peers map; region unused). `offset`
+    in elements."""
 
     space: int
     offset: int
@@ -55,7 +57,8 @@ class ReduceN(NamedTuple):
     sources), folded in that order with every step rounded to the dtype: the same bits as the
     chain of `Reduce`s dst = srcs[0] op srcs[1], dst = dst op srcs[2], ..., reading each
     source once and writing dst once. `last` as for Reduce (avg divides at the final step).
-    dst may be srcs[0] but must not overlap a later source."""
+    dst may be the same memory as one source (at the same positions: an in-place fold), and
+    overlaps none otherwise."""
 
     dst: Loc
     srcs: tuple[Loc, ...]
@@ -88,6 +91,9 @@ class RoundPlan(NamedTuple):
     """What one rank does in one round: one op sequence per channel."""
 
     channels: tuple[ChannelPlan, ...]
+    #: the round reads the peers' registered arrays (`Loc(IN|OUT, offset, rank)`) and uses no
+    #: buffer (see `registered`)
+    registered: bool = False
 
 
 def split_even(count: int, parts: int) -> list[tuple[int, int]]:

@@ -97,19 +97,26 @@ class _StreamBase(Stream):
 
 
 def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: int) -> None:
-    """d = xs[0] op xs[1] op ... op xs[-1], each step one binary reduce into d (rounded to the
+    """d = xs[0] op xs[1] op ... op xs[-1], each step one binary reduce (rounded to the
     dtype), the divisor at the last step only: exactly the chain d = xs[0] op xs[1], d = d op
-    xs[2], ... d may be xs[0] but must not overlap a later operand."""
+    xs[2], ... d may be the same memory as any operand (an in-place fold): where it is one
+    that a step before the last would overwrite before reading it, the steps before the last
+    go through a temporary."""
     if len(xs) < 2:
         raise ValueError(f"a fold needs at least two operands, not {len(xs)}")
     ufunc = _UFUNCS[op]
     acc = xs[0]
+    last = len(xs) - 1
+    into = d
+    if last > 1 and any(np.may_share_memory(d, x) for x in xs[2:last]):
+        into = np.empty_like(d)
     for k in range(1, len(xs)):
-        if k == len(xs) - 1 and divisor != 1:
-            _average_into(d, acc, xs[k], divisor)
+        step_out = d if k == last else into
+        if k == last and divisor != 1:
+            _average_into(step_out, acc, xs[k], divisor)
         else:
-            ufunc(acc, xs[k], out=d)
-        acc = d
+            ufunc(acc, xs[k], out=step_out)
+        acc = step_out
 
 
 def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:

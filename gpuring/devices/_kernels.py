@@ -132,9 +132,13 @@ def fold_launches(dst: int, srcs: Sequence[int]) -> list[tuple[tuple[int, ...], 
     in order: (sources of the launch, whether it is the last, which applies the divisor).
     The first launch takes up to `MAX_SOURCES` sources; each later one starts from `dst` (the
     fold so far, already rounded to the dtype) and takes up to `MAX_SOURCES` - 1 more. So
-    `dst` may be the same memory as srcs[0] but must not overlap a later source."""
+    `dst` may be the same memory as a source of the first launch (each element is read from
+    every source of a launch before it is written), not as a later one: that is refused."""
     if len(srcs) < 2:
         raise ValueError(f"a fold needs at least two sources, not {len(srcs)}")
+    if dst in srcs[MAX_SOURCES:]:
+        raise ValueError(f"an in-place fold of more than {MAX_SOURCES} sources whose "
+                         f"destination is source {list(srcs).index(dst)} (a later launch's)")
     launches = [tuple(srcs[:MAX_SOURCES])]
     for start in range(MAX_SOURCES, len(srcs), MAX_SOURCES - 1):
         launches.append((dst, *srcs[start:start + MAX_SOURCES - 1]))

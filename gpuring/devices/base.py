@@ -163,7 +163,9 @@ class Stream(abc.ABC):
         byte count), folded in that order with every step rounded to the dtype, then dst /=
         divisor at the last step when divisor != 1: the same bits as `reduce(dst, srcs[0],
         srcs[1])` followed by `reduce(dst, dst, srcs[k])` for k = 2, 3, ..., the divisor
-        passed to the last. dst may be srcs[0] but must not overlap a later source."""
+        passed to the last. dst may be the same memory as one source, at the same positions
+        (an in-place fold: each element is read from every source before it is written; a
+        device that cannot for some folds raises ValueError), and overlap none otherwise."""
 
     @abc.abstractmethod
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
@@ -369,6 +371,12 @@ class Device(abc.ABC):
     def seal(self, mem: Memory) -> None:
         """Every peer has opened `mem`: drop any name it was shared by, so that nothing is
         left behind if this process dies. Default: nothing to do."""
+
+    @abc.abstractmethod
+    def array(self, mem: Memory, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A user array of `shape` and `dtype` over `mem` (from `alloc`, at its start), which
+        keeps the allocation alive for as long as it lives, even once the device is closed
+        (registered memory: `Communicator.empty`)."""
 
     @abc.abstractmethod
     def wrap(self, array: Any) -> Memory:

@@ -514,6 +514,13 @@ class CudaDevice(Device):
             self._opened[handle.ipc] = mem
         return mem
 
+    def array(self, mem: Memory, shape: tuple[int, ...], dtype: Any) -> Any:
+        if not isinstance(mem, CudaMemory) or mem.kind != "local" or mem._owner is None:
+            raise TypeError(f"only memory from CudaDevice.alloc can hold an array, not {mem!r}")
+        cupy = _cupy()
+        with self.scope():  # the pointer holds the cupy.cuda.Memory: cudaFree once both go
+            return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem._owner, 0))
+
     def wrap(self, array: Any) -> CudaMemory:
         if not isinstance(array, _cupy().ndarray) or not array.flags.c_contiguous:
             raise TypeError("CudaDevice wraps C-contiguous CuPy arrays only")

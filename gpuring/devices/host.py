@@ -141,6 +141,12 @@ class HostDevice(Device):
         if mem.owner and mem.path is not None:
             _unlink_quietly(mem.path)
 
+    def array(self, mem: Memory, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        assert isinstance(mem, HostMemory) and mem.mapping is not None
+        count = int(np.prod(shape, dtype=np.int64))
+        # a view of the mapping: it stays mapped while the array lives (see HostMemory.release)
+        return np.frombuffer(mem.mapping, dtype=dtype, count=count).reshape(shape)
+
     def wrap(self, array: Any) -> HostArray:
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("HostDevice wraps C-contiguous NumPy arrays only")

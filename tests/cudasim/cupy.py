@@ -1004,12 +1004,49 @@ _LAYOUT = ("shape", "dtype", "strides", "size", "ndim", "nbytes", "itemsize")
 _array_devices: dict[int, Device] = {}
 
 
-class ndarray:
-    """A device array; its bytes live in host memory (a NumPy array)."""
+class MemoryPointer(_Data):
+    """cupy.cuda.MemoryPointer(mem, offset): the address `offset` bytes into `mem`, which it
+    keeps alive."""
 
-    def __init__(self, host: np.ndarray):
+    __slots__ = ("mem",)
+
+    def __init__(self, mem: Any, offset: int):
+        super().__init__(mem.ptr + offset, mem.device_id)
+        self.mem = mem
+
+
+class ndarray:
+    """A device array; its bytes live in host memory (a NumPy array). As CuPy's,
+    `ndarray(shape, dtype, memptr=p)` is an array over the memory `p` points to (which the
+    array keeps alive), and without `memptr` a new one on the current device."""
+
+    def __init__(self, shape: Any, dtype: Any = float, memptr: MemoryPointer | None = None,
+                 strides: Any = None, order: str = "C"):
+        if strides is not None or order != "C":
+            raise NotImplementedError("cudasim's ndarray() makes C-contiguous arrays only")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        dtype = np.dtype(dtype)
+        if memptr is None:
+            _context()
+            self._init(np.empty(shape, dtype), runtime.getDevice())
+            return
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        block = (ctypes.c_uint8 * max(nbytes, 1)).from_address(memptr.ptr)
+        block.keep = memptr  # type: ignore[attr-defined]  # views of the array hold it too
+        self._init(np.frombuffer(block, np.uint8, count=nbytes).view(dtype).reshape(shape),
+                   memptr.device_id)
+
+    @classmethod
+    def _of(cls, host: np.ndarray) -> ndarray:
+        """A device array over `host` (the simulator's device memory), on the current
+        device."""
+        array = cls.__new__(cls)
+        array._init(host, runtime.getDevice())
+        return array
+
+    def _init(self, host: np.ndarray, device_id: int) -> None:
         self._a = host
-        self._device_id = runtime.getDevice()  # the current device, as CuPy allocates there
+        self._device_id = device_id
         _note_array(host, self._device_id)
         # the address never changes, the layout only through `shape`: read once, as attribute
         # reads cost CuPy next to nothing (they are C fields of a Cython class there)
@@ -1052,7 +1089,7 @@ class ndarray:
         if found is None:
             found = _array_devices[self._device_id] = Device(self._device_id)
         return found
-    T = property(lambda self: ndarray(self._a.T))
+    T = property(lambda self: ndarray._of(self._a.T))
 
     def set(self, host: np.ndarray, stream: Stream | None = None) -> None:
         source = np.array(host, dtype=self.dtype, copy=True).reshape(self.shape)
@@ -1186,7 +1223,7 @@ def _unwrap_queued(x: Any) -> Any:
 
 
 def _wrap(x: Any) -> Any:
-    return ndarray(x) if isinstance(x, np.ndarray) else x
+    return ndarray._of(x) if isinstance(x, np.ndarray) else x
 
 
 def _arriving(host: np.ndarray) -> ndarray:
@@ -1196,7 +1233,7 @@ def _arriving(host: np.ndarray) -> ndarray:
     out = np.empty_like(host)
     source = host.copy()
     get_current_stream()._put(lambda: np.copyto(out, source))
-    return ndarray(out)
+    return ndarray._of(out)
 
 
 def _binary(name: str) -> Callable[..., Any]:
@@ -1245,7 +1282,7 @@ def from_dlpack(x: Any) -> ndarray:
     the simulated producer's capsule describes host memory, which is device memory here."""
     stream = get_current_stream()
     capsule = x.__dlpack__(stream=stream.ptr or 1)  # 1: the legacy default stream
-    return ndarray(np.from_dlpack(_HostCapsule(capsule)))
+    return ndarray._of(np.from_dlpack(_HostCapsule(capsule)))
 
 
 def asnumpy(x: Any, stream: Stream | None = None) -> np.ndarray:
@@ -1264,7 +1301,7 @@ array = asarray
 
 def ascontiguousarray(x: Any, dtype: Any = None) -> ndarray:
     _sync_current()
-    return ndarray(np.ascontiguousarray(_unwrap(x), dtype=dtype))
+    return ndarray._of(np.ascontiguousarray(_unwrap(x), dtype=dtype))
 
 
 def get_array_module(*args: Any) -> Any:
@@ -1309,14 +1346,14 @@ class _Random:
         self._rng = np.random.default_rng(seed)
 
     def standard_normal(self, size: Any = None, dtype: Any = np.float64) -> ndarray:
-        return ndarray(self._rng.standard_normal(size).astype(dtype))
+        return ndarray._of(self._rng.standard_normal(size).astype(dtype))
 
     def random(self, size: Any = None, dtype: Any = np.float64) -> ndarray:
-        return ndarray(self._rng.random(size).astype(dtype))
+        return ndarray._of(self._rng.random(size).astype(dtype))
 
     def randint(self, low: int, high: int | None = None, size: Any = None,
                 dtype: Any = np.int64) -> ndarray:
-        return ndarray(self._rng.integers(low, high, size).astype(dtype))
+        return ndarray._of(self._rng.integers(low, high, size).astype(dtype))
 
 
 random = _Random()  # cupy.random
@@ -1356,7 +1393,8 @@ graph.Graph = Graph  # type: ignore[attr-defined]
 for _name, _value in {"runtime": runtime, "function": function, "driver": driver,
                       "graph": graph,
                       "Stream": Stream, "ExternalStream": ExternalStream,
-                      "Event": Event, "Memory": Memory, "Device": Device,
+                      "Event": Event, "Memory": Memory, "MemoryPointer": MemoryPointer,
+                      "Device": Device,
                       "get_current_stream": get_current_stream,
                       "get_elapsed_time": get_elapsed_time}.items():
     setattr(cuda, _name, _value)

@@ -41,23 +41,49 @@ class Violation(AssertionError):
 
 def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, channels: int = 1,
              capacity: int = 1 << 20, one_shot: int = 0, seed: int = 0, algorithm: str = "auto",
-             ordered: bool = False):
+             ordered: bool = False, in_place: bool = False, peer_in: bool = False,
+             peer_out: bool = False):
     """Run the plans of all ranks; return (inputs, outputs). `ordered`: each input element
     is ((rank, index),) and a reduction concatenates its operands in the order the plan
-    names them, so an output element says which ranks' values were folded in which order."""
+    names them, so an output element says which ranks' values were folded in which order.
+
+    `in_place`: the output is the input's memory (all_reduce, reduce_scatter: this rank's
+    block of the input, reduce: the same; all_gather: the input is this rank's block of the
+    output). `peer_in`/`peer_out`: the ranks' inputs/outputs are registered, so plans may read
+    a peer's (`Loc(IN|OUT, offset, rank)`): such a read fails before that rank entered the
+    collective (its caller may still be writing the array) and after it left (its caller may
+    write it again at once), as does any write to a peer's memory."""
     rng = random.Random(seed)
     inputs: list[list[Any]] = [
         [((r, i),) if ordered else rng.randrange(1, 1000) for i in range(count)]
         for r in range(n)]
     out_len = {"all_gather": n * count, "reduce_scatter": count // n}.get(kind, count)
-    outputs = [[None] * out_len for _ in range(n)]
-    if kind == "broadcast":
-        outputs = [list(inputs[r]) for r in range(n)]  # in place
+    # each rank's memory: its input and output arrays, and where IN and OUT lie in them
+    memory: list[dict[str, list[Any]]] = []
+    where: list[dict[int, tuple[str, int]]] = []
+    for r in range(n):
+        mem = {"in": list(inputs[r]), "out": [None] * out_len}
+        spaces = {IN: ("in", 0), OUT: ("out", 0)}
+        if kind == "broadcast":
+            mem["out"] = list(inputs[r]) if in_place else mem["out"]
+            if in_place:
+                mem["in"] = mem["out"]
+        elif in_place and kind in ("all_reduce", "reduce"):
+            mem["out"] = mem["in"]
+        elif in_place and kind == "reduce_scatter":
+            spaces[OUT] = ("in", r * (count // n))
+        elif in_place and kind == "all_gather":
+            mem["out"][r * count:(r + 1) * count] = inputs[r]
+            spaces[IN] = ("out", r * count)
+        memory.append(mem)
+        where.append(spaces)
     plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=capacity,
                              chunk_bytes=chunk, channels=channels, root=root,
-                             one_shot_bytes=one_shot, algorithm=algorithm) for r in range(n)]
+                             one_shot_bytes=one_shot, algorithm=algorithm, in_place=in_place,
+                             peer_in=peer_in, peer_out=peer_out) for r in range(n)]
     nrounds = {len(p) for p in plans}
     assert len(nrounds) == 1, "ranks disagree on the number of rounds"
+    entered, left = [False] * n, [False] * n
     for rnd in range(nrounds.pop()):
         buffers: list[dict] = [{} for _ in range(n)]
         # flags[reader][channel][producer]: what the producer told the reader
@@ -65,11 +91,26 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
         cursors = {(r, c): 0 for r in range(n)
                    for c, ops in enumerate(plans[r][rnd].channels) if ops}
 
+        def array(r, loc, write=False, _rnd=rnd):
+            """(the list, the index of loc's first element) of rank r's IN/OUT at loc."""
+            owner = r if loc.rank == -1 else loc.rank
+            if owner != r:
+                if write:
+                    raise Violation(f"rank {r} writes rank {owner}'s memory")
+                if not (peer_in if loc.space == IN else peer_out):
+                    raise Violation(f"rank {r} reads rank {owner}'s unregistered {loc}")
+                if not plans[r][_rnd].registered:
+                    raise Violation(f"rank {r} reads a peer's array in a staged round")
+                if not entered[owner] or left[owner]:
+                    raise Violation(f"rank {r} reads rank {owner}'s {loc} while its caller "
+                                    f"may write it ({'left' if left[owner] else 'not entered'})")
+            name, base = where[owner][loc.space]
+            return memory[owner][name], base + loc.offset
+
         def read(r, loc, k, _buffers=buffers):
-            if loc.space == IN:
-                return inputs[r][loc.offset:loc.offset + k]
-            if loc.space == OUT:
-                vals = outputs[r][loc.offset:loc.offset + k]
+            if loc.space in (IN, OUT):
+                values, at = array(r, loc)
+                vals = values[at:at + k]
             else:
                 vals = [_buffers[loc.rank].get((loc.region, loc.offset + i)) for i in range(k)]
             if any(v is None for v in vals):
@@ -78,7 +119,8 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
 
         def write(r, loc, vals, _buffers=buffers):
             if loc.space == OUT:
-                outputs[r][loc.offset:loc.offset + len(vals)] = vals
+                values, at = array(r, loc, write=True)
+                values[at:at + len(vals)] = vals
             elif loc.space == BUF:
                 if loc.rank != r:
                     raise Violation(f"rank {r} writes rank {loc.rank}'s buffer")
@@ -100,6 +142,7 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
             if not runnable:
                 raise Violation(f"deadlock in round {rnd}: {cursors}")
             r, c = rng.choice(runnable)
+            entered[r] = True
             op = plans[r][rnd].channels[c][cursors[(r, c)]]
             if type(op) is Copy:
                 write(r, op.dst, read(r, op.src, op.length))
@@ -120,6 +163,12 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
             cursors[(r, c)] += 1
             if cursors[(r, c)] == len(plans[r][rnd].channels[c]):
                 del cursors[(r, c)]
+                if not any(q == r for q, _ in cursors):  # its caller may write its arrays now
+                    left[r] = True
+    outputs = []
+    for r in range(n):
+        name, base = where[r][OUT]
+        outputs.append(memory[r][name][base:base + out_len])
     return inputs, outputs
 
 
@@ -151,6 +200,15 @@ def check(kind, n, count, **kw):
 
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
 DIRECT = ["all_reduce", "reduce_scatter", "reduce"]
+#: (peer_in, peer_out, in_place) of calls on registered arrays, by collective
+REGISTERED_CASES = {
+    "all_reduce": [(True, True, False), (True, True, True), (False, True, False),
+                   (True, False, False)],
+    "reduce_scatter": [(True, False, False), (True, False, True)],
+    "reduce": [(True, False, False), (True, False, True)],
+    "all_gather": [(True, False, False), (True, False, True)],
+    "broadcast": [(True, False, False), (True, False, True)],
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -268,10 +326,13 @@ def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
     variants = [(0, "auto"), (count, "auto")] + (
         [(0, "direct")] if kind in DIRECT else []) + (
         [(0, "one_shot")] if kind == "all_reduce" else [])
-    for one_shot, algorithm in variants:
+    placements = [(False, False, False), *REGISTERED_CASES.get(kind, [])]
+    for (one_shot, algorithm), (peer_in, peer_out, in_place) in itertools.product(
+            variants, placements):
         plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=1 << 20,
                                  chunk_bytes=2, channels=2, root=1 % n,
-                                 one_shot_bytes=one_shot, algorithm=algorithm)
+                                 one_shot_bytes=one_shot, algorithm=algorithm,
+                                 in_place=in_place, peer_in=peer_in, peer_out=peer_out)
                  for r in range(n)]
         for rnd in range(len(plans[0])):
             for c in range(max(len(p[rnd].channels) for p in plans)):
@@ -287,15 +348,21 @@ def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
 @given(kind=st.sampled_from(KINDS), n=st.integers(2, 7), count=st.integers(0, 200),
        chunk=st.integers(1, 40), channels=st.integers(1, 4), capacity_mult=st.integers(1, 30),
        root=st.integers(0, 6), seed=st.integers(0, 1000),
-       algorithm=st.sampled_from(["auto", "ring", "direct", "one_shot"]))
-def test_random_shapes(kind, n, count, chunk, channels, capacity_mult, root, seed, algorithm):
+       algorithm=st.sampled_from(["auto", "ring", "direct", "one_shot"]),
+       placement=st.integers(0, 4))
+def test_random_shapes(kind, n, count, chunk, channels, capacity_mult, root, seed, algorithm,
+                       placement):
+    """Plain arrays (placement 0) and each case of registered ones."""
     if kind == "reduce_scatter":
         count -= count % n
     if (algorithm == "direct" and kind not in DIRECT) or (
             algorithm == "one_shot" and kind != "all_reduce"):
         algorithm = "auto"
+    cases = [(False, False, False), *REGISTERED_CASES[kind]]
+    peer_in, peer_out, in_place = cases[placement % len(cases)]
     check(kind, n, count, chunk=chunk, channels=channels, capacity=n * capacity_mult,
-          root=root % n, seed=seed, algorithm=algorithm)
+          root=root % n, seed=seed, algorithm=algorithm, peer_in=peer_in, peer_out=peer_out,
+          in_place=in_place)
 
 
 def test_split_even():
@@ -340,7 +407,107 @@ def test_an_all_gather_in_place_does_not_copy_into_its_own_block() -> None:
         for rank in range(n):
             kw = dict(itemsize=4, capacity_bytes=1 << 12, chunk_bytes=64, channels=2)
             out_of_place = ops(plan_collective("all_gather", n, rank, 700, **kw))
-            in_place = ops(plan_collective("all_gather", n, rank, 700, own_copy=False, **kw))
+            in_place = ops(plan_collective("all_gather", n, rank, 700, in_place=True, **kw))
             own = [op for op in out_of_place
                    if isinstance(op, Copy) and op.src.space == IN and op.dst.space == OUT]
             assert own and in_place == [op for op in out_of_place if op not in own]
+
+
+# -- registered memory ------------------------------------------------------------------
+
+
+
+def _registered_plans(kind, n, count, **kw):
+    return [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=1 << 20, **kw)
+            for r in range(n)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_registered_exhaustive_small(kind, n):
+    """Every registered form gives the right result, reads a peer's array only while that
+    peer is in the collective (after it entered, before it left), writes none, and is one
+    round whatever the size."""
+    for peer_in, peer_out, in_place in REGISTERED_CASES[kind]:
+        for count in range(1, 3 * n + 2):
+            if kind == "reduce_scatter" and count % n:
+                continue
+            for chunk, channels in itertools.product([1, 3], [1, 2]):
+                for root in range(n) if kind in ("broadcast", "reduce") else [0]:
+                    kw = dict(chunk=chunk, channels=channels, root=root, in_place=in_place,
+                              peer_in=peer_in, peer_out=peer_out)
+                    check(kind, n, count, seed=count * 7 + chunk, **kw)
+                    (rnd,) = _registered_plans(kind, n, count, chunk_bytes=chunk,
+                                               channels=channels, root=root,
+                                               in_place=in_place, peer_in=peer_in,
+                                               peer_out=peer_out)[0]
+                    assert rnd.registered, (kind, peer_in, peer_out, in_place)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 9])
+def test_registered_reductions_fold_in_rank_order(n):
+    """Registered or not, in place or not, every element of a reduction is one fold of
+    ranks 0..n-1 in that order: deterministic mode's bits."""
+    count = 5 * n
+    fold = [tuple((q, i) for q in range(n)) for i in range(count)]
+    for kind in DIRECT:
+        for peer_in, peer_out, in_place in REGISTERED_CASES[kind]:
+            for chunk, channels in ((1, 1), (4, 3)):
+                root = n - 1
+                _, outputs = simulate(kind, n, count, root=root, chunk=chunk,
+                                      channels=channels, ordered=True, in_place=in_place,
+                                      peer_in=peer_in, peer_out=peer_out)
+                for r in range(n):
+                    if kind == "all_reduce" or (kind == "reduce" and r == root):
+                        assert outputs[r] == fold, (kind, peer_in, peer_out, in_place, r)
+                    elif kind == "reduce_scatter":
+                        block = count // n
+                        assert outputs[r] == fold[r * block:(r + 1) * block]
+
+
+def test_which_calls_on_registered_arrays_read_their_peers():
+    """The ring stages (it reads its neighbour's buffer); so does an all_reduce asked for
+    direct whose output is not registered, or for one-shot in place (its peers would read
+    what it overwrites), and a reduce_scatter whose input is not; the rest read their peers'
+    arrays."""
+    def registered(kind, algorithm="auto", peer_in=True, peer_out=False, in_place=False):
+        rounds = plan_collective(kind, 3, 0, 30, itemsize=4, capacity_bytes=64,
+                                 chunk_bytes=8, channels=1, algorithm=algorithm,
+                                 in_place=in_place, peer_in=peer_in, peer_out=peer_out)
+        return len(rounds) == 1 and rounds[0].registered
+
+    assert registered("all_reduce", peer_out=True)
+    assert registered("all_reduce", "direct", peer_in=False, peer_out=True)
+    assert registered("all_reduce", "one_shot")
+    assert not registered("all_reduce", "ring", peer_out=True)
+    assert not registered("all_reduce", "direct")
+    assert not registered("all_reduce", "one_shot", peer_out=True, in_place=True)
+    assert not registered("reduce_scatter", peer_in=False, peer_out=True)
+    for kind in ("reduce_scatter", "reduce", "all_gather", "broadcast"):
+        assert registered(kind)
+    assert not registered("reduce", "ring")
+
+
+def test_the_registered_check_catches_a_rank_that_leaves_early(monkeypatch):
+    """The simulator's check has teeth: without the waits that keep a rank in the
+    collective until its readers finished, a peer reads an array its caller may write."""
+    import sys
+
+    module = sys.modules[__name__]
+    real = module.plan_collective
+
+    def without_last_waits(*args, **kwargs):
+        rounds = real(*args, **kwargs)
+        (rnd,) = rounds
+        channels = []
+        for ops in rnd.channels:
+            ops = list(ops)
+            while ops and type(ops[-1]) is Wait:
+                ops.pop()
+            channels.append(tuple(ops))
+        return (rnd._replace(channels=tuple(channels)),)
+
+    monkeypatch.setattr(module, "plan_collective", without_last_waits)
+    with pytest.raises(Violation, match="left"):
+        for seed in range(50):
+            simulate("all_reduce", 3, 9, seed=seed, peer_in=True, peer_out=True)
