@@ -100,7 +100,7 @@ def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: i
     """d = xs[0] op xs[1] op ... op xs[-1], each step one binary reduce (rounded to the
     dtype), the divisor at the last step only: exactly the chain d = xs[0] op xs[1], d = d op
     xs[2], ... d may be the same memory as any operand (an in-place fold): where it is one
-    that a step before the last would overwrite before reading it, the steps before the last
+    that the first step would overwrite before it is read (xs[2:]), the steps before the last
     go through a temporary."""
     if len(xs) < 2:
         raise ValueError(f"a fold needs at least two operands, not {len(xs)}")
@@ -108,7 +108,7 @@ def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: i
     acc = xs[0]
     last = len(xs) - 1
     into = d
-    if last > 1 and any(np.may_share_memory(d, x) for x in xs[2:last]):
+    if last > 1 and any(np.may_share_memory(d, x) for x in xs[2:]):
         into = np.empty_like(d)
     for k in range(1, len(xs)):
         step_out = d if k == last else into

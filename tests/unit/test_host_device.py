@@ -225,7 +225,7 @@ FOLD_CASES = [(dtype, op) for dtype in ("float16", "int8", "uint32", "float32", 
 def test_reduce_n_gives_the_bits_of_the_binary_chain(device, inline, dtype, op):
     """Stream.reduce_n folds in source order, rounding every step, dividing at the last:
     bit for bit what reduce, then reduce into dst, ... gives, for 2 to 9 sources, also in
-    place over the first source."""
+    place over any one of the sources (registered memory's in-place all_reduce)."""
     divisor = 3 if op is ReduceOp.AVG else 1
     stream = device.create_stream(inline=inline)
     for nsrc in (2, 3, 9):
@@ -238,10 +238,12 @@ def test_reduce_n_gives_the_bits_of_the_binary_chain(device, inline, dtype, op):
                         divisor)
         stream.synchronize()
         assert out.view(0, nbytes, dtype).tobytes() == want.tobytes(), nsrc
-        stream.reduce_n(span(srcs[0], 0, nbytes), [span(m, 0, nbytes) for m in srcs], dtype,
-                        op, divisor)
-        stream.synchronize()
-        assert srcs[0].view(0, nbytes, dtype).tobytes() == want.tobytes(), nsrc
+        for k in range(nsrc):
+            srcs = [device.wrap(a.copy()) for a in arrays]
+            stream.reduce_n(span(srcs[k], 0, nbytes), [span(m, 0, nbytes) for m in srcs],
+                            dtype, op, divisor)
+            stream.synchronize()
+            assert srcs[k].view(0, nbytes, dtype).tobytes() == want.tobytes(), (nsrc, k)
 
 
 @pytest.mark.parametrize("inline", [False, True])
