@@ -63,13 +63,15 @@ def plan_count(kind: str, n: int, size: int, itemsize: int) -> int:
 
 
 def _plan_traffic(kind: str, n: int, rank: int, count: int, itemsize: int, root: int,
-                  buffer_bytes: int, one_shot_bytes: int, avg: bool) -> int:
+                  buffer_bytes: int, one_shot_bytes: int, avg: bool, registered: bool) -> int:
     from ..algorithms.collectives import plan_collective
     from ..algorithms.plan import Copy, Reduce, ReduceN
 
     rounds = plan_collective(kind, n, rank, count, itemsize=itemsize,
                              capacity_bytes=buffer_bytes, chunk_bytes=buffer_bytes, channels=1,
-                             root=root, one_shot_bytes=one_shot_bytes)
+                             root=root, one_shot_bytes=one_shot_bytes,
+                             in_place=kind == "broadcast", peer_in=registered,
+                             peer_out=registered)
     moved = 0
     for round_plan in rounds:
         for channel in round_plan.channels:
@@ -103,17 +105,19 @@ def closed_form_traffic(kind: str, n: int, size: int, *, one_shot: bool = False)
 
 def rank_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0,
                  buffer_bytes: int = 16 << 20, one_shot_bytes: int = 64 << 10,
-                 avg: bool = False, ranks: Iterable[int] | None = None) -> list[float]:
-    """Bytes each of `ranks` (default: every rank) reads and writes in one collective, counted
-    from the plan (every rank gets the busiest rank's `closed_form_traffic` when the plan
-    cannot be read)."""
+                 avg: bool = False, ranks: Iterable[int] | None = None,
+                 registered: bool = False) -> list[float]:
+    """Bytes each of `ranks` (default: every rank) reads and writes in one collective (out of
+    place; a broadcast in place), counted from the plan (every rank gets the busiest rank's
+    `closed_form_traffic` when the plan cannot be read). `registered`: on registered arrays
+    (`Communicator.empty`), which the peers read in place, nothing staged."""
     which = list(range(n) if ranks is None else ranks)
     if n < 2:
         return [0.0] * len(which)
     count = plan_count(kind, n, size, itemsize)
     try:
         return [float(_plan_traffic(kind, n, r, count, itemsize, root, buffer_bytes,
-                                    one_shot_bytes, avg)) for r in which]
+                                    one_shot_bytes, avg, registered)) for r in which]
     except (ImportError, AttributeError, TypeError, ValueError):
         one_shot = kind == "all_reduce" and size <= one_shot_bytes
         return [closed_form_traffic(kind, n, size, one_shot=one_shot)] * len(which)
@@ -121,12 +125,14 @@ def rank_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0,
 
 def memory_traffic(kind: str, n: int, size: int, itemsize: int, *, root: int = 0,
                    buffer_bytes: int = 16 << 20, one_shot_bytes: int = 64 << 10,
-                   avg: bool = False, ranks: Iterable[int] | None = None) -> float:
+                   avg: bool = False, ranks: Iterable[int] | None = None,
+                   registered: bool = False) -> float:
     """Bytes the busiest rank reads and writes in one collective (see `rank_traffic`)."""
     if n < 2:
         return 0.0
     return max(rank_traffic(kind, n, size, itemsize, root=root, buffer_bytes=buffer_bytes,
-                            one_shot_bytes=one_shot_bytes, avg=avg, ranks=ranks))
+                            one_shot_bytes=one_shot_bytes, avg=avg, ranks=ranks,
+                            registered=registered))
 
 
 def required_traffic(kind: str, n: int, size: int, *, root: int = 0) -> list[float]:

@@ -72,6 +72,18 @@ def test_direct_and_deterministic(case, n, env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
+@pytest.mark.parametrize(("n", "mode"), [(2, "kernel"), (3, "auto")])
+def test_registered_memory(n, mode, tmp_path):
+    """CuPy arrays from comm.empty/zeros (CUDA IPC memory every rank maps), read by the peers
+    in place: every verb, the rank-order fold's bits, refilled and called again at once, and
+    a mismatch with plain arrays."""
+    proc = launch("gpuring", n, [str(WORKER), "registered", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"registered-{r}.txt").read_text() for r in range(n)]
+    assert all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_reduce_captured_in_a_cuda_graph(n, tmp_path):
     """Small all_reduces captured into a CUDA graph and replayed with fresh inputs; what cannot

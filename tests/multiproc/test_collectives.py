@@ -62,6 +62,15 @@ def test_deterministic_mode(launcher, n, buffer, tmp_path):
              env={"GPURING_DETERMINISTIC": "1", "GPURING_BUFFER_BYTES": buffer})
 
 
+@pytest.mark.parametrize(("launcher", "n", "env"), [
+    ("gpuring", 2, {}), ("gpuring", 3, {"GPURING_DETERMINISTIC": "1"}), ("gpuring", 4, {}),
+    pytest.param("mpiexec", 2, {}, marks=pytest.mark.mpi)])
+def test_registered_memory(launcher, n, env, tmp_path):
+    """Arrays from comm.empty/zeros, read by the peers in place: every verb, the rank-order
+    fold's bits, refilled and called again at once, and a mismatch with plain arrays."""
+    run_case(launcher, n, "registered", tmp_path, env=env)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_algorithm_per_call(n, tmp_path):
     run_case("gpuring", n, "direct", tmp_path)

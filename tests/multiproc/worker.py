@@ -667,6 +667,75 @@ def case_again(c: Checker) -> None:
         raise AssertionError("no CollectiveMismatchError for another op on the same arrays")
 
 
+def case_registered(c: Checker) -> None:
+    """Arrays from comm.empty/zeros (registered memory, which the peers read in place): every
+    verb, in place and out of place, from a few elements to several MiB, results the
+    rank-order fold's bits (as deterministic mode, whatever the form); arrays refilled and
+    called again at once many times (a rank that returned early, or read a peer's array
+    before the peer entered, would mix two calls' data); views at other offsets of a
+    registration (an all_gather in place: each rank's block at its own offset); a rank whose
+    array is registered where its peers' are not is a mismatch on every rank, and the
+    communicator goes on. Plain arrays interleaved (direct) give the same bits."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    device = "cpu" if xp is np else "cuda"
+    root = n - 1
+    seed = 17000
+    zeros = comm.zeros((3,), "int16", device=device)
+    assert type(zeros) is type(xp.zeros(1)) and zeros.dtype == np.int16
+    c.expect(zeros, np.zeros(3, np.int16), "registered zeros")
+    for size, dtype, op in ((7, "float32", "sum"), (5000, "float64", "avg"),
+                            (300000, "float32", "sum"), (1000, "float16", "sum"),
+                            (2000, "int32", "max")):
+        count = n * size
+        x = comm.empty(count, dtype, device=device)
+        out = comm.empty(count, dtype, device=device)
+        for call in range(3):
+            seed += 1
+            ins = c.inputs(dtype, (count,), seed, op)
+            want = rank_order_fold(ins, op)
+            label = f"registered {dtype} {op} {count} #{call}"
+            x[...] = dev(c, ins[rank])
+            c.expect(comm.all_reduce(x, op=op, out=out), want, f"{label} two-shot", copy=True)
+            c.expect(comm.all_reduce(x, op=op), want, f"{label} one-shot", copy=True)
+            c.expect(comm.all_reduce(dev(c, ins[rank]), op=op, algorithm="direct"), want,
+                     f"{label} plain, direct", copy=True)
+            comm.all_reduce(x, op=op, out=x)
+            c.expect(x, want, f"{label} in place", copy=True)
+            x[...] = dev(c, ins[rank])
+            mine = comm.reduce_scatter(x, op=op)
+            c.expect(mine, want.reshape(n, -1)[rank], f"{label} reduce_scatter", copy=True,
+                     shared=False)
+            got = comm.reduce(x, op=op, root=root)
+            if rank == root:
+                c.expect(got, want, f"{label} reduce", copy=True, shared=False)
+        blocks = comm.empty((n, size), dtype, device=device)
+        ins = c.inputs(dtype, (size,), seed + 100)
+        blocks[rank] = dev(c, ins[rank])
+        comm.all_gather(blocks[rank], out=blocks)  # in place: each rank's own offset
+        c.expect(blocks, np.stack(ins), f"registered all_gather in place {size}", copy=True)
+        x[:size] = dev(c, ins[rank])
+        gathered = comm.all_gather(x[:size])
+        c.expect(gathered, np.stack(ins), f"registered all_gather {size}", copy=True)
+        comm.broadcast(x[:size], root=root)
+        c.expect(x[:size], ins[root], f"registered broadcast {size}", copy=True)
+    size = 20000  # back to back: refilled at once after each call
+    x = comm.empty(n * size, "float32", device=device)
+    for call in range(12):
+        ins = c.inputs("float32", (n * size,), 17500 + call)
+        x[...] = dev(c, ins[rank])
+        comm.all_reduce(x, out=x)
+        c.expect(x, rank_order_fold(ins, "sum"), f"registered back to back {call}", copy=True)
+    plain = xp.ones(8, "float32")
+    try:  # rank 0's array is registered, its peers' are not
+        comm.all_reduce(x[:8] if rank == 0 else plain)
+    except gpuring.CollectiveMismatchError as exc:
+        assert "registered" in exc.differences, exc.differences
+    else:
+        raise AssertionError("no CollectiveMismatchError for a registered array on one rank")
+    x[:8] = 1
+    c.expect(comm.all_reduce(x[:8]), np.full(8, n, np.float32), "registered after mismatch")
+
+
 def case_mismatch(c: Checker) -> None:
     """Mismatched dtype, shape, op, root and kind raise CollectiveMismatchError on every rank."""
     comm, r = c.comm, c.comm.rank
