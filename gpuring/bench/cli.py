@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="element type (default float32; all: every type the ops take)")
     p.add_argument("-r", "--root", default="0",
                    help="root of broadcast and reduce (default 0; all: each rank in turn)")
+    p.add_argument("-R", "--registered", type=int, default=0, choices=(0, 1),
+                   help="1: every array in registered memory (Communicator.empty), which "
+                        "gpuring's peers read in place; peers run on the same arrays "
+                        "(default 0: plain arrays)")
     p.add_argument("--off-cache", dest="off_cache", action="store_true",
                    help="rotate the timed calls over buffer sets twice the size of the "
                         "largest cache, so no call finds its data in cache")
@@ -155,7 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         device=args.device, peers=parse_peers(args.peers),
         chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
         channels=args.channels, off_cache=args.off_cache, overlap=args.overlap,
-        json=args.json, csv=args.csv, plot=args.plot)
+        registered=bool(args.registered), json=args.json, csv=args.csv, plot=args.plot)
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -164,7 +168,8 @@ def to_argv(args: argparse.Namespace) -> list[str]:
             "-f", str(args.stepfactor), "-n", str(args.iters), "-w", str(args.warmup_iters),
             "-a", str(args.average), "-c", str(args.check), "-o", args.op, "-d",
             args.datatype, "-r", str(args.root), "--device", args.device,
-            "-N", str(args.repeats), "-z", str(args.blocking), "-G", str(args.graph_launches)]
+            "-N", str(args.repeats), "-z", str(args.blocking), "-G", str(args.graph_launches),
+            "-R", str(args.registered)]
     for flag, on in (("-I", args.per_iteration), ("--off-cache", args.off_cache),
                      ("--overlap", args.overlap)):
         if on:

@@ -27,7 +27,7 @@ from .metrics import (
     shared_floor,
 )
 from .stats import Summary, combine_ranks, per_iteration
-from .systems import Buffers, System, Unsupported, make_buffers
+from .systems import Arena, Buffers, System, Unsupported, make_buffers
 from .timing import Backend, blocking, rotating, time_calls, time_loop
 
 if TYPE_CHECKING:
@@ -60,6 +60,13 @@ class Measurer:
         self.notes: dict[str, str] = {}
         self._memories_at: dict[int, list[Memory]] = {}
         self._cache = backend.cache_bytes()
+        self.arena: Arena | None = None  # -R 1: registered memory the arrays are carved from
+
+    def register_arena(self, cases: list[Case]) -> None:
+        """Make the registered memory every measurement's arrays come from (-R 1): enough
+        for the largest of `cases` (every rank at once)."""
+        nbytes = max((Arena.bytes_for(c.size, self.sets(c)) for c in cases), default=0)
+        self.arena = Arena(self.comm, max(nbytes, Arena.ALIGN), self.backend.name)
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(self.comm.all_gather(np.ascontiguousarray(values, np.float64)))
@@ -87,6 +94,7 @@ class Measurer:
         """`system`'s time for `case` in `placement`, combined over the ranks, checked."""
         s, kind = self.s, case.collective
         try:
+            self._rewind()
             all_buffers = [self._buffers(case, placement) for _ in range(self.sets(case))]
             calls = [system.call(kind, b, case.op, case.root) for b in all_buffers]
         except Unsupported as exc:
@@ -165,7 +173,13 @@ class Measurer:
         if case.collective == "barrier":
             return Buffers(None, None, np.empty(0), self.backend, placement)
         return make_buffers(case.collective, placement, self.source(case, self.rank),
-                            rank=self.rank, root=case.root, n=self.n, backend=self.backend)
+                            rank=self.rank, root=case.root, n=self.n, backend=self.backend,
+                            arena=self.arena)
+
+    def _rewind(self) -> None:
+        """Before a measurement's arrays are made: registered ones reuse the arena."""
+        if self.arena is not None:
+            self.arena.rewind()
 
     def check(self, fn: Any, buffers: Buffers, system: System, case: Case,
               expected: np.ndarray | None) -> int | None:
@@ -200,6 +214,7 @@ class Measurer:
         the compute, 0 % when it all came on top."""
         s = self.s
         try:
+            self._rewind()
             buffers = self._buffers(case, placement)
             start = system.overlap(case.collective, buffers, case.op, case.root)
         except Unsupported as exc:
@@ -246,6 +261,7 @@ class Measurer:
             for case in cases:
                 for placement in system.placements(case.collective):
                     try:
+                        self._rewind()
                         buffers = self._buffers(case, placement)
                         fn = system.call(case.collective, buffers, case.op, case.root)
                     except Unsupported:
@@ -313,7 +329,7 @@ class Measurer:
             gp.collective, self.n, gp.size, np.dtype(gp.type).itemsize, root=max(gp.root, 0),
             buffer_bytes=getattr(config, "buffer_bytes", None) or 16 << 20,
             one_shot_bytes=getattr(config, "one_shot_bytes", 64 << 10),
-            avg=gp.redop == "avg"))
+            avg=gp.redop == "avg", registered=self.s.registered))
         efficiency = 100.0 * floor_us / gp.time_us if gp.time_us else 0.0
         return report.Floor(size=gp.size, redop=gp.redop, traffic_bytes=busiest,
                             traffic_over_size=busiest / gp.size, floor_us=floor_us,

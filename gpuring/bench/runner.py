@@ -56,6 +56,7 @@ class Settings:
     chunk_bytes: int | None = None
     channels: int | None = None
     off_cache: bool = False
+    registered: bool = False  # -R 1: every array in registered memory (comm.empty)
     overlap: bool = False
     json: str | None = None
     csv: str | None = None
@@ -110,7 +111,7 @@ def run(s: Settings) -> int:
             out.close()
 
 
-def _in_force(comm: Any, device: str) -> dict[str, Any]:
+def _in_force(comm: Any, device: str, registered: bool) -> dict[str, Any]:
     """The settings the collectives run with (the device's defaults where none is set), and
     every GPURING_ setting the environment sets."""
     from .. import settings as declared
@@ -126,7 +127,7 @@ def _in_force(comm: Any, device: str) -> dict[str, Any]:
         "buffer_bytes": config.buffer_bytes or devices.default_buffer_bytes,
         "one_shot_bytes": config.one_shot_bytes, "transport": config.transport,
         "algorithm": config.algorithm, "deterministic": config.deterministic,
-        "timeout": config.timeout, "verify": config.verify}
+        "timeout": config.timeout, "verify": config.verify, "registered": registered}
     return {"config": values,
             "environment": {k: v for k, v in sorted(os.environ.items())
                             if k in declared.SETTINGS}}
@@ -146,8 +147,11 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     settings = {**asdict(s), "ranks": n, "sizes": sorted({c.size for c in cases}),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
-                "launcher": _launcher(), "in_force": _in_force(comm, s.device)}
+                "launcher": _launcher(),
+                "in_force": _in_force(comm, s.device, s.registered)}
     machine = describe() if rank == 0 else {}
+    if s.registered:
+        m.register_arena(cases)
     bandwidth = m.bandwidth()
     for line in report.header_lines(machine, settings, bandwidth):
         out.line(line)

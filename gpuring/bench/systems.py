@@ -12,7 +12,7 @@ from .data import poison
 from .metrics import IN_PLACE, OUT_OF_PLACE
 from .timing import Backend
 
-__all__ = ["Buffers", "make_buffers", "Unsupported", "System", "Gpuring"]
+__all__ = ["Buffers", "Arena", "make_buffers", "Unsupported", "System", "Gpuring"]
 
 
 class Unsupported(Exception):
@@ -39,25 +39,64 @@ class Buffers:
         self.backend.fill(self.x, self.source)
 
 
+class Arena:
+    """Registered memory (`Communicator.empty`, made once by every rank) that a
+    measurement's arrays are carved from (-R 1): `rewind` before making a measurement's
+    arrays, each rank in step, so every rank's arrays lie at the same offsets."""
+
+    ALIGN = 256
+
+    def __init__(self, comm: Any, nbytes: int, device: str):
+        self.block = comm.empty(nbytes, "uint8", device=device)
+        self.used = 0
+
+    def rewind(self) -> None:
+        self.used = 0
+
+    def take(self, shape: int | tuple[int, ...], dtype: str) -> Any:
+        dims = (shape,) if isinstance(shape, int) else shape
+        nbytes = int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self.block.nbytes:
+            raise ValueError(f"the registered arena of {self.block.nbytes} bytes is full")
+        self.used = start + nbytes
+        return self.block[start:start + nbytes].view(dtype).reshape(dims)
+
+    @staticmethod
+    def bytes_for(size: int, sets: int) -> int:
+        """Enough for `sets` buffer sets of a collective of `size` bytes (input and output:
+        at most twice the size; all_gather's input is one rank's block)."""
+        return sets * (2 * size + 2 * Arena.ALIGN)
+
+
 def make_buffers(kind: str, placement: str, source: np.ndarray, *, rank: int, root: int,
-                 n: int, backend: Backend) -> Buffers:
+                 n: int, backend: Backend, arena: Arena | None = None) -> Buffers:
     """Arrays for `kind` in `placement` with this rank's input `source` (host), laid out as
-    nccl-tests lays them out."""
+    nccl-tests lays them out; from `arena` (registered memory) where given."""
     dtype = str(source.dtype)
     in_place = placement == IN_PLACE
+    empty = arena.take if arena is not None else backend.empty
+
+    def to_device(host: np.ndarray) -> Any:
+        if arena is None:
+            return backend.to_device(host)
+        array = arena.take(host.shape, dtype)
+        backend.fill(array, host)
+        return array
+
     out: Any | None
     if kind == "all_gather":
-        out = backend.empty((n, source.size), dtype)
-        x = out[rank] if in_place else backend.to_device(source)
+        out = empty((n, source.size), dtype)
+        x = out[rank] if in_place else to_device(source)
     else:
-        x = backend.to_device(source)
+        x = to_device(source)
         if kind == "reduce_scatter":
             out = (x.reshape(n, source.size // n)[rank] if in_place
-                   else backend.empty(source.size // n, dtype))
+                   else empty(source.size // n, dtype))
         elif kind == "reduce" and rank != root:
             out = None
         else:  # all_reduce, broadcast, the root of reduce
-            out = x if in_place else backend.empty(source.size, dtype)
+            out = x if in_place else empty(source.size, dtype)
     buffers = Buffers(x, out, source, backend, placement)
     buffers.reset()
     return buffers
