@@ -168,12 +168,15 @@ class CallPath:
             piece = chunk or engine.default_chunk_bytes
             peer_in, peer_out = (False, False) if placement is None else (
                 ident is not None for ident in placement.ids())
+            in_place = call.in_place or (placement is not None and peer_in
+                                         and placement.inp == placement.out)
+            folds = engine.device.in_place_fold_sources
+            if in_place and peer_out and 0 < folds < self.size:  # (the same on every rank)
+                peer_in = peer_out = False  # staged: its fold would read what it overwrote
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
                 capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
-                root=call.root, one_shot_bytes=config.one_shot_bytes,
-                in_place=call.in_place or (placement is not None and peer_in
-                                           and placement.inp == placement.out),
+                root=call.root, one_shot_bytes=config.one_shot_bytes, in_place=in_place,
                 algorithm=algorithm, peer_in=peer_in, peer_out=peer_out)
             registered = any(plan.registered for plan in rounds)
             peers = self.registry.peer_arrays(signatures, count * itemsize) if registered \

@@ -251,6 +251,9 @@ class Device(abc.ABC):
     #: among at most `fused_max_ranks` ranks; 0: it has no such operation
     fused_max_bytes: int = 0
     fused_max_ranks: int = 0
+    #: the most sources a fold whose destination is one of them (`Stream.reduce_n` in place)
+    #: may have; 0: any number
+    in_place_fold_sources: int = 0
 
     @classmethod
     def schedule_settings(cls) -> tuple[tuple[str, str], ...]:

@@ -182,6 +182,8 @@ class CudaDevice(Device):
     blocking = False
     fused_max_bytes = 4 << 20
     fused_max_ranks = _kernels.FUSED_MAX_RANKS
+    #: a fold of more sources takes several launches, each after the first starting from dst
+    in_place_fold_sources = _kernels.MAX_SOURCES
 
     @classmethod
     def _for_rank(cls, control: ControlPlane, timeout: float) -> CudaDevice:
