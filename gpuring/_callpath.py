@@ -171,7 +171,8 @@ class CallPath:
             in_place = call.in_place or (placement is not None and peer_in
                                          and placement.inp == placement.out)
             folds = engine.device.in_place_fold_sources
-            if in_place and peer_out and 0 < folds < self.size:  # (the same on every rank)
+            if (peer_in or peer_out) and 0 < folds < self.size and name in _FOLDS and \
+                    call.out is not None and _arrays.may_overlap(call.x, call.out):
                 peer_in = peer_out = False  # staged: its fold would read what it overwrote
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
