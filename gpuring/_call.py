@@ -82,8 +82,9 @@ class Signature(NamedTuple):
     deterministic: bool = False
     #: the device's settings that shape its schedule (`Device.schedule_settings`)
     device_settings: tuple[tuple[str, str], ...] | None = None
-    #: the registrations the input and the output lie in (`Placement.ids`; None: plain)
-    registered: tuple[int | None, int | None] | None = None
+    #: the registrations the input and the output lie in, and whether in place
+    #: (`Placement.ids`; None: plain arrays)
+    registered: tuple[int | None, int | None, bool] | None = None
     #: how far into them (`Placement.offsets`): this rank's, which its peers learn here and
     #: which may differ from theirs (so it is never compared)
     offsets: tuple[int | None, int | None] | None = None

@@ -22,7 +22,7 @@ from ._errors import (
     PeerFailureError,
 )
 from ._lifecycle import Lifecycle, State, in_context
-from ._registry import Registration, Registry
+from ._registry import Placement, Registration, Registry
 from ._scheduler import Engine, Launch
 from ._status import signature_hash
 from ._timeline import Timeline
@@ -166,13 +166,11 @@ class CallPath:
         try:
             engine = self._engine(kind, capacity)
             piece = chunk or engine.default_chunk_bytes
-            peer_in, peer_out = (False, False) if placement is None else (
-                ident is not None for ident in placement.ids())
-            in_place = call.in_place or (placement is not None and peer_in
-                                         and placement.inp == placement.out)
+            where = placement or _PLAIN
+            peer_in, peer_out = where.inp is not None, where.out is not None
+            in_place = call.in_place or (peer_in and where.inp == where.out)
             folds = engine.device.in_place_fold_sources
-            if (peer_in or peer_out) and 0 < folds < self.size and name in _FOLDS and \
-                    call.out is not None and _arrays.may_overlap(call.x, call.out):
+            if where.in_place and name in _FOLDS and 0 < folds < self.size:  # (agreed)
                 peer_in = peer_out = False  # staged: its fold would read what it overwrote
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
@@ -197,7 +195,7 @@ class CallPath:
         if fused:
             text += " as one operation"
         elif registered:
-            text += f" in registered memory {signature.registered}"
+            text += f" in registered memory {where.ids()[:2]}"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
                             fused and engine.fused_capturable and not config.verify)
 
@@ -513,6 +511,9 @@ class CallPath:
             return in_context(error, name, seq, self.rank)
         return error
 
+
+#: where a call on plain arrays lies: nowhere registered
+_PLAIN = Placement(None, None)
 
 #: the collectives that reduce, which deterministic mode and `algorithm` are about
 _FOLDS = frozenset({"all_reduce", "reduce_scatter", "reduce"})

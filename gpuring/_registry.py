@@ -34,15 +34,17 @@ class Registration(NamedTuple):
 class Placement(NamedTuple):
     """Where a call's input and output lie in registered memory: (registration, byte
     offset), or None for a plain array. Only an all_reduce's output counts (it is the only
-    collective whose peers read outputs)."""
+    collective whose peers read outputs). `in_place`: the output overlaps the input."""
 
     inp: tuple[int, int] | None
     out: tuple[int, int] | None
+    in_place: bool = False
 
-    def ids(self) -> tuple[int | None, int | None]:
-        """The registrations (None: plain), which every rank's call must name alike."""
+    def ids(self) -> tuple[int | None, int | None, bool]:
+        """The registrations (None: plain) and whether in place, which every rank's call
+        must have alike."""
         return (None if self.inp is None else self.inp[0],
-                None if self.out is None else self.out[0])
+                None if self.out is None else self.out[0], self.in_place)
 
     def offsets(self) -> tuple[int | None, int | None]:
         """The byte offsets into them, which may differ from rank to rank."""
@@ -91,7 +93,9 @@ class Registry:
         kind = _arrays.device_kind(x)
         inp = self.find(kind, x)
         mine = self.find(kind, out) if collective == "all_reduce" and out is not None else None
-        return None if inp is None and mine is None else Placement(inp, mine)
+        if inp is None and mine is None:
+            return None
+        return Placement(inp, mine, out is not None and _arrays.may_overlap(x, out))
 
     def peer_arrays(self, signatures: list[Signature], nbytes: int) -> tuple[PeerArrays, ...]:
         """Every rank's input and output of `nbytes`, mapped here, from the signatures of the
@@ -99,6 +103,6 @@ class Registry:
         return tuple(PeerArrays(*(
             None if ident is None or offset is None else
             Span(self._by_id[ident].mems[rank], offset, nbytes)
-            for ident, offset in zip(sig.registered or (None, None),
+            for ident, offset in zip((sig.registered or (None, None))[:2],
                                      sig.offsets or (None, None), strict=True)))
             for rank, sig in enumerate(signatures))
