@@ -85,6 +85,8 @@ class Signature(NamedTuple):
     #: the registrations the input and the output lie in, and whether in place
     #: (`Placement.ids`; None: plain arrays)
     registered: tuple[int | None, int | None, bool] | None = None
+    #: the digest of the tuning table in force (`Tuning.digest`; None: none)
+    tuning: str | None = None
     #: how far into them (`Placement.offsets`): this rank's, which its peers learn here and
     #: which may differ from theirs (so it is never compared)
     offsets: tuple[int | None, int | None] | None = None

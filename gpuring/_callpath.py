@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 import zlib
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from ._registry import Placement, Registration, Registry
 from ._scheduler import Engine, Launch
 from ._status import signature_hash
 from ._timeline import Timeline
+from ._tuning import Choice
+from ._tuning import load as load_tuning
 from ._watchdog import Watchdog
 from .algorithms.collectives import plan_collective
 from .devices import device_class
@@ -71,6 +74,9 @@ class CallPath:
         #: the signatures agreed on, each with every rank's (in rank order)
         self.agreed: dict[Signature, list[Signature]] = {}
         self.registry = Registry()  #: registered memory (`register`)
+        #: the tuning table (GPURING_TUNING), and the device kinds it was found not to fit
+        self.tuning = None if config.tuning is None else load_tuning(config.tuning)
+        self._untuned: set[str] = set()
         self.seq = 0  #: collectives this rank started
         self.last_collective = "collective"  #: the name of the last one
         self.lock = threading.RLock()
@@ -128,8 +134,10 @@ class CallPath:
             shape, count, itemsize = tuple(x.shape), x.size, x.dtype.itemsize
             plain = Signature(name, kind, shape, dtype, call.op.value, call.root,
                               deterministic=config.deterministic)
-        algorithm = self._algorithm(call, count * itemsize)
-        plain = plain._replace(algorithm=algorithm)
+        tuned = None if x is None else self._tuned(name, kind, count * itemsize)
+        algorithm = self._algorithm(call, count * itemsize, tuned)
+        plain = plain._replace(algorithm=algorithm,
+                               tuning=None if self.tuning is None else self.tuning.digest)
         if self.size == 1 or ((x is None or kind == "cpu") and self._via_mpi()):
             refused = self.size > 1 and config.deterministic and name in _FOLDS
             self._agree(plain, remember=not refused)
@@ -140,8 +148,9 @@ class CallPath:
             return PreparedCall(Route.ALONE if self.size == 1 else Route.MPI)
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
-            chunk = call.chunk_bytes or config.chunk_bytes
-            nchannels = call.channels or config.channels or devices.default_channels
+            chunk = call.chunk_bytes or config.chunk_bytes or (tuned and tuned.chunk_bytes)
+            nchannels = call.channels or config.channels or (tuned and tuned.channels) or \
+                devices.default_channels
             Config(chunk_bytes=chunk, channels=nchannels).validate()
         capacity = self._capacity(kind)
         placement = call.placement
@@ -199,15 +208,36 @@ class CallPath:
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
                             fused and engine.fused_capturable and not config.verify)
 
-    def _algorithm(self, call: Call, nbytes: int) -> str:
+    def _tuned(self, name: str, kind: str, nbytes: int) -> Choice | None:
+        """The tuning table's choice for `name` of `nbytes` on `kind` (None: no table, or
+        one that has no entry or was made for another device or rank count, which a warning
+        says once)."""
+        tuning = self.tuning
+        if tuning is None:
+            return None
+        if not tuning.applies(kind, self.size):
+            if kind not in self._untuned:
+                self._untuned.add(kind)
+                warnings.warn(f"gpuring: the tuning table {tuning.path} was made for "
+                              f"{tuning.ranks} ranks on {tuning.device}; this communicator's "
+                              f"{kind} collectives on {self.size} ranks do not use it",
+                              RuntimeWarning, stacklevel=7)  # the caller of the verb
+            return None
+        return tuning.choose(name, nbytes)
+
+    def _algorithm(self, call: Call, nbytes: int, tuned: Choice | None = None) -> str:
         """The schedule of `call` (`plan_collective`'s `algorithm`): the call's, else the
-        communicator's; in deterministic mode, where none is asked for, one that folds in rank
-        order (one-shot for an all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct). A
-        ring asked for in deterministic mode is refused once the ranks agreed on it."""
+        communicator's, else the tuning table's (`tuned`); in deterministic mode, where none
+        is asked for (or the table's is the ring), one that folds in rank order (one-shot for
+        an all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct). A ring asked for in
+        deterministic mode is refused once the ranks agreed on it."""
         name, config = call.collective, self.config
         if name not in _FOLDS:
             return "auto"
         asked = call.algorithm or config.algorithm
+        if asked == "auto" and tuned is not None and not (
+                config.deterministic and tuned.algorithm == "ring"):
+            asked = tuned.algorithm
         if asked == "one_shot" and name != "all_reduce":  # GPURING_ALGORITHM's, all_reduce's
             asked = "auto"
         if config.deterministic and asked == "auto":

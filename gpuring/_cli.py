@@ -1,4 +1,5 @@
-"""The `gpuring` command: `gpuring run` launches ranks; `gpuring bench` measures."""
+"""The `gpuring` command: `gpuring run` launches ranks; `gpuring bench` measures; `gpuring
+tune` writes a tuning table."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.cli import main as bench_main
 
     return bench_main(args)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .bench.tune import main as tune_main
+
+    return tune_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=_bench)
+    tune = commands.add_parser(
+        "tune", help="measure algorithm x piece size x channels, write a tuning table",
+        description="Time every algorithm, piece size and channel count of the collectives "
+                    "over a size sweep on this machine (each result checked), pick the "
+                    "fastest per size, write the table (JSON, with the machine, versions and "
+                    "every time measured) and print it. GPURING_TUNING=FILE makes the "
+                    "collectives' default choice follow it. Example: gpuring tune --ranks 2 "
+                    "-o tuning.json")
+    from .bench.tune import add_arguments as add_tune_arguments
+
+    add_tune_arguments(tune)
+    tune.set_defaults(func=_tune)
     return parser
 
 

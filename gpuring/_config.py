@@ -17,7 +17,8 @@ _FROM = {"timeout": "GPURING_TIMEOUT", "chunk_bytes": "GPURING_CHUNK_BYTES",
          "channels": "GPURING_CHANNELS", "buffer_bytes": "GPURING_BUFFER_BYTES",
          "one_shot_bytes": "GPURING_ONE_SHOT_BYTES", "stall_warning_s": "GPURING_STALL_WARNING",
          "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT",
-         "algorithm": "GPURING_ALGORITHM", "deterministic": "GPURING_DETERMINISTIC"}
+         "algorithm": "GPURING_ALGORITHM", "deterministic": "GPURING_DETERMINISTIC",
+         "tuning": "GPURING_TUNING"}
 
 
 def _default(field: str) -> Any:
@@ -41,6 +42,7 @@ class Config:
     transport: str = _default("transport")
     algorithm: str = _default("algorithm")
     deterministic: bool = _default("deterministic")
+    tuning: str | None = _default("tuning")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:

@@ -41,18 +41,21 @@ def _control_plane() -> ControlPlane:
 
 def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
          channels: int | None = None, buffer_bytes: int | None = None,
-         algorithm: str | None = None, deterministic: bool | None = None) -> Communicator:
+         algorithm: str | None = None, deterministic: bool | None = None,
+         tuning: str | os.PathLike[str] | None = None) -> Communicator:
     """The job's communicator: ranks from `gpuring run`, from MPI under mpiexec, or a world
     of one. Calling it again returns the same communicator until that one is closed.
     Arguments override the GPURING_* environment variables (`deterministic`:
-    GPURING_DETERMINISTIC, `algorithm`: GPURING_ALGORITHM)."""
+    GPURING_DETERMINISTIC, `algorithm`: GPURING_ALGORITHM, `tuning`: GPURING_TUNING, a table
+    from `gpuring tune`)."""
     global _current
     with _lock:
         if _current is not None and not _current.closed:
             return _current
         config = Config.from_env(timeout=timeout, chunk_bytes=chunk_bytes, channels=channels,
                                  buffer_bytes=buffer_bytes, algorithm=algorithm,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic,
+                                 tuning=None if tuning is None else os.fspath(tuning))
         _current = Communicator(_control_plane(), config, on_close=forget)
         trace = settings.get("GPURING_TIMELINE")
         if trace:

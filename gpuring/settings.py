@@ -97,6 +97,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "1: every element of every all_reduce, reduce_scatter and reduce result is the "
             "fold of the ranks' values in rank order, the same bits whatever the size, "
             "`chunk_bytes`, `channels` and fusion"),
+    Setting("GPURING_TUNING", str, None, "unset",
+            "a tuning table from `gpuring tune` (JSON): all_reduce, reduce_scatter and reduce "
+            "take the algorithm, `chunk_bytes` and `channels` it chose for their size where "
+            "neither the call nor another setting asks for one (every rank must load the same "
+            "table; one made for another device or rank count is not used)"),
     Setting("GPURING_STALL_WARNING", float, 60.0, "60",
             "seconds in a collective before missing ranks are logged"),
     Setting("GPURING_VERIFY", _flag, False, "0",

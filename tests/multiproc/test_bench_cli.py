@@ -142,3 +142,32 @@ def test_under_mpiexec_with_the_mpi_peer(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mpi: measured" in proc.stdout
     assert proc.stdout.count(" mpi  out-of-place") == 7
+
+
+def test_tune_writes_a_table_the_collectives_follow(tmp_path):
+    """`gpuring tune --ranks 2` measures every candidate (each checked), writes a table that
+    loads, with every measurement and the machine, prints it; ranks started with
+    GPURING_TUNING take its choices (the worker's `tuned` case), and a rank with another
+    table is a mismatch."""
+    from gpuring._tuning import load
+
+    from ..conftest import WORKER, run_worker
+
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuring", "tune", "--ranks", "2", "--device", "cpu",
+         "-b", "4K", "-e", "4M", "-f", "32", "-n", "2", "--repeats", "1",
+         "--collectives", "all_reduce,reduce_scatter", "-o", "t.json"],
+        cwd=tmp_path, env=dict(env, GPURING_TIMEOUT="60"), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "# gpuring tune: 2 ranks, device cpu" in proc.stdout
+    table = load(tmp_path / "t.json")
+    assert table.applies("cpu", 2) and set(table.tables) == {"all_reduce", "reduce_scatter"}
+    assert table.tables["all_reduce"][-1].max_bytes is None
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert {r["size"] for r in doc["measured"]} == {4096, 131072, 4194304}
+    assert {r["algorithm"] for r in doc["measured"]} == {"ring", "direct", "one_shot"}
+    assert doc["machine"]["cpus"] and doc["machine"]["versions"]
+    run_worker(WORKER, "gpuring", 2, "tuned", tmp_path,
+               env={"GPURING_TUNING": str(tmp_path / "t.json")})

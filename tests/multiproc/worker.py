@@ -736,6 +736,50 @@ def case_registered(c: Checker) -> None:
     c.expect(comm.all_reduce(x[:8]), np.full(8, n, np.float32), "registered after mismatch")
 
 
+def case_tuned(c: Checker) -> None:
+    """GPURING_TUNING (a table from `gpuring tune`): an all_reduce that asks for nothing takes
+    the table's algorithm, piece size and channels for its size (checked in the call's
+    agreed description), results right; what a call asks for wins; a rank whose table
+    differs is a mismatch on every rank, and the communicator goes on."""
+    import dataclasses
+
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    tuning = comm._path.tuning
+    assert tuning is not None and tuning.applies("cpu", n), "no tuning table for this job"
+
+    def described(shape: tuple[int, ...]) -> str:
+        texts = [p.text for p in comm._path.prepared.values()
+                 if p.text.startswith(f"all_reduce(shape={shape},")]
+        assert len(texts) == 1, texts
+        return texts[0]
+
+    bounds = [ch.max_bytes for ch in tuning.tables["all_reduce"]]
+    sizes = [b // 4 - 1 for b in bounds if b] + [(bounds[-2] or 4096) // 2 + 4096]
+    for i, count in enumerate(sorted(set(sizes))):
+        count -= count % n
+        ins = c.inputs("float32", (count,), 18000 + i)
+        c.expect(comm.all_reduce(ins[rank]), c.reduce_reference(ins, "sum"),
+                 f"tuned all_reduce {count}")
+        choice = tuning.choose("all_reduce", count * 4)
+        text = described((count,))
+        assert f"chunk_bytes={choice.chunk_bytes}, channels={choice.channels}, " \
+               f"algorithm={choice.algorithm})" in text, (choice, text)
+    ins = c.inputs("float32", (4 * n + 1,), 18100)
+    comm.all_reduce(ins[rank], algorithm="ring", chunk_bytes=4096)
+    assert "chunk_bytes=4096, channels=1, algorithm=ring)" in described((4 * n + 1,))
+    if rank == 1:  # another table on rank 1
+        comm._path.tuning = dataclasses.replace(tuning, digest="0" * 16)
+    try:
+        comm.all_reduce(np.ones(77, np.float32))
+    except gpuring.CollectiveMismatchError as exc:
+        assert "tuning" in exc.differences, exc.differences
+    else:
+        raise AssertionError("no CollectiveMismatchError for different tuning tables")
+    comm._path.tuning = tuning
+    c.expect(comm.all_reduce(np.ones(78, np.float32)), np.full(78, n, np.float32),
+             "tuned after mismatch")
+
+
 def case_mismatch(c: Checker) -> None:
     """Mismatched dtype, shape, op, root and kind raise CollectiveMismatchError on every rank."""
     comm, r = c.comm, c.comm.rank
