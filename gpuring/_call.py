@@ -134,3 +134,5 @@ class PreparedCall:
     digest: int = 0
     #: the launch may be recorded into a CUDA graph (one kernel, not verified)
     capturable: bool = False
+    #: what runs, in words (`RoundPlan.schedule`, "one operation", "mpi", "alone")
+    schedule: str = ""

@@ -79,6 +79,7 @@ class CallPath:
         self._untuned: set[str] = set()
         self.seq = 0  #: collectives this rank started
         self.last_collective = "collective"  #: the name of the last one
+        self.last_schedule = ""  #: what the last one ran (`PreparedCall.schedule`)
         self.lock = threading.RLock()
         self.watchdog: Watchdog | None = None  #: made on the first collective across ranks
         self.watchdog_parts: list[Any] = []  #: the watchdog and its board's memory, to close
@@ -116,6 +117,7 @@ class CallPath:
                     "where no two ranks share a GPU), without GPURING_VERIFY or a recording "
                     "timeline (GPURING_TIMELINE)")
             self.seq += 1
+            self.last_schedule = prepared.schedule
             if prepared.route is Route.ENGINE:  # the common route, without a dict lookup
                 return self._run_engine(prepared, call)
             return _ROUTES[prepared.route](self, prepared, call)
@@ -145,7 +147,8 @@ class CallPath:
                 raise GpuringError(
                     f"{name}: deterministic mode has no {name} through MPI (NumPy arrays "
                     "across nodes, or GPURING_TRANSPORT=mpi): MPI's reduction order is its own")
-            return PreparedCall(Route.ALONE if self.size == 1 else Route.MPI)
+            return PreparedCall(Route.ALONE, schedule="alone") if self.size == 1 else \
+                PreparedCall(Route.MPI, schedule="mpi")
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
             chunk = call.chunk_bytes or config.chunk_bytes or (tuned and tuned.chunk_bytes)
@@ -205,8 +208,9 @@ class CallPath:
             text += " as one operation"
         elif registered:
             text += f" in registered memory {where.ids()[:2]}"
+        schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
-                            fused and engine.fused_capturable and not config.verify)
+                            fused and engine.fused_capturable and not config.verify, schedule)
 
     def _tuned(self, name: str, kind: str, nbytes: int) -> Choice | None:
         """The tuning table's choice for `name` of `nbytes` on `kind` (None: no table, or

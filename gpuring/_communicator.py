@@ -270,6 +270,14 @@ class Communicator:
                                      algorithm=algorithm)
 
     @property
+    def last_schedule(self) -> str:
+        """What this rank's last collective ran, in words: "ring", "chain", "direct",
+        "one_shot", "registered two_shot" (and the other registered forms), "one operation"
+        (a GPU collective as one kernel or stream operations), "mpi", "alone", "barrier".
+        `gpuring bench` reports it per size."""
+        return self._path.last_schedule
+
+    @property
     def device_operations(self) -> int:
         """Driver calls this rank's collectives have made so far to enqueue work or make
         events (kernel launches, copies, stream memory operations, event creations, records

@@ -45,7 +45,8 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     the output, which it does not copy). `algorithm`: one of `ALGORITHMS` for all_reduce,
     reduce_scatter and reduce ("auto" for the others). `peer_in`/`peer_out`: every rank's
     input/output is registered memory its peers map: where a registered form applies
-    (`registered_form`), the collective is its one round, whatever its size.
+    (`registered_form`), the collective is its one round, whatever its size (a small
+    all_reduce that "auto" runs one-shot stays one-shot: one flag hop).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, not {algorithm!r}")
@@ -65,14 +66,14 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                          f"{capacity_bytes} bytes; use a larger chunk_bytes")
     if kind == "barrier":
         return (barrier_round(n, rank),)
+    if kind == ALL_REDUCE and algorithm == "auto" and 0 < count * itemsize <= one_shot_bytes \
+            and count <= cap:  # (registered or not: one flag hop, where registered takes 3)
+        return (one_shot_all_reduce(n, rank, count),)
     form = registered_form(kind, algorithm, peer_in, peer_out, in_place) if (
         peer_in or peer_out) else None
     if form is not None:
         return (registered_round(form, n, rank, count, chunk, channels, peer_in=peer_in,
                                  in_place=in_place, root=root),) if count else ()
-    if kind == ALL_REDUCE and algorithm == "auto" and 0 < count * itemsize <= one_shot_bytes \
-            and count <= cap:
-        return (one_shot_all_reduce(n, rank, count),)
     rounds: list[RoundPlan] = []
     if kind == ALL_REDUCE and algorithm == "one_shot":
         for a in range(0, count, cap):

@@ -112,4 +112,4 @@ def direct_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk:
                  for q in range(n)]
         ops, _ = _channel(kind, n, rank, root, segs, c, channels, chunk, index)
         plans.append(tuple(ops))
-    return RoundPlan(tuple(plans))
+    return RoundPlan(tuple(plans), schedule="direct")

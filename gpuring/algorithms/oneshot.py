@@ -24,11 +24,11 @@ def one_shot_all_reduce(n: int, rank: int, count: int, offset: int = 0) -> Round
         ops.append(Reduce(Loc(OUT, offset), staged[0], staged[1], count, True))
     else:  # one pass over every rank's data, not n - 1 passes over the output
         ops.append(ReduceN(Loc(OUT, offset), staged, count, True))
-    return RoundPlan((tuple(ops),))
+    return RoundPlan((tuple(ops),), schedule="one_shot")
 
 
 def barrier_round(n: int, rank: int) -> RoundPlan:
     """Publish arrival, then wait for every peer's."""
     ops: list[Op] = [Signal(1, tuple(peer for peer in range(n) if peer != rank))]
     ops += [Wait(peer, 1) for peer in range(n) if peer != rank]
-    return RoundPlan((tuple(ops),))
+    return RoundPlan((tuple(ops),), schedule="barrier")

@@ -106,7 +106,7 @@ def registered_round(form: str, n: int, rank: int, count: int, chunk: int, chann
         ops, _ = _channel(form, n, rank, count, root, c, channels, chunk, peer_in, in_place,
                           index)
         plans.append(tuple(ops))
-    return RoundPlan(tuple(plans), registered=True)
+    return RoundPlan(tuple(plans), registered=True, schedule=f"registered {form}")
 
 
 def _readers(form: str, n: int, x: int, root: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

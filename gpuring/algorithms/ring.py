@@ -150,7 +150,7 @@ def ring_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: i
         _, left_index = _ring_channel(kind, n, left, segs, c, channels, chunk, None)
         ops, _ = _ring_channel(kind, n, rank, segs, c, channels, chunk, left_index, own_copy)
         plans.append(tuple(ops))
-    return RoundPlan(tuple(plans))
+    return RoundPlan(tuple(plans), schedule="ring")
 
 
 def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int, chunk: int,
@@ -198,4 +198,4 @@ def chain_round(kind: str, n: int, rank: int, root: int, in_off: int, count: int
             else:
                 ops.append(Reduce(dst, src, theirs, k, True))
         plans.append(tuple(ops))
-    return RoundPlan(tuple(plans))
+    return RoundPlan(tuple(plans), schedule="chain")

@@ -121,6 +121,7 @@ class Measurer:
             times = np.array([time_loop(fn, iters=s.iters, backend=self.backend,
                                         sync=system.sync)])
         wrong = self.check(calls[0], all_buffers[0], system, case, expected)
+        schedule = system.schedule()  # (after a call: barriers run between the timed ones)
         cost = self.host_cost(system, calls[0])
         ops, host_s = (-1.0, -1.0) if cost is None else cost
         table = self.gather(np.append(times, [host_s, ops, -1.0 if wrong is None else wrong]))
@@ -152,7 +153,8 @@ class Measurer:
             wrong=None if wrongs.min() < 0 else int(wrongs.sum()),
             rank_us=(rank_s * 1e6).tolist(), repeat=repeat, sets=len(calls),
             driver_calls=None if ops_of.min() < 0 else float(ops_of.max()),
-            host_us=None if host_of.min() < 0 else float(host_of.max()) * 1e6, **extra)
+            host_us=None if host_of.min() < 0 else float(host_of.max()) * 1e6,
+            schedule=schedule, **extra)
 
     def host_cost(self, system: System, fn: Any, calls: int = 4) -> tuple[float, float] | None:
         """(driver calls, host seconds) per call of `fn` on this rank: `System.operations`

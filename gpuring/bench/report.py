@@ -56,6 +56,8 @@ class Result:
     #: host time per call (microseconds; enqueueing only), the most of any rank (GPU; None
     #: elsewhere, where a call returns when the result is complete)
     host_us: float | None = None
+    #: what gpuring ran (`Communicator.last_schedule`; None for the peers)
+    schedule: str | None = None
 
 
 @dataclass
@@ -256,6 +258,23 @@ def driver_lines(results: list[Result]) -> list[str]:
              f"{'host_us':>10}"]
     lines += [f"{r.size:>12d}{r.type:>9}{r.redop:>7}{r.placement:>14}{r.driver_calls:>8.1f}"
               f"{r.host_us if r.host_us is not None else float('nan'):>10.1f}" for r in mine]
+    return lines
+
+
+def schedule_lines(results: list[Result]) -> list[str]:
+    """What gpuring ran, per placement, sizes with the same schedule in one range."""
+    mine = [r for r in results if r.system == "gpuring" and r.schedule and r.repeat == 0]
+    lines = []
+    for placement in dict.fromkeys(r.placement for r in mine):
+        runs: list[list[Any]] = []
+        for r in sorted((r for r in mine if r.placement == placement), key=lambda r: r.size):
+            if runs and runs[-1][2] == r.schedule:
+                runs[-1][1] = r.size
+            else:
+                runs.append([r.size, r.size, r.schedule])
+        ranges = "; ".join(f"{size_label(lo)}{'' if lo == hi else '..' + size_label(hi)} "
+                           f"{schedule}" for lo, hi, schedule in runs)
+        lines.append(f"# Schedule ({placement}): {ranges}")
     return lines
 
 

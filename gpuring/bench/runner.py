@@ -202,7 +202,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     summary = summarize(results)
     floors = _floors(m, summary)
     notes = peer_notes + list(m.notes.values())
-    for line in report.footer_lines(results) + report.driver_lines(results):
+    for line in (report.footer_lines(results) + report.schedule_lines(results)
+                 + report.driver_lines(results)):
         out.line(line)
     if s.repeats > 1:
         for line in report.repeat_lines(summary):

@@ -115,6 +115,10 @@ class System:
         """Driver calls this system has made so far (None: it does not say)."""
         return None
 
+    def schedule(self) -> str | None:
+        """What its last call ran, in words (None: it does not say)."""
+        return None
+
     def overlap(self, kind: str, b: Buffers, op: str,
                 root: int) -> Callable[[], Callable[[], object]]:
         """The collective started without waiting: calling the result starts it and returns
@@ -143,6 +147,9 @@ class Gpuring(System):
 
     def operations(self) -> int | None:
         return int(self.comm.device_operations)
+
+    def schedule(self) -> str | None:
+        return str(self.comm.last_schedule)
 
     def overlap(self, kind: str, b: Buffers, op: str,
                 root: int) -> Callable[[], Callable[[], object]]:
