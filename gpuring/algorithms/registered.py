@@ -2,21 +2,25 @@
 
 An array from `Communicator.empty`/`zeros` lives in memory every peer has mapped, so a
 collective on such arrays needs no buffer: rank x reads rank q's input (`Loc(IN, offset, q)`)
-or output (`Loc(OUT, offset, q)`) in place, and one round does the whole collective, whatever
-its size. That memory is the caller's, so two signals bracket every read of it:
+or output (`Loc(OUT, offset, q)`) in place, or writes rank q's output, and one round does the
+whole collective, whatever its size. That memory is the caller's, so two signals bracket
+every access to it:
 
 - *entered* (first): this rank is in the collective, so its input is final (on a GPU: the
-  work queued before the call is done); the ranks that read its memory may start;
-- *finished* (last): this rank has read all it reads of the ranks it read from. A rank ends
-  the collective only once every rank that reads its memory said so: its caller may write the
-  arrays again at once.
+  work queued before the call is done) and its caller no longer reads its output; the ranks
+  that read or write its memory may start;
+- *finished* (last): this rank is done with the memory of the ranks it read or wrote. A rank
+  ends the collective only once every rank that touches its memory said so: its caller may
+  use the arrays again at once.
 
 The forms (each rank's own input and output are its arguments; "data" below is a rank's
 input where inputs are registered, else its output once it copied its input there):
 
 - all_reduce, two-shot (outputs registered, in place or not): rank x folds segment x of every
-  rank's data in rank order 0..n-1 into its output, publishing it piece by piece, and copies
-  every other segment from the output of the rank that reduced it;
+  rank's data in rank order 0..n-1 into its output, piece by piece, and copies each piece at
+  once (still in cache) into every other rank's output: each rank reads its share of every
+  input and writes its share of every output, 2 x size through memory in all, with two
+  signals (a rank writes a segment of a peer's output that only it reads or writes);
 - all_reduce, one-shot (inputs registered, out of place): every rank folds every rank's
   input, in rank order, into its output;
 - reduce_scatter: rank x folds block x of every rank's input into its output;
@@ -110,7 +114,8 @@ def registered_round(form: str, n: int, rank: int, count: int, chunk: int, chann
 
 
 def _readers(form: str, n: int, x: int, root: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the ranks that read rank x's memory, the ranks whose memory x reads)."""
+    """(the ranks that read or write rank x's memory, the ranks whose memory x reads or
+    writes)."""
     others = tuple(q for q in range(n) if q != x)
     if form == "fold_root":  # the root reads everyone; nobody reads the root
         return ((root,), ()) if x != root else ((), others)
@@ -141,15 +146,10 @@ def _channel(form: str, n: int, x: int, count: int, root: int, c: int, channels:
     def pieces(length: int) -> list[tuple[int, int]]:
         return piece_ranges(length, c, channels, chunk)
 
-    def fold(dst: Callable[[int], Loc], src: Callable[[int, int], Loc], length: int,
-             announce: bool) -> None:
+    def fold(dst: Callable[[int], Loc], src: Callable[[int, int], Loc], length: int) -> None:
         """dst(o) = src(0, o) op src(1, o) op ... over this channel's pieces of `length`."""
-        for p, (o, k) in enumerate(pieces(length)):
-            srcs = tuple(src(q, o) for q in range(n))
-            ops.append(Reduce(dst(o), srcs[0], srcs[1], k, True) if n == 2 else
-                       ReduceN(dst(o), srcs, k, True))
-            if announce:
-                publish(("piece", p), read_by)
+        for o, k in pieces(length):
+            ops.append(_fold_op(dst(o), tuple(src(q, o) for q in range(n)), k))
 
     def mine_or(space: int, q: int, offset: int) -> Loc:
         return Loc(space, offset, -1 if q == x else q)
@@ -166,15 +166,12 @@ def _channel(form: str, n: int, x: int, count: int, root: int, c: int, channels:
         for q in reads:
             wait(q, _ENTERED)
         start, length = segs[x]
-        fold(lambda o: Loc(OUT, start + o),
-             lambda q, o: Loc(IN, start + o) if q == x else Loc(data, start + o, q),
-             length, True)
-        for g, (gstart, glength) in enumerate(segs):
-            if g == x:
-                continue
-            for p, (o, k) in enumerate(pieces(glength)):
-                wait(g, ("piece", p))
-                ops.append(Copy(Loc(OUT, gstart + o), Loc(OUT, gstart + o, g), k))
+        for o, k in pieces(length):
+            ops.append(_fold_op(Loc(OUT, start + o), tuple(
+                Loc(IN, start + o) if q == x else Loc(data, start + o, q) for q in range(n)),
+                k))
+            ops += [Copy(Loc(OUT, start + o, q), Loc(OUT, start + o), k)
+                    for q in range(n) if q != x]
     else:
         if form == "broadcast" and x == root and not in_place:
             for o, k in pieces(count):
@@ -183,11 +180,10 @@ def _channel(form: str, n: int, x: int, count: int, root: int, c: int, channels:
         for q in reads:
             wait(q, _ENTERED)
         if form == "one_shot" or (form == "fold_root" and x == root):
-            fold(lambda o: Loc(OUT, o), lambda q, o: mine_or(IN, q, o), count, False)
+            fold(lambda o: Loc(OUT, o), lambda q, o: mine_or(IN, q, o), count)
         elif form == "fold_block":
             block = count // n
-            fold(lambda o: Loc(OUT, o), lambda q, o: mine_or(IN, q, x * block + o), block,
-                 False)
+            fold(lambda o: Loc(OUT, o), lambda q, o: mine_or(IN, q, x * block + o), block)
         elif form == "gather":
             for q in range(n):
                 if q != x or not in_place:
@@ -200,4 +196,11 @@ def _channel(form: str, n: int, x: int, count: int, root: int, c: int, channels:
     for q in read_by:
         wait(q, _FINISHED)
     return ops, published
+
+
+def _fold_op(dst: Loc, srcs: tuple[Loc, ...], length: int) -> Op:
+    """dst = srcs[0] op srcs[1] op ..., the final step (avg divides there)."""
+    if len(srcs) == 2:
+        return Reduce(dst, srcs[0], srcs[1], length, True)
+    return ReduceN(dst, srcs, length, True)
 

@@ -136,15 +136,17 @@ class _CudaStream(Stream):
         return found
 
     def copy(self, dst: Span, src: Span) -> None:
-        """A copy engine transfer (`GPURING_CUDA_COPY=memcpy`), except from a peer's memory:
-        that always runs as a kernel, which reads nothing once the device is aborted."""
+        """A copy engine transfer (`GPURING_CUDA_COPY=memcpy`), except from or into a peer's
+        memory (registered arrays): that always runs as a kernel, which touches nothing once
+        the device is aborted (a dead peer's memory may be gone)."""
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
         if dst.nbytes == 0:
             return
         dev = self._device
         with dev.scope():
-            if dev.copy_mode == "kernel" or getattr(src.mem, "kind", "") == "peer":
+            if dev.copy_mode == "kernel" or getattr(src.mem, "kind", "") == "peer" or \
+                    getattr(dst.mem, "kind", "") == "peer":
                 n = dst.nbytes
                 kernel = _kernels.get_function(_kernels.COPY_KERNEL, dev.device_id)
                 kernel(

@@ -50,9 +50,10 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
     `in_place`: the output is the input's memory (all_reduce, reduce_scatter: this rank's
     block of the input, reduce: the same; all_gather: the input is this rank's block of the
     output). `peer_in`/`peer_out`: the ranks' inputs/outputs are registered, so plans may read
-    a peer's (`Loc(IN|OUT, offset, rank)`): such a read fails before that rank entered the
-    collective (its caller may still be writing the array) and after it left (its caller may
-    write it again at once), as does any write to a peer's memory."""
+    a peer's (`Loc(IN|OUT, offset, rank)`), and write a peer's output: such an access fails
+    before that rank entered the collective (its caller may still be using the array) and
+    after it left (its caller may use it again at once); any other access to a peer's memory
+    fails."""
     rng = random.Random(seed)
     inputs: list[list[Any]] = [
         [((r, i),) if ordered else rng.randrange(1, 1000) for i in range(count)]
@@ -95,15 +96,15 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
             """(the list, the index of loc's first element) of rank r's IN/OUT at loc."""
             owner = r if loc.rank == -1 else loc.rank
             if owner != r:
-                if write:
-                    raise Violation(f"rank {r} writes rank {owner}'s memory")
+                if write and loc.space != OUT:
+                    raise Violation(f"rank {r} writes rank {owner}'s input")
                 if not (peer_in if loc.space == IN else peer_out):
-                    raise Violation(f"rank {r} reads rank {owner}'s unregistered {loc}")
+                    raise Violation(f"rank {r} touches rank {owner}'s unregistered {loc}")
                 if not plans[r][_rnd].registered:
-                    raise Violation(f"rank {r} reads a peer's array in a staged round")
+                    raise Violation(f"rank {r} touches a peer's array in a staged round")
                 if not entered[owner] or left[owner]:
-                    raise Violation(f"rank {r} reads rank {owner}'s {loc} while its caller "
-                                    f"may write it ({'left' if left[owner] else 'not entered'})")
+                    raise Violation(f"rank {r} touches rank {owner}'s {loc} while its caller "
+                                    f"may use it ({'left' if left[owner] else 'not entered'})")
             name, base = where[owner][loc.space]
             return memory[owner][name], base + loc.offset
 
