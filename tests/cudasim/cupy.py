@@ -608,6 +608,8 @@ class Memory:
 
     def __del__(self) -> None:
         alloc = getattr(self, "_alloc", None)
+        if _allocated is None:  # interpreter shutdown: the mapping goes with the process (and
+            return  # the next import, or `shm_names --check`, sweeps its file)
         if alloc is not None and alloc.ptr:
             _allocated.pop(alloc.ptr, None)
             _used[0] -= alloc.size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import subprocess
 import sys
@@ -553,6 +554,31 @@ def test_alloc_is_zeroed_and_close_frees() -> None:
     dev.close()  # idempotent
     assert cp.cuda.runtime.memGetInfo()[0] > free_before - (64 << 20)
     assert mem.ptr == 0
+
+
+def test_an_array_over_device_memory_outlives_the_device() -> None:
+    """`CudaDevice.array` (registered memory): a CuPy array over the allocation, zero-filled,
+    whose writes land there; once the device is closed the array still holds the memory
+    (a plain CuPy array), which is freed when the array goes."""
+    dev = CudaDevice(0)
+    cp.get_default_memory_pool().free_all_blocks()
+    free_before = cp.cuda.runtime.memGetInfo()[0]
+    mem = dev.alloc(256 << 20)
+    array = dev.array(mem, (64 << 20,), "float32")
+    assert isinstance(array, cp.ndarray) and array.data.ptr == mem.ptr
+    assert float(array[-1:].get()[0]) == 0.0
+    array[:4] = cp.arange(4, dtype=cp.float32)
+    cp.cuda.get_current_stream().synchronize()
+    assert dev.read_u64(mem.ptr + 8) == int(np.array([2.0, 3.0], np.float32).view(np.uint64)[0])
+    dev.close()
+    array += 1
+    assert array[:4].get().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert cp.cuda.runtime.memGetInfo()[0] < free_before - (128 << 20)
+    del array
+    gc.collect()
+    cp.cuda.get_current_stream().synchronize()
+    cp.asarray(np.zeros(1))  # (the simulator frees what the streams have passed here)
+    assert cp.cuda.runtime.memGetInfo()[0] > free_before - (64 << 20)
 
 
 def test_memops_asked_for_where_the_device_has_none_is_a_clear_error() -> None:

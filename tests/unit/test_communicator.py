@@ -92,3 +92,20 @@ def test_devices_refuse_ranks_on_other_nodes(kind: str, arrays: str) -> None:
     with pytest.raises(GpuringError, match=f"{arrays} collectives across nodes are not "
                                            "supported yet"):
         device_class(kind).for_job(_TwoNodes(), timeout=5)
+
+
+def test_registered_arrays_in_a_world_of_one_are_ordinary_arrays() -> None:
+    """Nobody to map them: comm.empty/zeros are ordinary zero-filled arrays; a bad device
+    or shape is refused before anything is made; after close, nothing can be made."""
+    comm = Communicator(SingleProcess())
+    x = comm.zeros((3, 4), "float32")
+    assert isinstance(x, np.ndarray) and x.shape == (3, 4) and x.dtype == np.float32
+    assert not x.any() and comm.empty(5).dtype == np.float64
+    assert np.array_equal(comm.all_reduce(x + 1), np.ones((3, 4), np.float32))
+    with pytest.raises(ValueError, match="device"):
+        comm.empty(4, device="tpu")
+    with pytest.raises(ValueError, match="shape"):
+        comm.zeros((2, -1))
+    comm.close()
+    with pytest.raises(CommunicatorClosedError):
+        comm.empty(4)

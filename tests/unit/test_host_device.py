@@ -265,3 +265,21 @@ def test_compiled_reduce_n_instruction(device, inline):
     device.compile(program, dtype, op, stream)(inp, device.wrap(result), 1)
     stream.synchronize()
     assert result.tobytes() == want.tobytes()
+
+
+def test_an_array_over_shared_memory_outlives_the_device():
+    """`HostDevice.array` (registered memory): a NumPy array over the mapping, zero-filled,
+    whose writes a peer's mapping sees; once the device is closed (its name gone, its own
+    references dropped) the array still works: an ordinary array."""
+    device = HostDevice(timeout=5.0)
+    peer = HostDevice(timeout=5.0)
+    mem = device.alloc(4096)
+    array = device.array(mem, (16, 32), "float64")
+    assert array.shape == (16, 32) and not array.any()
+    seen = peer.open(device.export(mem))
+    array[3, 4] = 7.5
+    assert seen.view(0, 4096, "float64")[3 * 32 + 4] == 7.5
+    device.close()
+    peer.close()
+    array += 1
+    assert array[3, 4] == 8.5 and array.sum() == 16 * 32 + 7.5
