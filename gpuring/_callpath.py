@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 import weakref
 import zlib
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _arrays
 from ._call import Call, PreparedCall, Route, Signature, check_alike
+from ._choices import FOLDS, Choices
 from ._config import Config
 from ._errors import (
     CollectiveMismatchError,
@@ -27,8 +27,6 @@ from ._registry import Placement, Registration, Registry
 from ._scheduler import Engine, Launch
 from ._status import signature_hash
 from ._timeline import Timeline
-from ._tuning import Choice
-from ._tuning import load as load_tuning
 from ._watchdog import Watchdog
 from .algorithms.collectives import plan_collective
 from .devices import device_class
@@ -74,9 +72,7 @@ class CallPath:
         #: the signatures agreed on, each with every rank's (in rank order)
         self.agreed: dict[Signature, list[Signature]] = {}
         self.registry = Registry()  #: registered memory (`register`)
-        #: the tuning table (GPURING_TUNING), and the device kinds it was found not to fit
-        self.tuning = None if config.tuning is None else load_tuning(config.tuning)
-        self._untuned: set[str] = set()
+        self.choices = Choices(config, control.size)  #: what calls that ask for nothing run
         self.seq = 0  #: collectives this rank started
         self.last_collective = "collective"  #: the name of the last one
         self.last_schedule = ""  #: what the last one ran (`PreparedCall.schedule`)
@@ -136,12 +132,11 @@ class CallPath:
             shape, count, itemsize = tuple(x.shape), x.size, x.dtype.itemsize
             plain = Signature(name, kind, shape, dtype, call.op.value, call.root,
                               deterministic=config.deterministic)
-        tuned = None if x is None else self._tuned(name, kind, count * itemsize)
-        algorithm = self._algorithm(call, count * itemsize, tuned)
-        plain = plain._replace(algorithm=algorithm,
-                               tuning=None if self.tuning is None else self.tuning.digest)
+        picked = self.choices.pick(call, kind, count * itemsize)
+        algorithm = picked.algorithm
+        plain = plain._replace(algorithm=algorithm, tuning=self.choices.digest)
         if self.size == 1 or ((x is None or kind == "cpu") and self._via_mpi()):
-            refused = self.size > 1 and config.deterministic and name in _FOLDS
+            refused = self.size > 1 and config.deterministic and name in FOLDS
             self._agree(plain, remember=not refused)
             if refused:
                 raise GpuringError(
@@ -151,9 +146,8 @@ class CallPath:
                 PreparedCall(Route.MPI, schedule="mpi")
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
-            chunk = call.chunk_bytes or config.chunk_bytes or (tuned and tuned.chunk_bytes)
-            nchannels = call.channels or config.channels or (tuned and tuned.channels) or \
-                devices.default_channels
+            chunk = picked.chunk_bytes
+            nchannels = picked.channels or devices.default_channels
             Config(chunk_bytes=chunk, channels=nchannels).validate()
         capacity = self._capacity(kind)
         placement = call.placement
@@ -182,7 +176,7 @@ class CallPath:
             peer_in, peer_out = where.inp is not None, where.out is not None
             in_place = call.in_place or (peer_in and where.inp == where.out)
             folds = engine.device.in_place_fold_sources
-            if where.in_place and name in _FOLDS and 0 < folds < self.size:  # (agreed)
+            if where.in_place and name in FOLDS and 0 < folds < self.size:  # (agreed)
                 peer_in = peer_out = False  # staged: its fold would read what it overwrote
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
@@ -211,43 +205,6 @@ class CallPath:
         schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
                             fused and engine.fused_capturable and not config.verify, schedule)
-
-    def _tuned(self, name: str, kind: str, nbytes: int) -> Choice | None:
-        """The tuning table's choice for `name` of `nbytes` on `kind` (None: no table, or
-        one that has no entry or was made for another device or rank count, which a warning
-        says once)."""
-        tuning = self.tuning
-        if tuning is None:
-            return None
-        if not tuning.applies(kind, self.size):
-            if kind not in self._untuned:
-                self._untuned.add(kind)
-                warnings.warn(f"gpuring: the tuning table {tuning.path} was made for "
-                              f"{tuning.ranks} ranks on {tuning.device}; this communicator's "
-                              f"{kind} collectives on {self.size} ranks do not use it",
-                              RuntimeWarning, stacklevel=7)  # the caller of the verb
-            return None
-        return tuning.choose(name, nbytes)
-
-    def _algorithm(self, call: Call, nbytes: int, tuned: Choice | None = None) -> str:
-        """The schedule of `call` (`plan_collective`'s `algorithm`): the call's, else the
-        communicator's, else the tuning table's (`tuned`); in deterministic mode, where none
-        is asked for (or the table's is the ring), one that folds in rank order (one-shot for
-        an all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct). A ring asked for in
-        deterministic mode is refused once the ranks agreed on it."""
-        name, config = call.collective, self.config
-        if name not in _FOLDS:
-            return "auto"
-        asked = call.algorithm or config.algorithm
-        if asked == "auto" and tuned is not None and not (
-                config.deterministic and tuned.algorithm == "ring"):
-            asked = tuned.algorithm
-        if asked == "one_shot" and name != "all_reduce":  # GPURING_ALGORITHM's, all_reduce's
-            asked = "auto"
-        if config.deterministic and asked == "auto":
-            small = name == "all_reduce" and 0 < nbytes <= config.one_shot_bytes
-            asked = "one_shot" if small else "direct"
-        return asked
 
     def _capturing(self) -> bool:
         """Whether the caller's stream of any engine's device captures a graph."""
@@ -548,9 +505,6 @@ class CallPath:
 
 #: where a call on plain arrays lies: nowhere registered
 _PLAIN = Placement(None, None)
-
-#: the collectives that reduce, which deterministic mode and `algorithm` are about
-_FOLDS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 
 
 def _described(signature: Signature) -> str:

@@ -744,7 +744,7 @@ def case_tuned(c: Checker) -> None:
     import dataclasses
 
     comm, n, rank = c.comm, c.comm.size, c.comm.rank
-    tuning = comm._path.tuning
+    tuning = comm._path.choices.tuning
     assert tuning is not None and tuning.applies("cpu", n), "no tuning table for this job"
 
     def described(shape: tuple[int, ...]) -> str:
@@ -768,14 +768,14 @@ def case_tuned(c: Checker) -> None:
     comm.all_reduce(ins[rank], algorithm="ring", chunk_bytes=4096)
     assert "chunk_bytes=4096, channels=1, algorithm=ring)" in described((4 * n + 1,))
     if rank == 1:  # another table on rank 1
-        comm._path.tuning = dataclasses.replace(tuning, digest="0" * 16)
+        comm._path.choices.tuning = dataclasses.replace(tuning, digest="0" * 16)
     try:
         comm.all_reduce(np.ones(77, np.float32))
     except gpuring.CollectiveMismatchError as exc:
         assert "tuning" in exc.differences, exc.differences
     else:
         raise AssertionError("no CollectiveMismatchError for different tuning tables")
-    comm._path.tuning = tuning
+    comm._path.choices.tuning = tuning
     c.expect(comm.all_reduce(np.ones(78, np.float32)), np.full(78, n, np.float32),
              "tuned after mismatch")
 
