@@ -82,18 +82,10 @@ class Signature(NamedTuple):
     deterministic: bool = False
     #: the device's settings that shape its schedule (`Device.schedule_settings`)
     device_settings: tuple[tuple[str, str], ...] | None = None
-    #: the registrations the input and the output lie in, and whether in place
-    #: (`Placement.ids`; None: plain arrays)
-    registered: tuple[int | None, int | None, bool] | None = None
+    #: where the input and the output lie in registered memory (None: plain arrays)
+    registered: Placement | None = None
     #: the digest of the tuning table in force (`Tuning.digest`; None: none)
     tuning: str | None = None
-    #: how far into them (`Placement.offsets`): this rank's, which its peers learn here and
-    #: which may differ from theirs (so it is never compared)
-    offsets: tuple[int | None, int | None] | None = None
-
-
-#: the fields of a Signature that are each rank's own, never compared
-_OWN_FIELDS = frozenset({"offsets"})
 
 
 def check_alike(signatures: list[Signature], name: str, rank: int) -> None:
@@ -101,8 +93,6 @@ def check_alike(signatures: list[Signature], name: str, rank: int) -> None:
     differ, and each rank's value (`name` and `rank`: this rank's call)."""
     differences: dict[str, dict[int, object]] = {}
     for i, field in enumerate(Signature._fields):
-        if field in _OWN_FIELDS:
-            continue
         values: dict[int, object] = {r: s[i] for r, s in enumerate(signatures)}
         if len(set(map(repr, values.values()))) > 1:
             differences[field] = values

@@ -24,7 +24,7 @@ from ._errors import (
 )
 from ._lifecycle import Lifecycle, State, in_context
 from ._registry import Placement, Registration, Registry
-from ._scheduler import Engine, Launch
+from ._scheduler import Engine, Launch, RegistrationError
 from ._status import signature_hash
 from ._timeline import Timeline
 from ._watchdog import Watchdog
@@ -89,7 +89,8 @@ class CallPath:
         key = call.known_key
         if key is None:
             if self.registry and call.x is not None:
-                call.placement = self.registry.placement(call.collective, call.x, call.out)
+                call.placement = self.registry.placement(call.collective, call.x, call.out,
+                                                         self.rank)
             key = call.key()
         with self.lock:
             prepared = self.prepared.get(key)
@@ -159,11 +160,10 @@ class CallPath:
                                        buffer_bytes=capacity, verify=config.verify,
                                        device_settings=devices.schedule_settings())
             if placement is not None:
-                signature = signature._replace(registered=placement.ids(),
-                                               offsets=placement.offsets())
+                signature = signature._replace(registered=placement)
         self._ensure_watchdog()
         refused = config.deterministic and algorithm == "ring"
-        signatures = self._agree(signature, remember=not refused)
+        self._agree(signature, remember=not refused)
         if refused:  # agreed: every rank refuses it
             raise GpuringError(
                 f"{name}: deterministic mode folds every element in rank order, which the "
@@ -176,16 +176,16 @@ class CallPath:
             peer_in, peer_out = where.inp is not None, where.out is not None
             in_place = call.in_place or (peer_in and where.inp == where.out)
             folds = engine.device.in_place_fold_sources
-            if where.in_place and name in FOLDS and 0 < folds < self.size:  # (agreed)
-                peer_in = peer_out = False  # staged: its fold would read what it overwrote
+            if name in FOLDS and 0 < folds < self.size:  # an in-place fold could not run
+                peer_in = peer_out = False  # (staged on every rank, in place or not)
             rounds = plan_collective(
                 name, self.size, self.rank, count, itemsize=itemsize,
                 capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
                 root=call.root, one_shot_bytes=config.one_shot_bytes, in_place=in_place,
                 algorithm=algorithm, peer_in=peer_in, peer_out=peer_out)
             registered = any(plan.registered for plan in rounds)
-            peers = self.registry.peer_arrays(signatures, count * itemsize) if registered \
-                else ()
+            peers = self.registry.peer_arrays(where, self.size, count * itemsize) \
+                if registered else ()
             fused = name in engine.fused_kinds and algorithm != "ring" and \
                 0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
             launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
@@ -201,7 +201,7 @@ class CallPath:
         if fused:
             text += " as one operation"
         elif registered:
-            text += f" in registered memory {where.ids()[:2]}"
+            text += f" in registered memory {tuple(where)}"
         schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
                             fused and engine.fused_capturable and not config.verify, schedule)
@@ -386,6 +386,8 @@ class CallPath:
                 nbytes = math.prod(shape) * dtype.itemsize
                 mems = engine.register(self.control, nbytes)
                 array = engine.device.array(mems[self.rank], shape, dtype)
+            except RegistrationError:  # every rank raises it, nothing was mapped
+                raise
             except BaseException as exc:  # after agreement the peers go on: tell them
                 self.give_up(exc, name)
                 raise

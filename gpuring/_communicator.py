@@ -28,7 +28,7 @@ from ._errors import (
 )
 from ._lastcalls import LastCalls
 from ._lifecycle import Outcome, State
-from ._ops import ReduceOp
+from ._ops import ReduceOp, check_op_dtype
 from ._scheduler import Engine
 from ._timeline import Timeline, write_trace
 from ._watchdog import Watchdog
@@ -200,10 +200,14 @@ class Communicator:
         maps: collectives on such arrays read the peers' arrays where they lie instead of
         staging them through the communication buffers (see the README's "Registered
         memory"). Every rank calls it alike, as a collective (the same shape, dtype and
-        device, in the same order as its other collectives). The memory is zero-filled. It
-        stays valid for as long as the array (or a view of it) lives; once the communicator
-        is closed, it is an ordinary array. Where there is no peer to map it (a world of
-        one, NumPy collectives through MPI) it is an ordinary array from the start."""
+        device, in the same order as its other collectives), and a call on such arrays must
+        pass them alike on every rank: the same offsets into them (`x=out[rank]` for an
+        all_gather in place). The memory is zero-filled. It stays valid for as long as the
+        array (or a view of it) lives; once the communicator is closed, it is an ordinary
+        array. The communicator keeps it (and its peers' mappings of it) until it closes:
+        allocate registered arrays once and reuse them. Where there is no peer to map it (a
+        world of one, NumPy collectives through MPI) it is an ordinary array from the
+        start."""
         return self._registered("empty", shape, dtype, device)
 
     def zeros(self, shape: int | Sequence[int], dtype: Any = "float64", *,
@@ -220,6 +224,7 @@ class Communicator:
             raise ValueError(f"{name}: shape must be non-negative ints, got {shape!r}")
         xp = _arrays.module_for(device)
         dtype = np.dtype(dtype)
+        check_op_dtype(ReduceOp.SUM, dtype.name)  # what no collective takes is refused first
         self._drain_async()
         array = self._path.register(device, dims, dtype)
         if array is None:  # nobody to map it: an ordinary array

@@ -4,8 +4,11 @@ and where a call's arrays lie in it.
 A registration is made by every rank at once, so it has the same number on every rank: the
 number of registrations the communicator made before it. A call on arrays that lie in
 registered memory says so with a `Placement` (which registration, how far into it), which
-the ranks agree on before the call first runs; the collective then reads its peers' arrays
-where they lie (`algorithms.registered`).
+every rank's call must have alike (the ranks agree on it before the call first runs, and the
+call is prepared once per placement, so what a rank knows of its peers' arrays is what they
+pass); the collective then reads its peers' arrays where they lie (`algorithms.registered`).
+Rank r's array lies at `base + r * stride`: the same offset on every rank (stride 0), or, for
+an all_gather in place (`x=out[rank]`), each rank's own block of the output.
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _arrays
-from ._call import Signature
 from ._scheduler import PeerArrays
 from .devices.base import Memory, Span
 
-__all__ = ["Registration", "Placement", "Registry"]
+__all__ = ["Registration", "Where", "Placement", "Registry"]
 
 
 class Registration(NamedTuple):
@@ -31,25 +33,24 @@ class Registration(NamedTuple):
     nbytes: int
 
 
+class Where(NamedTuple):
+    """An array in registration `ident`: rank r's lies `base + r * stride` bytes into it."""
+
+    ident: int
+    base: int
+    stride: int = 0
+
+    def offset(self, rank: int) -> int:
+        return self.base + rank * self.stride
+
+
 class Placement(NamedTuple):
-    """Where a call's input and output lie in registered memory: (registration, byte
-    offset), or None for a plain array. Only an all_reduce's output counts (it is the only
-    collective whose peers read outputs). `in_place`: the output overlaps the input."""
+    """Where a call's input and output lie in registered memory (None: a plain array), the
+    same on every rank. Only an all_reduce's output counts (it is the only collective whose
+    peers read or write outputs)."""
 
-    inp: tuple[int, int] | None
-    out: tuple[int, int] | None
-    in_place: bool = False
-
-    def ids(self) -> tuple[int | None, int | None, bool]:
-        """The registrations (None: plain) and whether in place, which every rank's call
-        must have alike."""
-        return (None if self.inp is None else self.inp[0],
-                None if self.out is None else self.out[0], self.in_place)
-
-    def offsets(self) -> tuple[int | None, int | None]:
-        """The byte offsets into them, which may differ from rank to rank."""
-        return (None if self.inp is None else self.inp[1],
-                None if self.out is None else self.out[1])
+    inp: Where | None
+    out: Where | None
 
 
 class Registry:
@@ -88,21 +89,27 @@ class Registry:
                 return reg.ident, offset
         return None
 
-    def placement(self, collective: str, x: Any, out: Any) -> Placement | None:
-        """Where the call's arrays lie (None: nowhere registered)."""
+    def placement(self, collective: str, x: Any, out: Any, rank: int) -> Placement | None:
+        """Where the call's arrays lie (None: nowhere registered), seen from `rank`."""
         kind = _arrays.device_kind(x)
-        inp = self.find(kind, x)
+        found = self.find(kind, x)
+        inp = None
+        if found is not None:
+            ident, offset = found
+            stride = x.nbytes if collective == "all_gather" and out is not None and \
+                _arrays.may_overlap(x, out) else 0  # in place: x is out's block of this rank
+            inp = Where(ident, offset - rank * stride, stride)
         mine = self.find(kind, out) if collective == "all_reduce" and out is not None else None
         if inp is None and mine is None:
             return None
-        return Placement(inp, mine, out is not None and _arrays.may_overlap(x, out))
+        return Placement(inp, None if mine is None else Where(*mine))
 
-    def peer_arrays(self, signatures: list[Signature], nbytes: int) -> tuple[PeerArrays, ...]:
-        """Every rank's input and output of `nbytes`, mapped here, from the signatures of the
-        ranks' call (registrations agreed, offsets each rank's own)."""
-        return tuple(PeerArrays(*(
-            None if ident is None or offset is None else
-            Span(self._by_id[ident].mems[rank], offset, nbytes)
-            for ident, offset in zip((sig.registered or (None, None))[:2],
-                                     sig.offsets or (None, None), strict=True)))
-            for rank, sig in enumerate(signatures))
+    def peer_arrays(self, placement: Placement, n: int, nbytes: int) -> tuple[PeerArrays, ...]:
+        """Every rank's input and output of `nbytes` at `placement`, mapped here."""
+        def span(where: Where | None, rank: int) -> Span | None:
+            if where is None:
+                return None
+            return Span(self._by_id[where.ident].mems[rank], where.offset(rank), nbytes)
+
+        return tuple(PeerArrays(span(placement.inp, r), span(placement.out, r))
+                     for r in range(n))

@@ -60,13 +60,18 @@ from .devices.base import (
 )
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Engine", "Launch", "PeerArrays", "MAX_CHANNELS"]
+__all__ = ["Engine", "Launch", "PeerArrays", "RegistrationError", "MAX_CHANNELS"]
 
 MAX_CHANNELS = 32
 _PAGE = 4096
 _SEQ_SHIFT = 32
 _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
+
+
+class RegistrationError(GpuringError):
+    """A rank could not allocate registered memory (every rank raises it; the communicator
+    goes on)."""
 
 
 class PeerArrays(NamedTuple):
@@ -476,8 +481,18 @@ class Engine:
         rank at once (each rank's, in rank order; this rank's is its own allocation). It is
         freed with the device: a user array made over it keeps its own share alive."""
         device = self.device
-        local = device.alloc(max(nbytes, 1))
-        handles = control.exchange("registration (handles)", device.export(local), self.timeout)
+        local: Memory | None = None
+        try:  # a rank that cannot allocate says so: every rank raises, and goes on
+            local = device.alloc(max(nbytes, 1))
+            mine: Any = device.export(local)
+        except (GpuringError, OSError, MemoryError) as exc:
+            mine = f"rank {self.rank}: {exc}"
+        handles = control.exchange("registration (handles)", mine, self.timeout)
+        failed = [h for h in handles if isinstance(h, str)]
+        if failed:  # (what the others allocated stays with the device until it closes)
+            raise RegistrationError(f"registered memory of {nbytes} bytes could not be "
+                                    f"allocated: {'; '.join(failed)}")
+        assert local is not None
         mems = tuple(local if r == self.rank else open_peer(device, h, r)
                      for r, h in enumerate(handles))
         control.barrier(self.timeout, "registration (mapped)")

@@ -69,7 +69,7 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     if kind == ALL_REDUCE and algorithm == "auto" and 0 < count * itemsize <= one_shot_bytes \
             and count <= cap:  # (registered or not: one flag hop, where registered takes 3)
         return (one_shot_all_reduce(n, rank, count),)
-    form = registered_form(kind, algorithm, peer_in, peer_out, in_place) if (
+    form = registered_form(kind, algorithm, peer_in, peer_out, in_place, n) if (
         peer_in or peer_out) else None
     if form is not None:
         return (registered_round(form, n, rank, count, chunk, channels, peer_in=peer_in,

@@ -62,18 +62,25 @@ _ENTERED = ("entered",)
 _FINISHED = ("finished",)
 
 
+#: "auto" runs an all_reduce whose inputs only are registered one-shot up to this many ranks
+#: (each rank reads n x size: 3 x size on 2 ranks, against 4.5 x size staged through a ring;
+#: beyond 4 ranks the ring moves less)
+ONE_SHOT_RANKS = 4
+
+
 def registered_form(kind: str, algorithm: str, peer_in: bool, peer_out: bool,
-                    in_place: bool) -> str | None:
+                    in_place: bool, n: int = 2) -> str | None:
     """The registered form of `kind` for `algorithm` ("auto", "direct" or "one_shot"; the
     ring has none), or None where none applies and the collective stages through the buffers.
     `peer_in`/`peer_out`: every rank's input/output is registered; `in_place`: the output is
-    the input."""
+    the input; `n`: the ranks."""
     if algorithm == "ring":
         return None
     if kind == ALL_REDUCE:
         if peer_out and algorithm in ("auto", "direct"):
             return "two_shot"
-        if peer_in and not in_place and algorithm in ("auto", "one_shot"):
+        if peer_in and not in_place and (algorithm == "one_shot" or (
+                algorithm == "auto" and n <= ONE_SHOT_RANKS)):
             return "one_shot"
         return None
     if not peer_in:

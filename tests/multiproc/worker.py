@@ -673,9 +673,11 @@ def case_registered(c: Checker) -> None:
     rank-order fold's bits (as deterministic mode, whatever the form); arrays refilled and
     called again at once many times (a rank that returned early, or read a peer's array
     before the peer entered, would mix two calls' data); views at other offsets of a
-    registration (an all_gather in place: each rank's block at its own offset); a rank whose
-    array is registered where its peers' are not is a mismatch on every rank, and the
-    communicator goes on. Plain arrays interleaved (direct) give the same bits."""
+    registration (an all_gather in place: each rank's block at its own offset), a reduce in
+    place on the root only; a rank whose array is registered where its peers' are not, or
+    lies at another offset, is a mismatch on every rank, and the communicator goes on, as it
+    does after a registration refused for its dtype. Plain arrays interleaved (direct) give
+    the same bits."""
     comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
     device = "cpu" if xp is np else "cuda"
     root = n - 1
@@ -725,13 +727,26 @@ def case_registered(c: Checker) -> None:
         x[...] = dev(c, ins[rank])
         comm.all_reduce(x, out=x)
         c.expect(x, rank_order_fold(ins, "sum"), f"registered back to back {call}", copy=True)
+    x[:size] = dev(c, np.arange(size, dtype=np.float32) + rank)  # in place on the root only
+    got = comm.reduce(x[:size], root=root, out=x[:size] if rank == root else None)
+    if rank == root:
+        c.expect(got, np.arange(size, dtype=np.float32) * n + sum(range(n)),
+                 "registered reduce in place on the root", shared=False)
     plain = xp.ones(8, "float32")
-    try:  # rank 0's array is registered, its peers' are not
-        comm.all_reduce(x[:8] if rank == 0 else plain)
-    except gpuring.CollectiveMismatchError as exc:
-        assert "registered" in exc.differences, exc.differences
+    for what, mine in (("a plain array on the others", x[:8] if rank == 0 else plain),
+                       ("another offset on rank 1", x[8 * (rank == 1):8 * (rank == 1) + 8])):
+        try:
+            comm.all_reduce(mine)
+        except gpuring.CollectiveMismatchError as exc:
+            assert "registered" in exc.differences, (what, exc.differences)
+        else:
+            raise AssertionError(f"no CollectiveMismatchError for {what}")
+    try:  # refused before the ranks meet: the communicator goes on
+        comm.empty(4, object, device=device)
+    except TypeError as exc:
+        assert "not supported" in str(exc), str(exc)
     else:
-        raise AssertionError("no CollectiveMismatchError for a registered array on one rank")
+        raise AssertionError("a registered array of objects")
     x[:8] = 1
     c.expect(comm.all_reduce(x[:8]), np.full(8, n, np.float32), "registered after mismatch")
 
