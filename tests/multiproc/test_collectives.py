@@ -27,13 +27,12 @@ def test_dtypes_and_ops(launcher, n, tmp_path):
     assert len(lines) > 140
 
 
-@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 2], [3]))
+@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 2], []))
 def test_sizes(launcher, n, tmp_path):
     run_case(launcher, n, "sizes", tmp_path)
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(("launcher", "n"), _under_both([2, 4], [2]))
 def test_back_to_back(launcher, n, tmp_path):
     assert len(run_case(launcher, n, "back_to_back", tmp_path)) > 200
 
@@ -63,7 +62,7 @@ def test_deterministic_mode(launcher, n, buffer, tmp_path):
 
 
 @pytest.mark.parametrize(("launcher", "n", "env"), [
-    ("gpuring", 2, {}), ("gpuring", 3, {"GPURING_DETERMINISTIC": "1"}), ("gpuring", 4, {}),
+    ("gpuring", 3, {"GPURING_DETERMINISTIC": "1"}), ("gpuring", 4, {}),
     pytest.param("mpiexec", 2, {}, marks=pytest.mark.mpi)])
 def test_registered_memory(launcher, n, env, tmp_path):
     """Arrays from comm.empty/zeros, read by the peers in place: every verb, the rank-order
@@ -81,7 +80,7 @@ def test_module_api(launcher, tmp_path):
     run_case(launcher, 3, "module_api", tmp_path)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3])
 def test_many_rounds_with_small_buffers(n, tmp_path):
     """Buffers of 8 KiB: every collective runs in many rounds, on 1 to 3 channels, so buffer
     halves are reused constantly (the write-after-read hazard across rounds). On 2 ranks
