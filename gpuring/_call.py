@@ -11,8 +11,8 @@ from ._errors import CollectiveMismatchError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
+    from ._launch import Launch
     from ._registry import Placement
-    from ._scheduler import Launch
 
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
 

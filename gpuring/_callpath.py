@@ -22,9 +22,10 @@ from ._errors import (
     GpuringError,
     PeerFailureError,
 )
+from ._launch import Launch, RegistrationError
 from ._lifecycle import Lifecycle, State, in_context
 from ._registry import Placement, Registration, Registry
-from ._scheduler import Engine, Launch, RegistrationError
+from ._scheduler import Engine
 from ._status import signature_hash
 from ._timeline import Timeline
 from ._watchdog import Watchdog

@@ -33,16 +33,16 @@ stream.
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
+from ._launch import Launch, PeerArrays, RegistrationError
 from ._ops import ReduceOp
 from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, ReduceN, RoundPlan, Wait
 from .devices.base import (
     Arg,
     CopyI,
     Device,
-    Direct,
     Event,
     Flag,
     FlagWaitAborted,
@@ -60,77 +60,13 @@ from .devices.base import (
 )
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Engine", "Launch", "PeerArrays", "RegistrationError", "MAX_CHANNELS"]
+__all__ = ["Engine", "MAX_CHANNELS"]
 
 MAX_CHANNELS = 32
 _PAGE = 4096
 _SEQ_SHIFT = 32
 _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
 _RUNNER_CACHE = 256
-
-
-class RegistrationError(GpuringError):
-    """A rank could not allocate registered memory (every rank raises it; the communicator
-    goes on)."""
-
-
-class PeerArrays(NamedTuple):
-    """A rank's input and output of a collective on registered memory, mapped here (None:
-    not registered)."""
-
-    inp: Span | None
-    out: Span | None
-
-
-class Launch:
-    """A collective prepared for one engine: its rounds, the dtype and op, whether it runs on
-    the inline stream, and (for that stream) its runners, compiled on the first run. Made by
-    `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
-
-    __slots__ = ("_per_round", "collective", "direct", "divisor", "dtype", "engine", "fused",
-                 "hears_all", "inline", "itemsize", "op", "peers", "root", "rounds", "runners")
-
-    def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
-                 itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
-                 collective: str = "all_reduce", root: int = 0,
-                 peers: tuple[PeerArrays, ...] = ()):
-        self.engine = engine
-        #: every rank's registered input and output, mapped here, which registered rounds
-        #: read (`RoundPlan.registered`); empty for collectives on plain arrays
-        self.peers = peers
-        #: the collective runs as one operation on the caller's stream, not in rounds: `direct`
-        #: (set by `Engine.prepare`)
-        self.fused = fused
-        self.direct: Direct | None = None
-        self.collective = collective
-        self.root = root
-        self.rounds = rounds
-        self.dtype = dtype
-        self.itemsize = itemsize
-        self.op = op
-        self.divisor = engine.size if op is ReduceOp.AVG else 1
-        self.inline = inline
-        #: inline runners, per channel, of (round, buffer half (seq parity), credits known
-        #: (see `Engine.run`)), each compiled on its first use
-        self.runners: dict[tuple[int, int, bool], tuple[Runner, ...]] = {}
-        #: per round: whether its (one) channel waits for a piece of every other rank
-        self.hears_all = tuple(
-            len(plan.channels) == 1 and {o.peer for o in plan.channels[0]
-                                         if isinstance(o, Wait)} == set(range(engine.size))
-            - {engine.rank} for plan in rounds)
-        self._per_round: tuple[Launch, ...] | None = None
-
-    def per_round(self) -> tuple[Launch, ...]:
-        """One launch per round (the timeline runs and times them one by one); a fused launch
-        is one step."""
-        if self.fused:
-            return (self,)
-        if self._per_round is None:
-            self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
-                                           self.op, self.inline, collective=self.collective,
-                                           root=self.root, peers=self.peers)
-                                    for plan in self.rounds)
-        return self._per_round
 
 
 class Engine:
