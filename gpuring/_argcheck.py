@@ -10,8 +10,8 @@ from . import _arrays
 from ._call import Call
 from ._ops import ReduceOp, check_op_dtype
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "input_array",
-           "output_array", "check_algorithm"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
+           "scatter", "all_to_all", "input_array", "output_array", "check_algorithm"]
 
 
 _CHECKED: dict[tuple[Any, Any], ReduceOp] = {}
@@ -123,6 +123,40 @@ def reduce(x: Any, op: ReduceOp | str, root: Any, out: Any, chunk_bytes: int | N
     out = (output_array(out, x, x.shape, "reduce", in_place=_same(x), hint="out=x")
            if rank == root else None)
     return Call("reduce", x, out, rop, root, chunk_bytes, channels, algorithm=algorithm)
+
+
+def gather(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: int | None,
+           size: int, rank: int) -> Call:
+    root = _root(root, size)
+    x = input_array(x)
+    check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
+    out = output_array(out, x, (size, *x.shape), "gather") if rank == root else None
+    return Call("gather", x, out, ReduceOp.SUM, root, chunk_bytes, channels)
+
+
+def scatter(x: Any, root: Any, out: Any, chunk_bytes: int | None, channels: int | None,
+            size: int) -> Call:
+    root = _root(root, size)
+    x = _blocks(x, size, "scatter")
+    out = output_array(out, x, x.shape[1:], "scatter")
+    return Call("scatter", x, out, ReduceOp.SUM, root, chunk_bytes, channels)
+
+
+def all_to_all(x: Any, out: Any, chunk_bytes: int | None, channels: int | None,
+               size: int) -> Call:
+    x = _blocks(x, size, "all_to_all")
+    out = output_array(out, x, x.shape, "all_to_all")
+    return Call("all_to_all", x, out, ReduceOp.SUM, 0, chunk_bytes, channels)
+
+
+def _blocks(x: Any, size: int, name: str) -> Any:
+    """`x` (C-contiguous) of shape (size, *block): one block per rank."""
+    x = input_array(x)
+    check_op_dtype(ReduceOp.SUM, _arrays.dtype_name(x))
+    if x.ndim == 0 or x.shape[0] != size:
+        raise ValueError(f"{name} needs x of shape (size, ...) = ({size}, ...), one block per "
+                         f"rank; got {tuple(x.shape)}")
+    return x
 
 
 def input_array(x: Any) -> Any:

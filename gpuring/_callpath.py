@@ -215,8 +215,10 @@ class CallPath:
         x, out = call.x, call.out
         if x is None:
             return None
-        if call.collective == "all_gather":
+        if call.collective in ("all_gather", "gather"):
             out[0] = x
+        elif call.collective == "scatter":
+            out[...] = x[0]
         elif out is not x:
             out[...] = x.reshape(out.shape)
         return out

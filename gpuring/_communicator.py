@@ -180,6 +180,31 @@ class Communicator:
                                                     self.size, self.rank, algorithm))
         return result if self.rank == root else None
 
+    @public_verb
+    def gather(self, x: Any, *, root: int = 0, out: Any = None,
+               chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+        """Every rank's `x` stacked in rank order on `root`: shape `(size, *x.shape)` there
+        (`out`, used on root only), None on the other ranks."""
+        result = self._run("gather", x, out, (root, chunk_bytes, channels), lambda: (
+            _argcheck.gather(x, root, out, chunk_bytes, channels, self.size, self.rank)))
+        return result if self.rank == root else None
+
+    @public_verb
+    def scatter(self, x: Any, *, root: int = 0, out: Any = None,
+                chunk_bytes: int | None = None, channels: int | None = None) -> Any:
+        """Block `rank` of root's `x`: every rank passes `x` of shape `(size, *block)` (only
+        root's content is read) and gets `x[rank]` of root's, in `out` if given."""
+        return self._run("scatter", x, out, (root, chunk_bytes, channels), lambda: (
+            _argcheck.scatter(x, root, out, chunk_bytes, channels, self.size)))
+
+    @public_verb
+    def all_to_all(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
+                   channels: int | None = None) -> Any:
+        """Every rank sends block j of `x` (shape `(size, *block)`) to rank j: `out[j]` is
+        rank j's `x[rank]`. `out` must not overlap `x`."""
+        return self._run("all_to_all", x, out, (chunk_bytes, channels), lambda: (
+            _argcheck.all_to_all(x, out, chunk_bytes, channels, self.size)))
+
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
              check: Callable[[], Call]) -> Any:
         """Run `verb`'s call: the last one's again where the same arrays and `args` (every
@@ -244,6 +269,9 @@ class Communicator:
     all_gather_async = _in_background(all_gather)
     broadcast_async = _in_background(broadcast)
     reduce_async = _in_background(reduce)
+    gather_async = _in_background(gather)
+    scatter_async = _in_background(scatter)
+    all_to_all_async = _in_background(all_to_all)
 
     def all_reduce_many(self, arrays: Sequence[Any], *, op: ReduceOp | str = "sum",
                         fusion_bytes: int | None = None) -> list[Any]:

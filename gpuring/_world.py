@@ -16,6 +16,7 @@ from ._work import Work
 from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+           "gather", "scatter", "all_to_all",
            "reduce", "barrier", "synchronize", "all_reduce_async", "all_reduce_many"]
 
 _lock = threading.Lock()
@@ -102,6 +103,21 @@ def broadcast(x: Any, *, root: int = 0, out: Any = None) -> Any:
 def reduce(x: Any, *, op: ReduceOp | str = "sum", root: int = 0, out: Any = None) -> Any:
     """`Communicator.reduce` on the communicator init() made."""
     return current().reduce(x, op=op, root=root, out=out)
+
+
+def gather(x: Any, *, root: int = 0, out: Any = None) -> Any:
+    """`Communicator.gather` on the communicator init() made."""
+    return current().gather(x, root=root, out=out)
+
+
+def scatter(x: Any, *, root: int = 0, out: Any = None) -> Any:
+    """`Communicator.scatter` on the communicator init() made."""
+    return current().scatter(x, root=root, out=out)
+
+
+def all_to_all(x: Any, *, out: Any = None) -> Any:
+    """`Communicator.all_to_all` on the communicator init() made."""
+    return current().all_to_all(x, out=out)
 
 
 def barrier() -> None:

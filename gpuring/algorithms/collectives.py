@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from .direct import DIRECT_KINDS, direct_round
+from .exchange import EXCHANGE_KINDS, exchange_rounds
 from .oneshot import barrier_round, one_shot_all_reduce
 from .plan import RoundPlan, split_even
 from .registered import registered_form, registered_round
@@ -37,8 +38,9 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                     peer_out: bool = False) -> tuple[RoundPlan, ...]:
     """The rounds `rank` runs for one collective.
 
-    `count` is the element count of the input (all_reduce, reduce_scatter: whole input;
-    all_gather: one rank's block; broadcast, reduce: the array). `capacity_bytes` is the size of
+    `count` is the element count of the input (all_reduce, reduce_scatter, scatter,
+    all_to_all: whole input; all_gather: one rank's block; broadcast, reduce, gather: the
+    array). `capacity_bytes` is the size of
     one buffer region; `one_shot_bytes` the largest all_reduce that runs one-shot;
     `in_place`: the output is the input (all_reduce, reduce_scatter, reduce: the same
     memory; broadcast: the root copies nothing; all_gather: the input is this rank's block of
@@ -66,6 +68,8 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                          f"{capacity_bytes} bytes; use a larger chunk_bytes")
     if kind == "barrier":
         return (barrier_round(n, rank),)
+    if kind in EXCHANGE_KINDS:
+        return exchange_rounds(kind, n, rank, count, root, cap, chunk, channels)
     if kind == ALL_REDUCE and algorithm == "auto" and 0 < count * itemsize <= one_shot_bytes \
             and count <= cap:  # (registered or not: one flag hop, where registered takes 3)
         return (one_shot_all_reduce(n, rank, count),)

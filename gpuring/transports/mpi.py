@@ -41,6 +41,17 @@ class MpiCollectives:
         rank)."""
         size = self._comm.Get_size()
         narrow = x.dtype.name in _NARROW
+        if name in ("gather", "scatter", "all_to_all"):  # bytes: narrow floats as uint16
+            raw = x.view(np.uint16) if narrow else x
+            raw_out = None if out is None else out.view(np.uint16) if narrow else out
+            if name == "gather":
+                request = self._comm.Igather(raw, raw_out, root=root)
+            elif name == "scatter":
+                request = self._comm.Iscatter(raw, raw_out, root=root)
+            else:
+                request = self._comm.Ialltoall(raw, raw_out)
+            self._wait(request, name, raw, raw_out)
+            return
         if name in ("broadcast", "all_gather"):  # bytes only: narrow floats travel as uint16
             assert out is not None
             raw = x.view(np.uint16) if narrow else x

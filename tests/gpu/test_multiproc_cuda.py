@@ -72,6 +72,14 @@ def test_direct_and_deterministic(case, n, env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
+def test_gather_scatter_all_to_all(tmp_path):
+    """gather, scatter and all_to_all of CuPy arrays on 3 ranks (buffer rounds, copies from
+    the peers' buffers)."""
+    proc = launch("gpuring", 3, [str(WORKER), "exchange", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 @pytest.mark.parametrize(("n", "mode"), [(2, "kernel"), (3, "auto")])
 def test_registered_memory(n, mode, tmp_path):
     """CuPy arrays from comm.empty/zeros (CUDA IPC memory every rank maps), read by the peers

@@ -97,8 +97,16 @@ def test_nonblocking_device_path(case, tmp_path):
                                                 "GPURING_BUFFER_BYTES": "64K"})
 
 
+@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 3, 5], [2]))
+def test_gather_scatter_all_to_all(launcher, n, tmp_path):
+    """Blocks moved, not reduced: every dtype, empty to multi-round blocks, every root,
+    registered arrays, mismatches."""
+    run_case(launcher, n, "exchange", tmp_path)
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["dtypes_ops", "sizes", "back_to_back", "mismatch"])
+@pytest.mark.parametrize("case", ["dtypes_ops", "sizes", "back_to_back", "mismatch",
+                                  "exchange"])
 def test_mpi_transport(case, tmp_path):
     """NumPy collectives carried by MPI (the path between nodes), forced on one node."""
     run_case("mpiexec", 3, case, tmp_path, env={"GPURING_TRANSPORT": "mpi"})

@@ -26,10 +26,14 @@ def results(stdout: str) -> dict[int, tuple[str, str, float]]:
     return found
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_sigkill_mid_allreduce(n):
+@pytest.mark.parametrize(("n", "verb"), [(3, "all_reduce"), (4, "all_reduce"),
+                                         (3, "all_to_all"), (4, "gather"), (3, "scatter")])
+def test_sigkill_mid_allreduce(n, verb):
+    """Rank 1 dies inside large collectives: every survivor raises PeerFailureError naming
+    it within seconds (the timeout is 600 s), and nothing is left in /dev/shm."""
     proc = launch("gpuring", n, [WORKER, "kill"], env={"GPURING_TIMEOUT": "600",
-                                                       "GPURING_JITTER": "0"}, timeout=300)
+                                                       "GPURING_JITTER": "0",
+                                                       "GPURING_TEST_VERB": verb}, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "rank 1 failed first: it was killed by SIGKILL" in proc.stderr, out

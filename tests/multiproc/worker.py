@@ -797,6 +797,61 @@ def case_tuned(c: Checker) -> None:
              "tuned after mismatch")
 
 
+def case_exchange(c: Checker) -> None:
+    """gather, scatter and all_to_all: every block where it belongs, bit for bit, every dtype,
+    shapes from empty blocks to several buffer rounds, every root, given outputs, registered
+    arrays; a mismatched root or block shape raises CollectiveMismatchError on every rank, a
+    wrong first dimension ValueError before the ranks meet, and the communicator goes on."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    seed = 19000
+    dtypes = ["float32", "int8", "uint64", "complex128", "float16"] + (
+        ["bfloat16"] if "bfloat16" in FLOATS else [])
+    for i, block in enumerate([(0,), (1,), (7, 3), (70000,), (3, 250000)]):
+        dtype = dtypes[i % len(dtypes)]
+        seed += 1
+        ins = c.inputs(dtype, (n, *block), seed)
+        for root in range(n) if n <= 3 or i < 3 else (0, n - 1):
+            got = comm.gather(dev(c, ins[rank][rank]), root=root)
+            if rank == root:
+                c.expect(got, np.stack([ins[q][q] for q in range(n)]),
+                         f"gather {dtype} {block} root {root}", copy=True, shared=False)
+            else:
+                assert got is None
+            got = comm.scatter(dev(c, ins[rank]), root=root)
+            c.expect(got, ins[root][rank], f"scatter {dtype} {block} root {root}", copy=True,
+                     shared=False)
+        out = xp.zeros((n, *block), dtype)
+        got = comm.all_to_all(dev(c, ins[rank]), out=out)
+        assert got is out
+        c.expect(out, np.stack([ins[q][rank] for q in range(n)]), f"all_to_all {dtype} {block}",
+                 copy=True, shared=False)
+    device = "cpu" if xp is np else "cuda"
+    x = comm.empty((n, 1000), "int32", device=device)  # registered arrays: staged as usual
+    ins = c.inputs("int32", (n, 1000), seed + 1)
+    x[...] = dev(c, ins[rank])
+    c.expect(comm.all_to_all(x), np.stack([ins[q][rank] for q in range(n)]),
+             "all_to_all registered", copy=True, shared=False)
+    attempts = [
+        ("root", lambda: comm.gather(xp.ones(4), root=min(rank, 1))),
+        ("shape", lambda: comm.all_to_all(xp.ones((n, 4 + (rank == 1))))),
+    ]
+    for field, call in attempts if n > 1 else []:
+        try:
+            call()
+        except gpuring.CollectiveMismatchError as exc:
+            assert field in exc.differences, (field, exc.differences)
+        else:
+            raise AssertionError(f"no CollectiveMismatchError for another {field}")
+    try:
+        comm.scatter(xp.ones((n + 1, 2)))
+    except ValueError as exc:
+        assert "one block per rank" in str(exc), str(exc)
+    else:
+        raise AssertionError("scatter took n + 1 blocks")
+    c.expect(comm.all_to_all(xp.full((n, 3), rank)), np.repeat(np.arange(n), 3).reshape(n, 3),
+             "all_to_all after mismatch", copy=True, shared=False)
+
+
 def case_mismatch(c: Checker) -> None:
     """Mismatched dtype, shape, op, root and kind raise CollectiveMismatchError on every rank."""
     comm, r = c.comm, c.comm.rank

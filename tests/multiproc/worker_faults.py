@@ -65,16 +65,24 @@ def exit_when_survivors_reported(comm: gpuring.Communicator, dead: int) -> None:
 
 
 def case_kill(comm: gpuring.Communicator) -> None:
-    """Rank 1 is SIGKILLed while every rank is inside large all_reduces."""
-    x = np.random.default_rng(comm.rank).standard_normal(8 << 20).astype(np.float32)  # 32 MiB
-    comm.all_reduce(x)  # everyone set up
+    """Rank 1 is SIGKILLed while every rank is inside large collectives: all_reduces, or the
+    verb GPURING_TEST_VERB names (all_to_all, gather, scatter)."""
+    n = comm.size
+    x = np.random.default_rng(comm.rank).standard_normal(n * (2 << 20)).astype(np.float32)
+    verb = os.environ.get("GPURING_TEST_VERB", "all_reduce")
+    calls = {"all_reduce": lambda: comm.all_reduce(x),
+             "all_to_all": lambda: comm.all_to_all(x.reshape(n, -1)),
+             "gather": lambda: comm.gather(x, root=n - 1),
+             "scatter": lambda: comm.scatter(x.reshape(n, -1), root=0)}
+    call = calls[verb]
+    call()  # everyone set up
     print(f"JOB {comm._control.job_id}", flush=True)
     if comm.rank == 1:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
     since = time.monotonic()
     try:
         for _ in range(10_000):
-            comm.all_reduce(x)
+            call()
     except gpuring.GpuringError as exc:
         report(comm, exc, since)
         if DIR is not None:

@@ -59,7 +59,8 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
     inputs: list[list[Any]] = [
         [((r, i),) if ordered else rng.randrange(1, 1000) for i in range(count)]
         for r in range(n)]
-    out_len = {"all_gather": n * count, "reduce_scatter": count // n}.get(kind, count)
+    out_len = {"all_gather": n * count, "reduce_scatter": count // n, "gather": n * count,
+               "scatter": count // n}.get(kind, count)
     # each rank's memory: its input and output arrays, and where IN and OUT lie in them
     memory: list[dict[str, list[Any]]] = []
     where: list[dict[int, tuple[str, int]]] = []
@@ -189,6 +190,14 @@ def expected(kind, n, inputs, root):
         return [inputs[root]] * n
     if kind == "reduce":
         return [total if r == root else None for r in range(n)]
+    if kind == "gather":
+        return [[v for inp in inputs for v in inp] if r == root else None for r in range(n)]
+    if kind == "scatter":
+        b = count // n
+        return [inputs[root][r * b:(r + 1) * b] for r in range(n)]
+    if kind == "all_to_all":
+        b = count // n
+        return [[v for q in range(n) for v in inputs[q][r * b:(r + 1) * b]] for r in range(n)]
     raise AssertionError(kind)
 
 
@@ -319,7 +328,7 @@ def test_barrier_plan_waits_for_everyone():
             assert waited == set(range(n)) - {r}
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "barrier"])
+@pytest.mark.parametrize("kind", [*KINDS, "gather", "scatter", "all_to_all", "barrier"])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
     """A Signal names every rank that waits on it and no other (an extra reader would be a
@@ -517,3 +526,29 @@ def test_the_registered_check_catches_a_rank_that_leaves_early(monkeypatch):
     with pytest.raises(Violation, match="left"):
         for seed in range(50):
             simulate("all_reduce", 3, 9, seed=seed, peer_in=True, peer_out=True)
+
+
+EXCHANGE = ["gather", "scatter", "all_to_all"]
+
+
+@pytest.mark.parametrize("kind", EXCHANGE)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_exchange_exhaustive_small(kind, n):
+    """gather, scatter and all_to_all move every block where it belongs, in one round or
+    several (small buffers), on any channels and pieces."""
+    for block in range(0, 4):
+        count = block if kind == "gather" else n * block
+        for chunk, channels, capacity in itertools.product([1, 3], [1, 2], [n, 3 * n, 1 << 20]):
+            for root in range(n) if kind != "all_to_all" else [0]:
+                check(kind, n, count, chunk=chunk, channels=channels, capacity=capacity,
+                      root=root, seed=count * 7 + chunk)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(EXCHANGE), n=st.integers(2, 7), block=st.integers(0, 60),
+       chunk=st.integers(1, 20), channels=st.integers(1, 4), capacity_mult=st.integers(1, 20),
+       root=st.integers(0, 6), seed=st.integers(0, 1000))
+def test_exchange_random_shapes(kind, n, block, chunk, channels, capacity_mult, root, seed):
+    count = block if kind == "gather" else n * block
+    check(kind, n, count, chunk=chunk, channels=channels, capacity=n * capacity_mult,
+          root=root % n, seed=seed)
