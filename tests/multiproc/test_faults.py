@@ -27,7 +27,7 @@ def results(stdout: str) -> dict[int, tuple[str, str, float]]:
 
 
 @pytest.mark.parametrize(("n", "verb"), [(3, "all_reduce"), (4, "all_reduce"),
-                                         (3, "all_to_all"), (4, "gather"), (3, "scatter")])
+                                         (3, "all_to_all")])
 def test_sigkill_mid_allreduce(n, verb):
     """Rank 1 dies inside large collectives: every survivor raises PeerFailureError naming
     it within seconds (the timeout is 600 s), and nothing is left in /dev/shm."""
@@ -133,10 +133,10 @@ def test_verify_mode_catches_results_that_differ():
 @pytest.mark.slow
 def test_soak_4_ranks():
     proc = launch("gpuring", 4, [WORKER, "soak"], env={"GPURING_JITTER": "0",
-                                                      "SOAK_COUNT": "5000"}, timeout=900)
+                                                      "SOAK_COUNT": "3000"}, timeout=900)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
-    assert proc.stdout.count("ok soak 5000") == 4, out
+    assert proc.stdout.count("ok soak 3000") == 4, out
 
 
 def test_sigterm_to_launcher_reaches_every_rank(tmp_path):
