@@ -205,6 +205,31 @@ class Communicator:
         return self._run("all_to_all", x, out, (chunk_bytes, channels), lambda: (
             _argcheck.all_to_all(x, out, chunk_bytes, channels, self.size)))
 
+    def all_gather_v(self, x: Any) -> list[Any]:
+        """Every rank's `x` in rank order, as a list: first dimensions may differ between
+        ranks, the other dimensions and the dtype may not. (Two collectives: the shapes, then
+        the data padded to the largest; see the README.)"""
+        from ._uneven import all_gather_v
+
+        return all_gather_v(self, x)
+
+    def all_to_all_v(self, blocks: Sequence[Any]) -> list[Any]:
+        """`blocks[j]` (a sequence of `size` arrays of one dtype, any shapes, empty ones
+        too) goes to rank j; returns the list of what every rank sent this one, `result[j]`
+        from rank j with the shape rank j gave it."""
+        from ._uneven import all_to_all_v
+
+        return all_to_all_v(self, blocks)
+
+    def reduce_scatter_v(self, x: Any, counts: Sequence[int], *,
+                         op: ReduceOp | str = "sum") -> Any:
+        """This rank's share of the flattened reduction of `x`: elements
+        `[sum(counts[:rank]), sum(counts[:rank + 1]))`; `counts` (non-negative, summing to
+        `x.size`) the same on every rank, else CollectiveMismatchError on every rank."""
+        from ._uneven import reduce_scatter_v
+
+        return reduce_scatter_v(self, x, counts, op)
+
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
              check: Callable[[], Call]) -> Any:
         """Run `verb`'s call: the last one's again where the same arrays and `args` (every

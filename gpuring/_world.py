@@ -16,7 +16,8 @@ from ._work import Work
 from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "gather", "scatter", "all_to_all",
+           "gather", "scatter", "all_to_all", "all_gather_v", "all_to_all_v",
+           "reduce_scatter_v",
            "reduce", "barrier", "synchronize", "all_reduce_async", "all_reduce_many"]
 
 _lock = threading.Lock()
@@ -118,6 +119,21 @@ def scatter(x: Any, *, root: int = 0, out: Any = None) -> Any:
 def all_to_all(x: Any, *, out: Any = None) -> Any:
     """`Communicator.all_to_all` on the communicator init() made."""
     return current().all_to_all(x, out=out)
+
+
+def all_gather_v(x: Any) -> list[Any]:
+    """`Communicator.all_gather_v` on the communicator init() made."""
+    return current().all_gather_v(x)
+
+
+def all_to_all_v(blocks: Sequence[Any]) -> list[Any]:
+    """`Communicator.all_to_all_v` on the communicator init() made."""
+    return current().all_to_all_v(blocks)
+
+
+def reduce_scatter_v(x: Any, counts: Sequence[int], *, op: ReduceOp | str = "sum") -> Any:
+    """`Communicator.reduce_scatter_v` on the communicator init() made."""
+    return current().reduce_scatter_v(x, counts, op=op)
 
 
 def barrier() -> None:

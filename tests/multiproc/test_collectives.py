@@ -104,6 +104,15 @@ def test_gather_scatter_all_to_all(launcher, n, tmp_path):
     run_case(launcher, n, "exchange", tmp_path)
 
 
+@pytest.mark.parametrize(("launcher", "n", "env"), [
+    ("gpuring", 1, {}), ("gpuring", 5, {}),
+    pytest.param("mpiexec", 3, {"GPURING_DETERMINISTIC": "1"}, marks=pytest.mark.mpi)])
+def test_uneven_collectives(launcher, n, env, tmp_path):
+    """all_gather_v, all_to_all_v and reduce_scatter_v against NumPy (in deterministic mode
+    the rank-order fold's bits), with mismatched shapes, counts and dtypes."""
+    run_case(launcher, n, "uneven", tmp_path, env=env)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["dtypes_ops", "sizes", "back_to_back", "mismatch",
                                   "exchange"])

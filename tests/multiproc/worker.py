@@ -852,6 +852,62 @@ def case_exchange(c: Checker) -> None:
              "all_to_all after mismatch", copy=True, shared=False)
 
 
+def case_uneven(c: Checker) -> None:
+    """all_gather_v, all_to_all_v and reduce_scatter_v: every rank's blocks where they
+    belong with the shapes their senders gave (empty ones too, even blocks as a special
+    case), reductions within their rounding bound (the rank-order fold's bits in
+    deterministic mode); different trailing dimensions, counts or dtypes raise
+    CollectiveMismatchError on every rank, and the communicator goes on."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    seed = 20000
+    for i, (dtype, trailing) in enumerate([("float32", (3,)), ("int64", ()),
+                                           ("complex64", (2, 5)), ("float16", (1,))]):
+        for rows in ([(q * 7 + i) % 5 for q in range(n)], [4] * n, [0] * n):
+            seed += 1
+            xs = [c.inputs(dtype, (rows[q], *trailing), seed)[q] for q in range(n)]
+            got = comm.all_gather_v(dev(c, xs[rank]))
+            assert len(got) == n
+            for q in range(n):
+                c.expect(got[q], xs[q], f"all_gather_v {dtype} {rows} from {q}", copy=True)
+        seed += 1
+        shapes = [[((q + 2 * j + i) % 4, *trailing) for j in range(n)] for q in range(n)]
+        sent = [[c.inputs(dtype, shapes[q][j], seed + 100 * q + j)[0] for j in range(n)]
+                for q in range(n)]
+        got = comm.all_to_all_v([dev(c, b) for b in sent[rank]])
+        for q in range(n):
+            c.expect(got[q], sent[q][rank], f"all_to_all_v {dtype} from {q}", copy=True,
+                     shared=False)
+    for op, dtype in (("sum", "float32"), ("max", "int32"), ("avg", "float64")):
+        seed += 1
+        counts = [(3 * q + 1) % 7 for q in range(n)]
+        ins = c.inputs(dtype, (sum(counts),), seed, op)
+        got = comm.reduce_scatter_v(dev(c, ins[rank]), counts, op=op)
+        start = sum(counts[:rank])
+        piece = [a[start:start + counts[rank]] for a in ins]
+        if comm.config.deterministic:
+            c.expect(got, rank_order_fold(piece, op), f"reduce_scatter_v {op}", copy=True,
+                     shared=False)
+        else:
+            c.expect(got, c.reduce_reference(piece, op), f"reduce_scatter_v {op}",
+                     shared=False)
+    attempts = [
+        ("trailing dimensions", lambda: comm.all_gather_v(xp.ones((2, 3 + (rank == 1))))),
+        ("counts", lambda: comm.reduce_scatter_v(xp.ones(3 * n), [3] * n if rank else
+                                                 [3 * n] + [0] * (n - 1))),
+        ("dtype", lambda: comm.all_to_all_v([xp.ones(2, "float32" if rank else "float64")
+                                             for _ in range(n)])),
+    ]
+    for field, call in attempts if n > 1 else []:
+        try:
+            call()
+        except gpuring.CollectiveMismatchError as exc:
+            assert field in exc.differences, (field, exc.differences)
+        else:
+            raise AssertionError(f"no CollectiveMismatchError for other {field}")
+    got = comm.all_gather_v(xp.full((rank + 1, 2), rank))
+    c.expect(got[n - 1], np.full((n, 2), n - 1), "all_gather_v after mismatch", copy=True)
+
+
 def case_mismatch(c: Checker) -> None:
     """Mismatched dtype, shape, op, root and kind raise CollectiveMismatchError on every rank."""
     comm, r = c.comm, c.comm.rank
