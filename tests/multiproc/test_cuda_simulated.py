@@ -71,8 +71,7 @@ def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> N
                    "(multiproc or spin or clear_error or legacy or fault) and not "
                    "one_operation and not cuda_graph and not dtypes_ops and not "
                    "training_features and not same_arrays and not deterministic and not "
-                   "sizes-4 and not back_to_back-4 and not (registered_memory and 3-auto) and not "
-                   "gather_scatter")
+                   "sizes-4 and not back_to_back-4 and not gather_scatter")
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])
