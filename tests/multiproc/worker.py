@@ -797,6 +797,17 @@ def case_tuned(c: Checker) -> None:
              "tuned after mismatch")
 
 
+def expect_mismatches(attempts: list) -> None:
+    """Each (field, call) raises CollectiveMismatchError naming that field."""
+    for field, call in attempts:
+        try:
+            call()
+        except gpuring.CollectiveMismatchError as exc:
+            assert field in exc.differences, (field, exc.differences)
+        else:
+            raise AssertionError(f"no CollectiveMismatchError for a different {field}")
+
+
 def case_exchange(c: Checker) -> None:
     """gather, scatter and all_to_all: every block where it belongs, bit for bit, every dtype,
     shapes from empty blocks to several buffer rounds, every root, given outputs, registered
@@ -835,13 +846,7 @@ def case_exchange(c: Checker) -> None:
         ("root", lambda: comm.gather(xp.ones(4), root=min(rank, 1))),
         ("shape", lambda: comm.all_to_all(xp.ones((n, 4 + (rank == 1))))),
     ]
-    for field, call in attempts if n > 1 else []:
-        try:
-            call()
-        except gpuring.CollectiveMismatchError as exc:
-            assert field in exc.differences, (field, exc.differences)
-        else:
-            raise AssertionError(f"no CollectiveMismatchError for another {field}")
+    expect_mismatches(attempts if n > 1 else [])
     try:
         comm.scatter(xp.ones((n + 1, 2)))
     except ValueError as exc:
@@ -897,13 +902,7 @@ def case_uneven(c: Checker) -> None:
         ("dtype", lambda: comm.all_to_all_v([xp.ones(2, "float32" if rank else "float64")
                                              for _ in range(n)])),
     ]
-    for field, call in attempts if n > 1 else []:
-        try:
-            call()
-        except gpuring.CollectiveMismatchError as exc:
-            assert field in exc.differences, (field, exc.differences)
-        else:
-            raise AssertionError(f"no CollectiveMismatchError for other {field}")
+    expect_mismatches(attempts if n > 1 else [])
     got = comm.all_gather_v(xp.full((rank + 1, 2), rank))
     c.expect(got[n - 1], np.full((n, 2), n - 1), "all_gather_v after mismatch", copy=True)
 
