@@ -24,7 +24,7 @@ from ._errors import (
 )
 from ._launch import Launch, RegistrationError
 from ._lifecycle import Lifecycle, State, in_context
-from ._registry import Placement, Registration, Registry
+from ._registry import Placement, Registry
 from ._scheduler import Engine
 from ._status import signature_hash
 from ._timeline import Timeline
@@ -70,8 +70,7 @@ class CallPath:
         self.life = Lifecycle(control.rank)
         self.engines: dict[str, Engine] = {}
         self.prepared: dict[tuple[Any, ...], PreparedCall] = {}
-        #: the signatures agreed on, each with every rank's (in rank order)
-        self.agreed: dict[Signature, list[Signature]] = {}
+        self.agreed: set[Signature] = set()  #: the signatures the ranks agreed on
         self.registry = Registry()  #: registered memory (`register`)
         self.choices = Choices(config, control.size)  #: what calls that ask for nothing run
         self.seq = 0  #: collectives this rank started
@@ -315,14 +314,12 @@ class CallPath:
             watchdog.track(finished, name, seq, engine.device.check)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
-    def _agree(self, signature: Signature, *, remember: bool = True) -> list[Signature]:
-        """Check that every rank runs the same collective, and return every rank's signature
-        (in rank order); cached per signature, unless not to `remember` it (a call refused
-        once agreed: each attempt agrees anew, so a rank that tries it again while its peers
-        call something else meets a mismatch)."""
-        known = self.agreed.get(signature)
-        if known is not None:
-            return known
+    def _agree(self, signature: Signature, *, remember: bool = True) -> None:
+        """Check that every rank runs the same collective; cached per signature, unless not
+        to `remember` it (a call refused once agreed: each attempt agrees anew, so a rank
+        that tries it again while its peers call something else meets a mismatch)."""
+        if signature in self.agreed:
+            return
         name, seq, life, watchdog = signature.collective, self.seq + 1, self.life, self.watchdog
         if watchdog is not None:  # a peer that closes meanwhile fails this exchange at once
             watchdog.expect(seq, name, _described(signature))
@@ -351,8 +348,7 @@ class CallPath:
             self.agreed.clear()  # on every rank at once (the same calls agreed on);
             self.prepared.clear()  # a prepared call is only reused while still agreed
         if remember:
-            self.agreed[signature] = signatures
-        return signatures
+            self.agreed.add(signature)
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
@@ -394,8 +390,7 @@ class CallPath:
             except BaseException as exc:  # after agreement the peers go on: tell them
                 self.give_up(exc, name)
                 raise
-            self.registry.add(Registration(self.registry.next_ident(), kind, mems,
-                                           _arrays.address(array), nbytes))
+            self.registry.add(kind, mems, _arrays.address(array), nbytes)
             return array
 
     def _engine(self, kind: str, capacity: int) -> Engine:

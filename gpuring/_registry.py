@@ -65,16 +65,13 @@ class Registry:
     def __bool__(self) -> bool:
         return bool(self._by_id)
 
-    def next_ident(self) -> int:
-        return len(self._by_id)
-
-    def add(self, registration: Registration) -> None:
-        assert registration.ident == len(self._by_id)
+    def add(self, kind: str, mems: tuple[Memory, ...], address: int,
+            nbytes: int) -> Registration:
+        """The next registration (numbered in the order made, the same on every rank)."""
+        registration = Registration(len(self._by_id), kind, mems, address, nbytes)
         self._by_id.append(registration)
-        self._by_kind.setdefault(registration.kind, []).append(registration)
-
-    def get(self, ident: int) -> Registration:
-        return self._by_id[ident]
+        self._by_kind.setdefault(kind, []).append(registration)
+        return registration
 
     def find(self, kind: str, x: Any) -> tuple[int, int] | None:
         """(registration, byte offset) of the array `x` (C-contiguous, of device `kind`)
