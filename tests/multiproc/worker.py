@@ -770,10 +770,12 @@ def case_tuned(c: Checker) -> None:
         assert len(texts) == 1, texts
         return texts[0]
 
-    bounds = [ch.max_bytes for ch in tuning.tables["all_reduce"]]
-    sizes = [b // 4 - 1 for b in bounds if b] + [(bounds[-2] or 4096) // 2 + 4096]
+    # an element count at the top of each entry's range (one or many entries: the table
+    # is whatever this machine measured), and one above the last bound
+    bounds = [ch.max_bytes for ch in tuning.tables["all_reduce"] if ch.max_bytes]
+    sizes = [b // 4 for b in bounds] + [(bounds[-1] if bounds else 4096) // 4 + 1024]
     for i, count in enumerate(sorted(set(sizes))):
-        count -= count % n
+        count = max(n, count - count % n)
         ins = c.inputs("float32", (count,), 18000 + i)
         c.expect(comm.all_reduce(ins[rank]), c.reduce_reference(ins, "sum"),
                  f"tuned all_reduce {count}")
