@@ -320,11 +320,23 @@ class CallPath:
         that tries it again while its peers call something else meets a mismatch)."""
         if signature in self.agreed:
             return
-        name, seq, life, watchdog = signature.collective, self.seq + 1, self.life, self.watchdog
+        name = signature.collective
+        signatures = self.exchange("a collective", signature, name, _described(signature))
+        check_alike(signatures, name, self.rank)
+        if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
+            self.agreed.clear()  # on every rank at once (the same calls agreed on);
+            self.prepared.clear()  # a prepared call is only reused while still agreed
+        if remember:
+            self.agreed.add(signature)
+
+    def exchange(self, what: str, obj: Any, name: str, described: str) -> list[Any]:
+        """Every rank's `obj` for the step `what` of the call `name` (`described` in words),
+        bounded by the timeout; a failure breaks the communicator, as a collective's does."""
+        seq, life, watchdog = self.seq + 1, self.life, self.watchdog
         if watchdog is not None:  # a peer that closes meanwhile fails this exchange at once
-            watchdog.expect(seq, name, _described(signature))
+            watchdog.expect(seq, name, described)
         try:
-            signatures = self.control.exchange("a collective", signature, self.config.timeout)
+            return self.control.exchange(what, obj, self.config.timeout)
         except (PeerFailureError, CollectiveTimeoutError) as exc:
             if life.cause is None and watchdog is not None and isinstance(exc, PeerFailureError):
                 # the status board may know better: a peer that left the exchange after a
@@ -343,12 +355,6 @@ class CallPath:
         finally:
             if watchdog is not None:
                 watchdog.expect(None)
-        check_alike(signatures, name, self.rank)
-        if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
-            self.agreed.clear()  # on every rank at once (the same calls agreed on);
-            self.prepared.clear()  # a prepared call is only reused while still agreed
-        if remember:
-            self.agreed.add(signature)
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""

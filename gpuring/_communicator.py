@@ -94,6 +94,8 @@ class Communicator:
         self._path = CallPath(control, self.config)
         self._executor: Executor | None = None  # the async thread, made by the first *_async
         self._last_calls = LastCalls()
+        self._splits = 0  #: split() calls so far (the same on every rank)
+        self._pairs: dict[int, Communicator] = {}  #: peer -> the pair's communicator
         path = self._path
         self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
                                            control, path.life.outcome)
@@ -230,6 +232,51 @@ class Communicator:
 
         return reduce_scatter_v(self, x, counts, op)
 
+    # -- point to point, sub-communicators ----------------------------------------------
+    @public_verb
+    def send(self, x: Any, dst: int) -> None:
+        """Send `x` to rank `dst`, which receives it with `recv(y, src=this rank)` into an
+        array of the same shape and dtype (else CollectiveMismatchError on both ranks).
+        Messages between two ranks are received in the order they were sent. `send` may
+        wait for the matching `recv` (NumPy arrays: until the receiver has the data; CuPy:
+        it returns once queued on the stream): two ranks that both send to each other first
+        get CollectiveMismatchError, and a cycle of sends (a ring shift) needs `sendrecv`.
+        The first message between two ranks sets up their channel (a communicator of the
+        pair with its own buffers, kept until this one closes)."""
+        from ._groups import send
+
+        send(self, x, dst)
+
+    @public_verb
+    def recv(self, x: Any, src: int) -> Any:
+        """Receive the next message rank `src` sends this rank into `x` (C-contiguous,
+        writable, the sender's shape and dtype) and return `x`. See `send`."""
+        from ._groups import recv
+
+        return recv(self, x, src)
+
+    @public_verb
+    def sendrecv(self, x: Any, dst: int, out: Any, src: int) -> Any:
+        """Send `x` to `dst` and receive from `src` into `out` at once, and return `out`;
+        neither half waits for the other, so every rank calling
+        `sendrecv(x, (rank + 1) % size, out, (rank - 1) % size)` shifts a ring without
+        deadlock. `dst == src` exchanges with one peer; `dst == src == rank` copies."""
+        from ._groups import sendrecv
+
+        return sendrecv(self, x, dst, out, src)
+
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """A new communicator of the ranks that pass the same `color` (an int >= 0), ranked
+        by `(key, rank)`; `color=None` takes part but joins none and returns None (MPI's
+        MPI_UNDEFINED). A collective of this communicator: every rank calls it in the same
+        order as its other collectives. The new communicator has its own sequence numbers
+        and buffers: collectives on it and on this one (or on its siblings) may interleave
+        in any order that each communicator's ranks share, and it closes on its own (close
+        it too)."""
+        from ._groups import split
+
+        return split(self, color, key)
+
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
              check: Callable[[], Call]) -> Any:
         """Run `verb`'s call: the last one's again where the same arrays and `args` (every
@@ -349,6 +396,8 @@ class Communicator:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
         are told, and later calls raise CommunicatorClosedError. Close it afterwards."""
         self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
+        for channel in list(self._pairs.values()):
+            channel.abort(reason)
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
         if self._path.watchdog is not None:
             self._path.watchdog.give_up(reason)
@@ -375,13 +424,18 @@ class Communicator:
             return
         self._close_training()
         unraised: BaseException | None = None
+        for channel in list(self._pairs.values()):
+            try:
+                channel._close(report=True)
+            except BaseException as exc:  # a message that failed and was not raised yet
+                unraised = unraised or exc
         if self._path.life.state is State.OPEN:
             try:
                 self._path.wait_engines("close")
             except BaseException as exc:  # already says it comes from close
                 unraised = exc
         else:
-            unraised = self._path.life.unraised(self._path.seq)
+            unraised = self._path.life.unraised(self._path.seq) or unraised
         self._path.life.close()
         self._finalizer()
         if self._on_close is not None:

@@ -17,7 +17,7 @@ from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "gather", "scatter", "all_to_all", "all_gather_v", "all_to_all_v",
-           "reduce_scatter_v",
+           "reduce_scatter_v", "send", "recv", "sendrecv", "split",
            "reduce", "barrier", "synchronize", "all_reduce_async", "all_reduce_many"]
 
 _lock = threading.Lock()
@@ -134,6 +134,26 @@ def all_to_all_v(blocks: Sequence[Any]) -> list[Any]:
 def reduce_scatter_v(x: Any, counts: Sequence[int], *, op: ReduceOp | str = "sum") -> Any:
     """`Communicator.reduce_scatter_v` on the communicator init() made."""
     return current().reduce_scatter_v(x, counts, op=op)
+
+
+def send(x: Any, dst: int) -> None:
+    """`Communicator.send` on the communicator init() made."""
+    current().send(x, dst)
+
+
+def recv(x: Any, src: int) -> Any:
+    """`Communicator.recv` on the communicator init() made."""
+    return current().recv(x, src)
+
+
+def sendrecv(x: Any, dst: int, out: Any, src: int) -> Any:
+    """`Communicator.sendrecv` on the communicator init() made."""
+    return current().sendrecv(x, dst, out, src)
+
+
+def split(color: int | None, key: int = 0) -> Communicator | None:
+    """`Communicator.split` of the communicator init() made."""
+    return current().split(color, key)
 
 
 def barrier() -> None:

@@ -187,7 +187,7 @@ class CudaDevice(Device):
 
     @classmethod
     def _for_rank(cls, control: ControlPlane, timeout: float) -> CudaDevice:
-        return cls(local_rank=control.local_rank, timeout=timeout)
+        return cls(local_rank=control.device_slot, timeout=timeout)
 
     def __init__(self, device_id: int | None = None, *, local_rank: int | None = None,
                  timeout: float = 300.0, flags: str | None = None, copy: str | None = None):

@@ -25,6 +25,35 @@ class ControlPlane(abc.ABC):
 
     def __init__(self) -> None:
         self._failure_callbacks: list[Callable[[int, str], None]] = []
+        self._device_slot: int | None = None
+
+    @property
+    def device_slot(self) -> int:
+        """Which of the node's GPUs this rank uses (modulo their count): its local rank in
+        the job, kept by the sub-groups it joins."""
+        return self.local_rank if self._device_slot is None else self._device_slot
+
+    def subgroup(self, members: tuple[int, ...], name: str) -> ControlPlane:
+        """The control plane of the ranks `members` (ranks of this one, in the new group's
+        rank order), named `name` (unique in the job, the same on every member; it is the
+        group's `job_id`). Called by the members only; bounded: it waits for no peer (a
+        control plane that must meet them does so in its first exchange)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sub-groups")
+
+    def _join(self, group: ControlPlane, members: tuple[int, ...], name: str,
+              nodes: tuple[str, ...]) -> None:
+        """Set up `group`, a sub-group of this control plane: its rank, size, job_id and
+        where its members run (`nodes`: every member's node, in group order)."""
+        ControlPlane.__init__(group)
+        if self.rank not in members or len(set(members)) != len(members):
+            raise ValueError(f"sub-group {members} of rank {self.rank}: it must list this "
+                             "rank, each rank once")
+        group.rank, group.size, group.job_id = members.index(self.rank), len(members), name
+        here = nodes[group.rank]
+        group.local_rank = sum(1 for node in nodes[:group.rank] if node == here)
+        group.local_size = nodes.count(here)
+        group.single_node = len(set(nodes)) == 1
+        group._device_slot = self.device_slot
 
     @abc.abstractmethod
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:

@@ -19,6 +19,11 @@ class SingleProcess(ControlPlane):
         self.local_size = 1
         self.job_id = secrets.token_hex(8)
 
+    def subgroup(self, members: tuple[int, ...], name: str) -> SingleProcess:
+        group = SingleProcess()
+        self._join(group, members, name, ("local",))
+        return group
+
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
         return [obj]
 

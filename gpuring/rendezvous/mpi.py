@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import threading
 import time
+import zlib
 from typing import Any
 
 from .._errors import CollectiveTimeoutError, PeerFailureError
 from .base import ControlPlane
 
-__all__ = ["MpiControl", "launched_by_mpi"]
+__all__ = ["MpiControl", "MpiGroup", "launched_by_mpi"]
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
             "SLURM_MPI_TYPE", "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_TOPOLIB")
@@ -39,9 +41,14 @@ class MpiControl(ControlPlane):
         local.Free()
         self.single_node = self.local_size == self.size
         self.job_id = self.comm.bcast(secrets.token_hex(8) if self.rank == 0 else None)
+        #: each rank's node (host name)
+        self.nodes: tuple[str, ...] = tuple(self.comm.allgather(MPI.Get_processor_name()))
         self._closed = False
         self._interrupted: str | None = None
         self._abandoned: list[Any] = []
+
+    def subgroup(self, members: tuple[int, ...], name: str) -> MpiGroup:
+        return MpiGroup(self, members, name)
 
     def interrupt(self, reason: str) -> None:
         self._interrupted = reason
@@ -83,3 +90,72 @@ class MpiControl(ControlPlane):
         if not self._closed:
             self._closed = True
             self.comm.Free()
+
+
+class MpiGroup(MpiControl):
+    """A sub-group's control plane under mpiexec: an MPI communicator of its members, made
+    at its first use (so making the group waits for no peer). The members first meet with
+    point-to-point messages, which are bounded; then `Comm.Create_group`, which only the
+    members call, completes at once."""
+
+    def __init__(self, parent: MpiControl, members: tuple[int, ...], name: str):
+        parent._join(self, members, name, tuple(parent.nodes[m] for m in members))
+        self._MPI = parent._MPI
+        self._parent = parent
+        self._members = members
+        self.nodes = tuple(parent.nodes[m] for m in members)
+        self._inner: MpiControl | None = None
+        self._connecting = threading.Lock()
+        self._closed = False
+        self._interrupted = None
+        self._abandoned = []
+
+    @property
+    def comm(self) -> Any:  # type: ignore[override]
+        return self._connect(None).comm
+
+    def _connect(self, timeout: float | None) -> MpiControl:
+        with self._connecting:
+            if self._inner is None:
+                self._inner = self._meet(timeout)
+            return self._inner
+
+    def _meet(self, timeout: float | None) -> MpiControl:
+        import numpy as np
+
+        parent = self._parent
+        tag = 1000 + zlib.crc32(self.job_id.encode()) % 30000
+        mine = np.array([zlib.crc32(self.job_id.encode())], np.int64)
+        others = [m for m in self._members if m != parent.rank]
+        heard = np.zeros(len(others), np.int64)
+        requests = [parent.comm.Isend(mine, dest=m, tag=tag) for m in others]
+        requests += [parent.comm.Irecv(heard[i:i + 1], source=m, tag=tag)
+                     for i, m in enumerate(others)]
+        for request in requests:
+            self.wait(request, timeout, f"meeting of group {self.job_id}", (mine, heard))
+        if (heard != mine[0]).any():
+            from .._errors import CollectiveMismatchError
+
+            raise CollectiveMismatchError(f"rank {self.rank} of group {self.job_id}: a member "
+                                          "set up another group at the same time")
+        group = parent.comm.Get_group().Incl(list(self._members))
+        comm = parent.comm.Create_group(group, tag)
+        group.Free()
+        inner = MpiControl(comm)
+        comm.Free()
+        inner.job_id = self.job_id
+        return inner
+
+    def interrupt(self, reason: str) -> None:
+        self._interrupted = reason
+        if self._inner is not None:
+            self._inner.interrupt(reason)
+
+    def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        return self._connect(timeout).allgather(obj, timeout)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._inner is not None:
+                self._inner.close()

@@ -35,7 +35,9 @@ ENV_KEY = "GPURING_JOB_KEY"
 ENV_JOB = "GPURING_JOB_ID"
 
 
-# The messages, rank to server:
+# The messages, rank to server. `group` names the exchange's group of ranks: "" is the job,
+# another name a sub-group (`ControlPlane.subgroup`) whose `members` (ranks of the job, in
+# the group's order) its posts carry:
 class Hello(NamedTuple):
     """The first message of a connection: which rank, which client generation."""
 
@@ -44,43 +46,53 @@ class Hello(NamedTuple):
 
 
 class Post(NamedTuple):
-    """This rank's value for exchange `step`."""
+    """This rank's value for exchange `step` of `group`."""
 
     step: int
     value: Any
+    group: str = ""
+    members: tuple[int, ...] = ()
 
 
 class Bye(NamedTuple):
-    """The rank closed its client (orderly)."""
+    """The rank closed its client of `group` (orderly); None: its connection closes."""
+
+    group: str | None = ""
 
 
 class Abort(NamedTuple):
-    """The rank failed: tell the others."""
+    """The rank failed in `group`: tell the group's other ranks."""
 
     reason: str
+    group: str = ""
+    members: tuple[int, ...] = ()
 
 
 # ... and server to rank (`Lost` is the client's own note that the connection ended):
 class Gathered(NamedTuple):
-    """Every rank's value of exchange `step`, in rank order."""
+    """Every member's value of exchange `step` of `group`, in the group's order."""
 
     step: int
     values: list[Any]
+    group: str = ""
 
 
 class Failure(NamedTuple):
-    """Rank `rank` failed (or died)."""
+    """Rank `rank` (of the job) failed in `group`; None: it died (every group with it)."""
 
     rank: int
     reason: str
+    group: str | None = None
 
 
 class Left(NamedTuple):
-    """Exchange `step` cannot complete: rank `rank` closed without joining it."""
+    """Exchange `step` of `group` cannot complete: rank `rank` (of the job) closed without
+    joining it."""
 
     step: int
     rank: int
     reason: str
+    group: str = ""
 
 
 class Lost(NamedTuple):
@@ -99,9 +111,11 @@ class StoreServer:
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
-        self._posted: dict[tuple[int, int], dict[int, Any]] = {}
+        # (generation, group, step) -> the values posted so far, by rank, and the members
+        self._posted: dict[tuple[int, str, int], tuple[dict[int, Any], tuple[int, ...]]] = {}
         self._left: set[int] = set()  # id() of connections that said goodbye
-        self._gone: dict[int, set[int]] = {}  # generation -> ranks that closed their client
+        # (generation, group) -> ranks that closed their client of that group
+        self._gone: dict[tuple[int, str], set[int]] = {}
         self.failures: list[tuple[int, str]] = []
         #: failures of ranks that are gone for good (exited or disconnected without goodbye)
         self.deaths: list[tuple[int, str]] = []
@@ -142,15 +156,20 @@ class StoreServer:
                 self._disconnected(rank, conn)
                 return
             if isinstance(message, Post):
-                self._post(rank, (generation, message.step), message.value)
+                members = message.members or tuple(range(self.size))
+                self._post(rank, (generation, message.group, message.step), members,
+                           message.value)
             elif isinstance(message, Bye):
                 with self._lock:
-                    self._left.add(id(conn))
-                    self._gone.setdefault(generation, set()).add(rank)
-                    for step in [k for k in self._posted if k[0] == generation]:
+                    if message.group is None:
+                        self._left.add(id(conn))
+                        continue
+                    group = (generation, message.group)
+                    self._gone.setdefault(group, set()).add(rank)
+                    for step in [k for k in self._posted if k[:2] == group]:
                         self._release_if_stuck(step)
             elif isinstance(message, Abort):
-                self._report_abort(rank, message.reason)
+                self._report_abort(rank, message)
 
     def _send(self, rank: int, message: Any) -> None:
         conn = self._conns.get(rank)
@@ -161,28 +180,29 @@ class StoreServer:
         except (OSError, ValueError):
             pass
 
-    def _post(self, rank: int, step: tuple[int, int], obj: Any) -> None:
+    def _post(self, rank: int, step: tuple[int, str, int], members: tuple[int, ...],
+              obj: Any) -> None:
         with self._lock:
-            posted = self._posted.setdefault(step, {})
+            posted, _ = self._posted.setdefault(step, ({}, members))
             posted[rank] = obj
-            if len(posted) == self.size:
+            if len(posted) == len(members):
                 del self._posted[step]
-                values = [posted[r] for r in range(self.size)]
-                for r in range(self.size):
-                    self._send(r, Gathered(step[1], values))
+                values = [posted[r] for r in members]
+                for r in members:
+                    self._send(r, Gathered(step[2], values, step[1]))
             else:
                 self._release_if_stuck(step)
 
-    def _release_if_stuck(self, step: tuple[int, int]) -> None:
+    def _release_if_stuck(self, step: tuple[int, str, int]) -> None:
         """An exchange that a closed rank never joined cannot complete: tell the ranks that
         wait in it (at once, rather than at their timeout). Holds the lock."""
-        posted = self._posted[step]
-        missing = sorted(self._gone.get(step[0], set()) - set(posted))
+        posted, members = self._posted[step]
+        missing = sorted((self._gone.get(step[:2], set()) & set(members)) - set(posted))
         if missing:
             del self._posted[step]
             reason = f"rank {missing[0]} closed its communicator without joining this exchange"
             for r in posted:
-                self._send(r, Left(step[1], missing[0], reason))
+                self._send(r, Left(step[2], missing[0], reason, step[1]))
 
     def _disconnected(self, rank: int, conn: Connection) -> None:
         if self._closed:  # close() ended every connection
@@ -209,11 +229,11 @@ class StoreServer:
                 if r != rank:
                     self._send(r, Failure(rank, reason))
 
-    def _report_abort(self, rank: int, reason: str) -> None:
+    def _report_abort(self, rank: int, abort: Abort) -> None:
         with self._lock:
-            for r in list(self._conns):
+            for r in abort.members or list(self._conns):
                 if r != rank:
-                    self._send(r, Failure(rank, reason))
+                    self._send(r, Failure(rank, abort.reason, abort.group))
 
     def close(self) -> None:
         """Stop serving; connected ranks see their connection end at once. (Closing alone
@@ -231,9 +251,96 @@ class StoreServer:
             self._conns.clear()
 
 
+class _Link:
+    """A rank's one connection to the launcher's store, shared by the job's control plane
+    and the sub-groups made from it; closed once all of them are closed. Its reader routes
+    each reply to its group's client."""
+
+    def __init__(self, rank: int, address: tuple[str, int], key: bytes, generation: int,
+                 timeout: float):
+        self.rank = rank
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.conn = Client(address, family="AF_INET", authkey=key)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._groups: dict[str, StoreClient] = {}
+        self._closed = False
+        #: why the connection is gone, once it is (no exchange can work then)
+        self.lost: str | None = None
+        #: ranks of the job known dead, with why (a sub-group made later must know too)
+        self.deaths: dict[int, str] = {}
+        self.conn.send(Hello(rank, generation))
+        self._reader = threading.Thread(target=self._read_loop, name="gpuring-control",
+                                        daemon=True)
+        self._reader.start()
+
+    def join(self, client: StoreClient) -> None:
+        with self._lock:
+            if client.group in self._groups:
+                raise ValueError(f"control group {client.group!r} exists already")
+            self._groups[client.group] = client
+            deaths = [(r, why) for r, why in self.deaths.items() if r in client.members]
+        for rank, reason in deaths[:1]:
+            client.deliver(Failure(rank, reason))
+        if self.lost is not None:
+            client.deliver(Lost(self.lost))
+
+    def leave(self, client: StoreClient) -> None:
+        """`client` closed: say so; the last one closes the connection."""
+        with self._lock:
+            self._groups.pop(client.group, None)
+            last = not self._groups
+        try:
+            self.send(Bye(client.group))
+            if last:
+                self.send(Bye(None))
+        except OSError:
+            pass
+        if last:
+            self._closed = True
+            self.conn.close()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except Exception:
+                if not self._closed:
+                    self.lost = "the launcher's control connection closed"
+                    for client in self._clients():
+                        client.deliver(Lost(self.lost))
+                return
+            if isinstance(message, Failure) and message.group is None:  # a death
+                with self._lock:
+                    self.deaths.setdefault(message.rank, message.reason)
+                for client in self._clients():
+                    if message.rank in client.members:
+                        client.deliver(message)
+            else:
+                target = self._groups.get(message.group)
+                if target is not None:
+                    target.deliver(message)
+
+    def _clients(self) -> list[StoreClient]:
+        with self._lock:
+            return list(self._groups.values())
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+
 class StoreClient(ControlPlane):
     """A rank's side, configured from the environment `gpuring run` sets. Every rank's k-th
-    client of a process forms the job's k-th generation (re-initialisation after a close)."""
+    client of a process forms the job's k-th generation (re-initialisation after a close).
+    Sub-groups (`subgroup`) share its connection, each with its own exchanges."""
 
     _generation = 0
 
@@ -243,27 +350,49 @@ class StoreClient(ControlPlane):
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
         self.job_id = job_id
+        StoreClient._generation += 1
+        self._link = _Link(rank, address, key, StoreClient._generation, timeout)
+        self._setup("", tuple(range(size)))
+        #: each rank's node (ranks of `gpuring run` share one; others by local size)
+        self.nodes = tuple(f"node{r // max(local_size, 1)}" for r in range(size))
+
+    def _setup(self, group: str, members: tuple[int, ...]) -> None:
+        """Join the link as the client of `group`, whose `members` are ranks of the job."""
+        self.group, self.members = group, members
         self._replies: queue.Queue[Any] = queue.Queue()
         self._step = 0
         self._closed = False
         self.failure: tuple[int, str] | None = None
-        #: why the connection to the launcher is gone, once it is (no exchange can work then)
-        self.lost: str | None = None
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._conn = Client(address, family="AF_INET", authkey=key)
-                break
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self._send_lock = threading.Lock()
-        StoreClient._generation += 1
-        self._conn.send(Hello(rank, StoreClient._generation))
-        self._reader = threading.Thread(target=self._read_loop, name="gpuring-control",
-                                        daemon=True)
-        self._reader.start()
+        self._link.join(self)
+
+    @property
+    def _conn(self) -> Connection:
+        return self._link.conn
+
+    @property
+    def lost(self) -> str | None:
+        """Why the connection to the launcher is gone, once it is."""
+        return self._link.lost
+
+    def subgroup(self, members: tuple[int, ...], name: str) -> StoreClient:
+        group = StoreClient.__new__(StoreClient)
+        nodes = tuple(self.nodes[m] for m in members)
+        self._join(group, members, name, nodes)
+        group.nodes = nodes
+        group._link = self._link
+        group._setup(name, tuple(self.members[m] for m in members))
+        return group
+
+    def deliver(self, message: Any) -> None:
+        """A message of this client's group, from the link's reader."""
+        if isinstance(message, Failure):
+            rank = self.members.index(message.rank)
+            if self.failure is None:
+                self.failure = (rank, message.reason)
+            self._replies.put(Failure(rank, message.reason, message.group))
+            self._peer_failed(rank, message.reason)
+            return
+        self._replies.put(message)
 
     @classmethod
     def from_env(cls) -> StoreClient:
@@ -279,26 +408,8 @@ class StoreClient(ControlPlane):
             job_id=os.environ[ENV_JOB],
         )
 
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except Exception:
-                if not self._closed:
-                    self.lost = "the launcher's control connection closed"
-                    self._replies.put(Lost(self.lost))
-                return
-            if isinstance(message, Failure):
-                if self.failure is None:
-                    self.failure = (message.rank, message.reason)
-                self._replies.put(message)
-                self._peer_failed(message.rank, message.reason)
-            else:
-                self._replies.put(message)
-
     def _send(self, message: Any) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        self._link.send(message)
 
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
         if self.failure is not None:
@@ -308,7 +419,7 @@ class StoreClient(ControlPlane):
             raise PeerFailureError(self.lost)
         self._step += 1
         try:
-            self._send(Post(self._step, obj))
+            self._send(Post(self._step, obj, self.group, self.members if self.group else ()))
         except OSError as exc:  # before the reader saw the end of the connection
             raise PeerFailureError(f"the launcher's control connection failed ({exc!r})"
                                    ) from None
@@ -328,14 +439,14 @@ class StoreClient(ControlPlane):
             if isinstance(message, Lost):
                 raise PeerFailureError(message.reason)
             if isinstance(message, Left) and message.step == self._step:
-                raise PeerFailureError(message.reason, peer=message.rank)
+                raise PeerFailureError(message.reason, peer=self.members.index(message.rank))
 
     def interrupt(self, reason: str) -> None:
         self._replies.put(Lost(reason))
 
     def report_failure(self, reason: str) -> None:
         try:
-            self._send(Abort(reason))
+            self._send(Abort(reason, self.group, self.members if self.group else ()))
         except OSError:
             pass
 
@@ -343,8 +454,4 @@ class StoreClient(ControlPlane):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._send(Bye())
-        except OSError:
-            pass
-        self._conn.close()
+        self._link.leave(self)

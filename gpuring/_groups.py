@@ -1,0 +1,135 @@
+"""Sub-communicators (`split`) and point-to-point messages (`send`, `recv`, `sendrecv`).
+
+A sub-communicator is a Communicator of its own over a sub-group of the control plane
+(`ControlPlane.subgroup`): its own sequence numbers, buffers, watchdog and lifetime. Point to
+point rides on the same thing: the first message between two ranks makes the communicator of
+that pair (its name is the pair's, so both ranks make the same one without meeting), and a
+message is a broadcast from the sender in it. That gives every message what collectives
+have: both sides agree on its shape and dtype (`CollectiveMismatchError` on both sides, not a
+hang), bounded waits, dead-peer errors; and messages between different pairs never wait for
+each other.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any
+
+from . import _arrays
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+
+__all__ = ["split", "send", "recv", "sendrecv"]
+
+
+def split(comm: Communicator, color: int | None, key: int) -> Communicator | None:
+    """`Communicator.split`: every rank of `comm` tells the others its (color, key); the
+    ranks of one color make a communicator of their own, in (key, rank) order."""
+    if color is not None:
+        color = _index(color, "color")
+        if color < 0:
+            raise ValueError(f"split: color must be >= 0 or None, got {color}")
+    key = _index(key, "key")
+    comm._drain_async()
+    path = comm._path
+    path.life.check("split", path.seq + 1)
+    entries = path.exchange("split()", (color, key), "split",
+                            f"split(color={color}, key={key})")
+    comm._splits += 1
+    if color is None:
+        return None
+    members = tuple(sorted((r for r, (c, _) in enumerate(entries) if c == color),
+                           key=lambda r: (entries[r][1], r)))
+    control = comm._control.subgroup(members, f"{comm._control.job_id}-s{comm._splits}c{color}")
+    return type(comm)(control, comm.config)
+
+
+def pair(comm: Communicator, peer: int) -> tuple[Communicator, int, int]:
+    """The communicator of this rank and `peer` (made on first use, kept until `comm`
+    closes), with this rank's and the peer's rank in it."""
+    with comm._path.lock:
+        found = comm._pairs.get(peer)
+        if found is None:
+            comm._path.life.check("a point-to-point message", comm._path.seq + 1)
+            low, high = sorted((comm.rank, peer))
+            control = comm._control.subgroup((low, high), f"{comm._control.job_id}-p{low}x{high}")
+            found = comm._pairs[peer] = type(comm)(control, comm.config)
+    mine = int(comm.rank > peer)
+    return found, mine, 1 - mine
+
+
+def send(comm: Communicator, x: Any, dst: Any) -> None:
+    peer = _peer(comm, dst, "dst", "send")
+    _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
+    channel, mine, _ = pair(comm, peer)
+    channel.broadcast(_arrays.contiguous(x), root=mine)
+
+
+def recv(comm: Communicator, x: Any, src: Any) -> Any:
+    peer = _peer(comm, src, "src", "recv")
+    _check_filled(x, "recv", "x")
+    channel, _, theirs = pair(comm, peer)
+    return channel.broadcast(x, root=theirs)
+
+
+def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
+    """Send `x` to `dst` and receive `out` from `src` at once (neither waits for the
+    other, so a ring shift cannot deadlock)."""
+    dst, src = _rank(comm, dst, "dst", "sendrecv"), _rank(comm, src, "src", "sendrecv")
+    _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
+    _check_filled(out, "sendrecv", "out")
+    x = _arrays.contiguous(x)
+    if dst == comm.rank or src == comm.rank:
+        if dst != src:
+            raise ValueError(f"sendrecv: rank {comm.rank} sends to itself only if it also "
+                             f"receives from itself (dst={dst}, src={src})")
+        if _arrays.device_kind(x) != _arrays.device_kind(out) or x.shape != out.shape \
+                or x.dtype != out.dtype:
+            raise ValueError("sendrecv to itself: out must match x (shape, dtype, device)")
+        out[...] = x
+        return out
+    if dst == src:  # one pair, both ways: the lower rank's message first
+        channel, mine, theirs = pair(comm, dst)
+        for root in (0, 1):
+            channel.broadcast(x if root == mine else out, root=root)
+        return out
+    sending, mine, _ = pair(comm, dst)
+    receiving, _, theirs = pair(comm, src)
+    work = sending.broadcast_async(x, root=mine)  # the pair's own thread
+    try:
+        receiving.broadcast(out, root=theirs)
+    finally:
+        work.wait()  # bounded by the pair's timeout; its error comes first if both failed
+    return out
+
+
+def _index(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _rank(comm: Communicator, value: Any, name: str, verb: str) -> int:
+    rank = _index(value, name)
+    if not 0 <= rank < comm.size:
+        raise ValueError(f"{verb}: {name}={rank} is not a rank of this communicator "
+                         f"(size {comm.size})")
+    return rank
+
+
+def _peer(comm: Communicator, value: Any, name: str, verb: str) -> int:
+    rank = _rank(comm, value, name, verb)
+    if rank == comm.rank:
+        raise ValueError(f"{verb}: {name} is this rank ({rank}); a rank does not message "
+                         "itself (sendrecv to itself copies)")
+    return rank
+
+
+def _check_filled(x: Any, verb: str, name: str) -> None:
+    _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
+    if not x.flags.c_contiguous or not getattr(x.flags, "writeable", True):
+        raise TypeError(f"{verb} fills {name} in place: it must be C-contiguous and writable")
