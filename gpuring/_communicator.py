@@ -424,7 +424,9 @@ class Communicator:
             return
         self._close_training()
         unraised: BaseException | None = None
-        for channel in list(self._pairs.values()):
+        # in the order of the pairs' ranks on every rank: a close waits for the peer's, and a
+        # common order cannot make a cycle of waits
+        for _, channel in sorted(self._pairs.items()):
             try:
                 channel._close(report=True)
             except BaseException as exc:  # a message that failed and was not raised yet

@@ -12,15 +12,25 @@ each other.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import operator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _arrays
+from ._errors import CollectiveMismatchError, GpuringError
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
 __all__ = ["split", "send", "recv", "sendrecv"]
+
+#: the buffer regions of a pair's channel, where GPURING_BUFFER_BYTES does not say: a rank has
+#: a channel per peer it messages, so less than a collective's default on a GPU (messages
+#: larger than this run in rounds)
+PAIR_BUFFER_BYTES = 16 << 20
 
 
 def split(comm: Communicator, color: int | None, key: int) -> Communicator | None:
@@ -54,23 +64,49 @@ def pair(comm: Communicator, peer: int) -> tuple[Communicator, int, int]:
             comm._path.life.check("a point-to-point message", comm._path.seq + 1)
             low, high = sorted((comm.rank, peer))
             control = comm._control.subgroup((low, high), f"{comm._control.job_id}-p{low}x{high}")
-            found = comm._pairs[peer] = type(comm)(control, comm.config)
+            config = comm.config
+            if config.buffer_bytes is None:
+                config = dataclasses.replace(config, buffer_bytes=PAIR_BUFFER_BYTES)
+            found = comm._pairs[peer] = type(comm)(control, config)
     mine = int(comm.rank > peer)
     return found, mine, 1 - mine
+
+
+@contextlib.contextmanager
+def _in_ranks_of(comm: Communicator, verb: str, peer: int) -> Iterator[None]:
+    """Errors of the channel with `peer` in `comm`'s ranks: their `peer` and `differences`
+    name ranks of `comm`, and the message says which message failed."""
+    try:
+        yield
+    except GpuringError as exc:
+        members = sorted((comm.rank, peer))
+        error = copy.copy(exc)
+        error.args = (f"{verb} (ranks {members[0]} and {members[1]}, which are ranks 0 and 1 "
+                      f"of their channel): {exc}",)
+        culprit = getattr(exc, "peer", None)
+        if isinstance(culprit, int) and 0 <= culprit < 2:
+            error.peer = members[culprit]  # type: ignore[attr-defined]
+        if isinstance(exc, CollectiveMismatchError) and isinstance(error,
+                                                                   CollectiveMismatchError):
+            error.differences = {field: {members[r]: v for r, v in values.items()}
+                                 for field, values in exc.differences.items()}
+        raise error from None
 
 
 def send(comm: Communicator, x: Any, dst: Any) -> None:
     peer = _peer(comm, dst, "dst", "send")
     _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
     channel, mine, _ = pair(comm, peer)
-    channel.broadcast(_arrays.contiguous(x), root=mine)
+    with _in_ranks_of(comm, f"send to rank {peer}", peer):
+        channel.broadcast(_arrays.contiguous(x), root=mine)
 
 
 def recv(comm: Communicator, x: Any, src: Any) -> Any:
     peer = _peer(comm, src, "src", "recv")
     _check_filled(x, "recv", "x")
     channel, _, theirs = pair(comm, peer)
-    return channel.broadcast(x, root=theirs)
+    with _in_ranks_of(comm, f"recv from rank {peer}", peer):
+        return channel.broadcast(x, root=theirs)
 
 
 def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
@@ -91,16 +127,19 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
         return out
     if dst == src:  # one pair, both ways: the lower rank's message first
         channel, mine, theirs = pair(comm, dst)
-        for root in (0, 1):
-            channel.broadcast(x if root == mine else out, root=root)
+        with _in_ranks_of(comm, f"sendrecv with rank {dst}", dst):
+            for root in (0, 1):
+                channel.broadcast(x if root == mine else out, root=root)
         return out
     sending, mine, _ = pair(comm, dst)
     receiving, _, theirs = pair(comm, src)
     work = sending.broadcast_async(x, root=mine)  # the pair's own thread
     try:
-        receiving.broadcast(out, root=theirs)
+        with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src):
+            receiving.broadcast(out, root=theirs)
     finally:
-        work.wait()  # bounded by the pair's timeout; its error comes first if both failed
+        with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst):
+            work.wait()  # bounded by the pair's timeout; its error first if both failed
     return out
 
 

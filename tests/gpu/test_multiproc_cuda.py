@@ -72,11 +72,11 @@ def test_direct_and_deterministic(case, n, env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("case", ["exchange", "uneven"])
+@pytest.mark.parametrize("case", ["exchange", "uneven", "p2p", "split"])
 def test_gather_scatter_all_to_all(case, tmp_path):
-    """gather, scatter and all_to_all (buffer rounds, copies from the peers' buffers), and
-    the uneven forms (all_gather_v, all_to_all_v, reduce_scatter_v), of CuPy arrays on 3
-    ranks."""
+    """gather, scatter and all_to_all (buffer rounds, copies from the peers' buffers), the
+    uneven forms (all_gather_v, all_to_all_v, reduce_scatter_v), point to point and
+    sub-communicators, of CuPy arrays on 3 ranks."""
     proc = launch("gpuring", 3, [str(WORKER), case, str(tmp_path), "cuda"],
                   env={"GPURING_JITTER": "0"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -113,9 +113,23 @@ def test_uneven_collectives(launcher, n, env, tmp_path):
     run_case(launcher, n, "uneven", tmp_path, env=env)
 
 
+@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 2, 5], [3]))
+def test_point_to_point(launcher, n, tmp_path):
+    """send, recv and sendrecv against NumPy: ring shifts, exchanges, messages in order,
+    mismatched shapes, dtypes and crossing sends, wrong ranks."""
+    run_case(launcher, n, "p2p", tmp_path)
+
+
+@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 4], [3]))
+def test_sub_communicators(launcher, n, tmp_path):
+    """split: rank order, collectives interleaved with the parent's and siblings', a split
+    of a split with messages, color None, a mismatch, independent close."""
+    run_case(launcher, n, "split", tmp_path)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["dtypes_ops", "sizes", "back_to_back", "mismatch",
-                                  "exchange"])
+                                  "exchange", "p2p"])
 def test_mpi_transport(case, tmp_path):
     """NumPy collectives carried by MPI (the path between nodes), forced on one node."""
     run_case("mpiexec", 3, case, tmp_path, env={"GPURING_TRANSPORT": "mpi"})

@@ -27,7 +27,7 @@ def results(stdout: str) -> dict[int, tuple[str, str, float]]:
 
 
 @pytest.mark.parametrize(("n", "verb"), [(3, "all_reduce"), (4, "all_reduce"),
-                                         (3, "all_to_all")])
+                                         (3, "all_to_all"), (3, "sendrecv")])
 def test_sigkill_mid_allreduce(n, verb):
     """Rank 1 dies inside large collectives: every survivor raises PeerFailureError naming
     it within seconds (the timeout is 600 s), and nothing is left in /dev/shm."""

@@ -909,6 +909,137 @@ def case_uneven(c: Checker) -> None:
     c.expect(got[n - 1], np.full((n, 2), n - 1), "all_gather_v after mismatch", copy=True)
 
 
+def case_p2p(c: Checker) -> None:
+    """send, recv and sendrecv: ring shifts both ways (every dtype, empty to several buffer
+    rounds), one peer both ways, to itself, a gather to rank 0 and back by messages in
+    order, collectives of the communicator in between; a recv of another shape or two sends
+    that cross raise CollectiveMismatchError on both ranks naming them, wrong ranks raise
+    ValueError before anything moves, and the ranks go on."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    right, left = (rank + 1) % n, (rank - 1) % n
+    seed = 21000
+    dtypes = ["float32", "int8", "uint64", "complex128", "float16"] + (
+        ["bfloat16"] if "bfloat16" in FLOATS else [])
+    for i, shape in enumerate([(0,), (1,), (7, 3), (70000,), (3, 250000)]):
+        dtype = dtypes[i % len(dtypes)]
+        seed += 1
+        ins = c.inputs(dtype, shape, seed)
+        out = xp.zeros(shape, dtype)
+        got = comm.sendrecv(dev(c, ins[rank]), right, out, left)
+        assert got is out
+        c.expect(out, ins[left], f"ring shift {dtype} {shape}", copy=True, shared=False)
+        got = comm.sendrecv(dev(c, ins[rank]), left, xp.zeros(shape, dtype), right)
+        c.expect(got, ins[right], f"ring shift back {dtype} {shape}", copy=True, shared=False)
+        c.expect(comm.all_reduce(dev(c, ins[rank])), c.reduce_reference(ins, "sum"),
+                 f"all_reduce between messages {dtype} {shape}")
+    ins = c.inputs("int32", (1000,), seed + 1)
+    partner = rank ^ 1 if rank ^ 1 < n else rank  # pairs both ways (the odd one: itself)
+    got = comm.sendrecv(dev(c, ins[rank]), partner, xp.zeros(1000, "int32"), partner)
+    c.expect(got, ins[partner], "sendrecv with one peer", copy=True, shared=False)
+    if rank == 0:  # a gather by messages, in order, each of its own shape
+        for q in range(1, n):
+            for k in range(3):
+                got = comm.recv(xp.zeros((q, k + 1), "float64"), q)
+                c.expect(got, np.full((q, k + 1), 10.0 * q + k), f"recv {k} from {q}",
+                         copy=True, shared=False)
+        for q in range(1, n):
+            comm.send(dev(c, ins[q]), q)
+    else:
+        for k in range(3):
+            comm.send(xp.full((rank, k + 1), 10.0 * rank + k), 0)
+        strided = xp.zeros((1000, 2), "int32")
+        try:
+            comm.recv(strided[:, 0], 0)
+        except TypeError as exc:
+            assert "C-contiguous" in str(exc), str(exc)
+        else:
+            raise AssertionError("recv into a strided array")
+        c.expect(comm.recv(xp.zeros(1000, "int32"), 0), ins[rank], "recv from 0", copy=True,
+                 shared=False)
+    for bad in (lambda: comm.send(xp.ones(2), rank), lambda: comm.recv(xp.ones(2), n),
+                lambda: comm.sendrecv(xp.ones(2), right, xp.ones(2), rank) if n > 1 else
+                comm.sendrecv(xp.ones(2), 0, xp.ones(3), 0)):
+        try:
+            bad()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a message to a wrong rank")
+    if n > 1 and rank < 2:
+        other = 1 - rank
+        expect_mismatches([
+            ("shape", lambda: comm.send(xp.ones(4), 1) if rank == 0 else
+             comm.recv(xp.ones(5), 0)),
+            ("root", lambda: comm.send(xp.ones(4), other)),  # both send first
+        ])
+        try:
+            comm.send(xp.ones(4), other) if rank == 0 else comm.recv(xp.ones(4, "int8"), 0)
+        except gpuring.CollectiveMismatchError as exc:
+            assert exc.differences["dtype"] == {0: "float64", 1: "int8"}, exc.differences
+            assert "ranks 0 and 1" in str(exc), str(exc)
+        else:
+            raise AssertionError("no CollectiveMismatchError for another dtype")
+    got = comm.sendrecv(xp.full(5, rank), right, xp.zeros(5, xp.full(5, rank).dtype), left)
+    c.expect(got, np.full(5, left), "ring shift after mismatches", copy=True, shared=False)
+
+
+def case_split(c: Checker) -> None:
+    """split: members ranked by (key, rank); collectives of sub-communicators interleaved
+    with their parent's and with their siblings' (each color runs a different number), a
+    split of a split, messages inside one, color None, a mismatch with a collective of the
+    parent, bad colors; the sub-communicators close on their own and the parent goes on."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    seed = 22000
+    colors = [q % 2 if q < n - 1 or n < 3 else None for q in range(n)]
+    sub = comm.split(colors[rank], key=-rank)  # descending parent rank
+    members = sorted((q for q in range(n) if colors[q] == colors[rank]), key=lambda q: -q)
+    if colors[rank] is None:
+        assert sub is None
+    else:
+        assert sub is not None and (sub.rank, sub.size) == (members.index(rank), len(members))
+    for step in range(3):
+        seed += 1
+        ins = c.inputs("float64", (5000,), seed)
+        if sub is not None:
+            for k in range(1 + (colors[rank] or 0) + step):  # siblings run different counts
+                mine = c.inputs("int64", (300, 7), seed * 10 + k)
+                c.expect(sub.all_reduce(dev(c, mine[rank])),
+                         c.reduce_reference([mine[q] for q in members], "sum"),
+                         f"sub all_reduce {step} {k}", shared=False)
+                c.expect(sub.all_gather(dev(c, mine[rank])), np.stack([mine[q] for q in members]),
+                         f"sub all_gather {step} {k}", copy=True, shared=False)
+        c.expect(comm.all_reduce(dev(c, ins[rank])), c.reduce_reference(ins, "sum"),
+                 f"parent all_reduce {step}")
+    if sub is not None:
+        inner = sub.split(0, key=sub.rank)  # the same ranks, the same order
+        assert inner is not None and (inner.rank, inner.size) == (sub.rank, sub.size)
+        x = dev(c, c.inputs("int16", (64,), seed + 1)[rank])
+        got = inner.sendrecv(x, (inner.rank + 1) % inner.size, xp.zeros(64, "int16"),
+                             (inner.rank - 1) % inner.size)
+        sender = members[(inner.rank - 1) % inner.size]
+        c.expect(got, c.inputs("int16", (64,), seed + 1)[sender], "sendrecv in a split of a split",
+                 copy=True, shared=False)
+        inner.close()
+        sub.close()
+    for bad, error in ((-1, ValueError), (True, TypeError), (1.5, TypeError)):
+        try:
+            comm.split(bad)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"split({bad!r})")
+    if n > 1:
+        expect_mismatches([("step", lambda: comm.split(0) if rank == 1 else
+                            comm.all_reduce(xp.ones(3)))])
+    whole = comm.split(7)
+    assert whole is not None and whole.rank == rank
+    c.expect(whole.all_reduce(xp.full(3, rank)), np.full(3, n * (n - 1) // 2), "split whole",
+             copy=True)
+    whole.close()
+    c.expect(comm.all_reduce(xp.full(3, rank)), np.full(3, n * (n - 1) // 2),
+             "parent after its sub-communicators closed", copy=True)
+
+
 def case_mismatch(c: Checker) -> None:
     """Mismatched dtype, shape, op, root and kind raise CollectiveMismatchError on every rank."""
     comm, r = c.comm, c.comm.rank

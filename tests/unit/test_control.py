@@ -173,3 +173,62 @@ def test_a_lost_launcher_connection_fails_this_and_every_later_exchange(
             process.wait()
         if server is not None:
             server.close()
+
+
+def test_sub_groups_share_the_connection_and_keep_their_exchanges_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ranks, the group of ranks 2 and 0 (in that order) and the job: exchanges of
+    each complete among its members only, in the group's rank order, concurrently; a
+    group's failure reaches that group only; a death reaches every group with that rank;
+    a member that closes its group releases an exchange waiting there."""
+    monkeypatch.setattr(StoreClient, "_generation", 0)
+    key = b"k" * 32
+    server = StoreServer(3, key)
+    try:
+        clients = _clients(server.address, key, n=3)
+        groups = {r: clients[r].subgroup((2, 0), "job-g") for r in (0, 2)}
+        assert (groups[2].rank, groups[0].rank, groups[0].size) == (0, 1, 2)
+        assert groups[0].job_id == "job-g" and groups[0].single_node
+        results: dict[str, list[Any]] = {}
+
+        def exchange(name: str, control: ControlPlane, value: Any) -> None:
+            results[name] = control.exchange("x", value, timeout=30)
+
+        threads = [threading.Thread(target=exchange, args=(f"world{r}", clients[r], r))
+                   for r in range(3)]
+        threads += [threading.Thread(target=exchange, args=(f"group{r}", groups[r], 10 + r))
+                    for r in (0, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert results == {"world0": [0, 1, 2], "world1": [0, 1, 2], "world2": [0, 1, 2],
+                           "group0": [12, 10], "group2": [12, 10]}
+        failed: list[tuple[int, str]] = []
+        groups[0].on_peer_failure(lambda rank, reason: failed.append((rank, reason)))
+        groups[2].report_failure("gave up")  # the group's failure: not the job's
+        deadline = time.monotonic() + 10
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed == [(0, "gave up")]
+        assert clients[0].failure is None
+        with pytest.raises(PeerFailureError, match="gave up"):
+            groups[0].exchange("y", 1, timeout=30)
+        other = {r: clients[r].subgroup((0, 1), "job-h") for r in (0, 1)}
+        thread, errors = _exchange_in_thread(other[0], timeout=60)
+        time.sleep(0.2)
+        other[1].close()  # rank 1 leaves the group without joining the exchange
+        thread.join(timeout=30)
+        assert len(errors) == 1 and isinstance(errors[0], PeerFailureError), errors
+        assert errors[0].peer == 1
+        server.report_failure(2, "rank 2 died", dead=True)  # every group of rank 2's
+        with pytest.raises(PeerFailureError, match="rank 2 died"):
+            clients[0].exchange("z", 1, timeout=30)
+        late = clients[0].subgroup((0, 2), "job-i")  # made after the death: knows it
+        with pytest.raises(PeerFailureError, match="rank 2 died") as info:
+            late.exchange("z", 1, timeout=30)
+        assert info.value.peer == 1
+        for client in [*clients, *groups.values(), other[0], late]:
+            client.close()
+    finally:
+        server.close()
