@@ -1,8 +1,9 @@
 """gpuring: ring allreduce and its family for CuPy and NumPy arrays across processes.
 
 The public API is what this package exports, plus `gpuring.devices` (the device interface),
-`gpuring.interop`, `gpuring.torch`, `gpuring.settings` and `gpuring.bench`. Everything else is
-internal: the top-level modules whose names start with an underscore, and the layers
+`gpuring.interop`, `gpuring.torch`, `gpuring.distributed` (a drop-in for
+`cupyx.distributed`), `gpuring.settings` and `gpuring.bench`. Everything else is internal:
+the top-level modules whose names start with an underscore, and the layers
 `gpuring.algorithms`, `gpuring.rendezvous` and `gpuring.transports`.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,30 @@ def launch(launcher: str, n: int, args: list[str], *, env: dict[str, str] | None
             pytest.skip("mpiexec with mpi4py is not available")
         cmd = [exe, "-n", str(n), sys.executable, *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_by_hand(n: int, args: list[str], *, env: dict[str, str] | None = None,
+                  timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    """Start `python args... RANK N PORT` as n processes by hand (no launcher; they meet
+    through gpuring.distributed's rendezvous on a free loopback port); wait for all."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    full_env = dict(os.environ, GPURING_JITTER="1")
+    full_env.update(env or {})
+    procs = [subprocess.Popen([sys.executable, args[0], str(r), str(n), str(port), *args[1:]],
+                              env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(n)]
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,

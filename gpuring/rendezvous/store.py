@@ -104,10 +104,11 @@ class Lost(NamedTuple):
 class StoreServer:
     """Runs in the launcher. `failures` lists (rank, reason) in the order they were seen."""
 
-    def __init__(self, size: int, key: bytes, host: str = "127.0.0.1"):
+    def __init__(self, size: int, key: bytes, host: str = "127.0.0.1", port: int = 0):
+        """Listen on `host`:`port` (0: a free port; `address` says which)."""
         self.size = size
         self._key = key
-        self._listener = Listener((host, 0), family="AF_INET")
+        self._listener = Listener((host, port), family="AF_INET")
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
@@ -235,6 +236,17 @@ class StoreServer:
                 if r != rank:
                     self._send(r, Failure(rank, abort.reason, abort.group))
 
+    def wait_until_alone(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until no rank is connected; whether none is."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._conns:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
     def close(self) -> None:
         """Stop serving; connected ranks see their connection end at once. (Closing alone
         would not do: a thread blocked in recv() keeps the socket open, sending nothing.)"""
@@ -305,6 +317,11 @@ class _Link:
             pass
         if last:
             self._closed = True
+            try:  # the reader blocked in recv() would keep the socket open: end it for both
+                with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self.conn.close()
 
     def _read_loop(self) -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ..conftest import WORKER, launch
+from ..conftest import WORKER, launch, start_by_hand
 
 TRAINING = WORKER.parent / "worker_training.py"
 FAULTS = WORKER.parent / "worker_faults.py"
@@ -80,6 +80,16 @@ def test_gather_scatter_all_to_all(case, tmp_path):
     proc = launch("gpuring", 3, [str(WORKER), case, str(tmp_path), "cuda"],
                   env={"GPURING_JITTER": "0"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_cupyx_distributed_drop_in():
+    """gpuring.distributed on CuPy arrays, 3 processes started by hand (each makes its GPU
+    current first, as cupyx users do), one call with a stream of its own."""
+    done = start_by_hand(3, [str(WORKER.parent / "worker_distributed.py"), "cuda"],
+                         env={"GPURING_JITTER": "0"})
+    for rank, proc in enumerate(done):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"rank {rank}: ok" in proc.stdout
 
 
 @pytest.mark.parametrize(("n", "mode"), [(3, "auto")])

@@ -1,0 +1,248 @@
+"""A drop-in for `cupyx.distributed`: change the import, keep the calls.
+
+    import gpuring.distributed as dist          # was: import cupyx.distributed as dist
+    comm = dist.init_process_group(n_devices, rank)
+    comm.all_reduce(x, y, op="sum")             # y holds the sum; returns None
+    comm.stop()
+
+`init_process_group` meets the other processes as cupyx does: rank 0 serves a rendezvous on
+`host:port` (the arguments, else $CUPYX_DISTRIBUTED_HOST and $CUPYX_DISTRIBUTED_PORT, else
+127.0.0.1:13333) and the others connect to it; the processes may come from any launcher or
+be started by hand. With `use_mpi=True` they meet through MPI instead (under mpiexec).
+
+Who may join: rank 0 listens on `host` only (loopback by default, so only processes of this
+machine can connect), and admits only connections that prove the job's key: the hex string
+in $GPURING_JOB_KEY, which every process of the job must be given alike. Without it, the key
+is derived from the port, which keeps two jobs on different ports apart but admits any
+process that can reach the port: set $GPURING_JOB_KEY whenever `host` is not loopback (a
+warning says so).
+
+The backend has cupyx's methods and signatures; results go into the arrays given and every
+method returns None. Beyond cupyx: NumPy arrays too (then on the CPU), `op="avg"`, bfloat16,
+a bounded wait for every call (`timeout=`, $GPURING_TIMEOUT) and errors naming a dead or
+diverging peer (`gpuring.PeerFailureError`, `gpuring.CollectiveMismatchError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import secrets
+import socket
+import sys
+import warnings
+from typing import Any
+
+from . import _arrays
+from ._communicator import Communicator
+from ._config import Config
+from ._errors import GpuringError
+from ._ops import ReduceOp
+from .rendezvous.base import ControlPlane
+from .rendezvous.store import ENV_KEY, StoreClient, StoreServer
+
+__all__ = ["init_process_group", "GpuringBackend", "DEFAULT_HOST", "DEFAULT_PORT"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 13333
+ENV_HOST = "CUPYX_DISTRIBUTED_HOST"
+ENV_PORT = "CUPYX_DISTRIBUTED_PORT"
+
+
+def init_process_group(n_devices: int, rank: int, *, backend: str = "gpuring",
+                       host: str | None = None, port: int | None = None,
+                       use_mpi: bool = False, timeout: float | None = None
+                       ) -> GpuringBackend:
+    """Join the job of `n_devices` processes as `rank` and return its backend. Every process
+    calls it; rank 0 first serves the rendezvous (see the module's doc). `backend` is
+    "gpuring" ("nccl", cupyx's default, is taken too and also means gpuring). CuPy arrays
+    use the current CuPy device at this call, as with cupyx. `timeout` bounds every wait
+    in seconds (default $GPURING_TIMEOUT)."""
+    if not isinstance(n_devices, int) or n_devices <= 0:
+        raise ValueError(f"Invalid number of devices {n_devices}")
+    if not isinstance(rank, int) or not 0 <= rank < n_devices:
+        raise ValueError(f"Invalid rank {rank} for {n_devices} devices")
+    if backend not in ("gpuring", "nccl"):
+        raise ValueError(f"{backend} is not supported: use backend='gpuring'")
+    config = Config.from_env(timeout=timeout)
+    server: StoreServer | None = None
+    control: ControlPlane
+    if use_mpi:
+        from .rendezvous.mpi import MpiControl
+
+        control = MpiControl()
+        if (control.size, control.rank) != (n_devices, rank):
+            control.close()
+            raise ValueError(f"use_mpi: MPI says rank {control.rank} of {control.size}, the "
+                             f"call says rank {rank} of {n_devices}")
+    else:
+        host = host or os.environ.get(ENV_HOST) or DEFAULT_HOST
+        port = int(port if port is not None else os.environ.get(ENV_PORT) or DEFAULT_PORT)
+        key = _job_key(host, port)
+        if rank == 0:
+            try:
+                server = StoreServer(n_devices, key, host, port)
+            except OSError as exc:
+                raise GpuringError(f"init_process_group: rank 0 cannot serve the rendezvous "
+                                   f"on {host}:{port} ({exc}); pass another port") from None
+        try:
+            control = StoreClient(rank, n_devices, _local("RANK", rank),
+                                  _local("SIZE", n_devices), (host, port), key, "pending",
+                                  timeout=config.timeout)
+            # a name for the job's shared memory, the same on every rank
+            job = control.exchange("init_process_group()",
+                                   secrets.token_hex(8) if rank == 0 else None,
+                                   config.timeout)[0]
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+        control.job_id = job
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:  # CuPy arrays live on the device current now, as with cupyx
+        control._device_slot = int(cupy.cuda.runtime.getDevice())
+    return GpuringBackend(Communicator(control, config), server)
+
+
+class GpuringBackend:
+    """cupyx.distributed's backend interface over a gpuring Communicator (`.comm`, for the
+    rest of gpuring's verbs). Arrays are CuPy (queued on `stream` or the current stream,
+    as with cupyx) or NumPy (on the CPU; `stream` is then ignored)."""
+
+    def __init__(self, comm: Communicator, server: StoreServer | None = None):
+        self.comm = comm
+        self.rank = comm.rank
+        self._n_devices = comm.size
+        self._server = server
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum",
+                   stream: Any = None) -> None:
+        with _on(stream, in_array):
+            self.comm.all_reduce(in_array, op=_op(op),
+                                 out=_as(out_array, in_array.shape, "out_array"))
+
+    def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum",
+               stream: Any = None) -> None:
+        out = _as(out_array, in_array.shape, "out_array") if self.rank == root else None
+        with _on(stream, in_array):
+            self.comm.reduce(in_array, op=_op(op), root=root, out=out)
+
+    def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
+        with _on(stream, in_out_array):
+            self.comm.broadcast(in_out_array, root=root)
+
+    def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum",
+                       stream: Any = None) -> None:
+        if in_array.size != count * self._n_devices:
+            raise ValueError(f"reduce_scatter: in_array has {in_array.size} elements, "
+                             f"count x ranks is {count * self._n_devices}")
+        with _on(stream, in_array):
+            self.comm.reduce_scatter(in_array.reshape(-1), op=_op(op),
+                                     out=_as(out_array, (count,), "out_array"))
+
+    def all_gather(self, in_array: Any, out_array: Any, count: int,
+                   stream: Any = None) -> None:
+        with _on(stream, in_array):
+            self.comm.all_gather(_as(in_array, (count,), "in_array"),
+                                 out=_as(out_array, (self._n_devices, count), "out_array"))
+
+    def scatter(self, in_array: Any, out_array: Any, root: int = 0,
+                stream: Any = None) -> None:
+        with _on(stream, in_array):
+            self.comm.scatter(in_array, root=root,
+                              out=_as(out_array, in_array.shape[1:], "out_array"))
+
+    def gather(self, in_array: Any, out_array: Any, root: int = 0,
+               stream: Any = None) -> None:
+        out = _as(out_array, (self._n_devices, *in_array.shape), "out_array") \
+            if self.rank == root else None
+        with _on(stream, in_array):
+            self.comm.gather(in_array, root=root, out=out)
+
+    def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
+        with _on(stream, in_array):
+            self.comm.all_to_all(in_array, out=_as(out_array, in_array.shape, "out_array"))
+
+    def barrier(self) -> None:
+        """Return once every process entered the barrier (the host waits, as with cupyx)."""
+        self.comm.barrier()
+
+    # -- point to point --------------------------------------------------------------------
+    def send(self, array: Any, peer: int, stream: Any = None) -> None:
+        with _on(stream, array):
+            self.comm.send(array, peer)
+
+    def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
+        with _on(stream, out_array):
+            self.comm.recv(out_array, peer)
+
+    def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
+        with _on(stream, in_array):
+            self.comm.sendrecv(in_array, peer, out_array, peer)
+
+    # -- lifetime --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Leave the job (waits for this process's queued work). Rank 0, which serves the
+        rendezvous, then waits (at most the timeout) for the others to leave too."""
+        try:
+            self.comm.close()
+        finally:
+            server, self._server = self._server, None
+            if server is not None:
+                server.wait_until_alone(self.comm.config.timeout)
+                server.close()
+
+
+def _job_key(host: str, port: int) -> bytes:
+    given = os.environ.get(ENV_KEY)
+    if given:
+        try:
+            return bytes.fromhex(given)
+        except ValueError:
+            raise ValueError(f"{ENV_KEY} must be a hex string") from None
+    if not _loopback(host):
+        warnings.warn(f"gpuring.distributed: the rendezvous on {host}:{port} has no job key: "
+                      f"any process that reaches it can join the job; set {ENV_KEY} (the same "
+                      "hex string in every process)", RuntimeWarning, stacklevel=3)
+    return f"gpuring.distributed:{port}".encode()
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _local(what: str, default: int) -> int:
+    """GPURING_LOCAL_RANK / GPURING_LOCAL_SIZE where set: processes started by hand run on
+    one machine otherwise."""
+    value = os.environ.get(f"GPURING_LOCAL_{what}")
+    return int(value) if value else default
+
+
+def _op(op: Any) -> ReduceOp:
+    return ReduceOp.parse(op)
+
+
+def _as(array: Any, shape: tuple[int, ...], name: str) -> Any:
+    """`array` seen with `shape` (a view: cupyx reads arrays by their element count)."""
+    if not hasattr(array, "reshape") or not hasattr(array, "flags"):
+        raise TypeError(f"{name} must be a CuPy or NumPy array, got {type(array).__name__}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    size = 1
+    for d in shape:
+        size *= d
+    if array.size != size:
+        raise ValueError(f"{name} has {array.size} elements, the call needs {size}")
+    return array if array.shape == tuple(shape) else array.reshape(shape)
+
+
+def _on(stream: Any, array: Any) -> Any:
+    """`with` it: CuPy work queued on `stream` where one is given."""
+    if stream is None or not _arrays._is_cupy(array):
+        return contextlib.nullcontext()
+    return stream
