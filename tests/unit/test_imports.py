@@ -78,7 +78,7 @@ def test_a_cycle_would_be_found() -> None:
 
 #: the public modules and packages at the top of gpuring (with the package itself); every
 #: other top-level module is internal and its name starts with an underscore
-PUBLIC = {"settings", "interop", "torch", "devices", "bench"}
+PUBLIC = {"settings", "interop", "torch", "distributed", "devices", "bench"}
 INTERNAL_LAYERS = {"algorithms", "rendezvous", "transports"}
 
 
