@@ -19,7 +19,7 @@ import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _arrays
+from . import _arrays, interop
 from ._errors import CollectiveMismatchError, GpuringError
 
 if TYPE_CHECKING:
@@ -114,6 +114,7 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     other, so a ring shift cannot deadlock)."""
     dst, src = _rank(comm, dst, "dst", "sendrecv"), _rank(comm, src, "src", "sendrecv")
     _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
+    given, out = out, interop.to_native(out)  # the verb converted x only
     _check_filled(out, "sendrecv", "out")
     x = _arrays.contiguous(x)
     if dst == comm.rank or src == comm.rank:
@@ -124,13 +125,13 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
                 or x.dtype != out.dtype:
             raise ValueError("sendrecv to itself: out must match x (shape, dtype, device)")
         out[...] = x
-        return out
+        return given
     if dst == src:  # one pair, both ways: the lower rank's message first
         channel, mine, theirs = pair(comm, dst)
         with _in_ranks_of(comm, f"sendrecv with rank {dst}", dst):
             for root in (0, 1):
                 channel.broadcast(x if root == mine else out, root=root)
-        return out
+        return given
     sending, mine, _ = pair(comm, dst)
     receiving, _, theirs = pair(comm, src)
     work = sending.broadcast_async(x, root=mine)  # the pair's own thread
@@ -140,7 +141,7 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     finally:
         with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst):
             work.wait()  # bounded by the pair's timeout; its error first if both failed
-    return out
+    return given
 
 
 def _index(value: Any, name: str) -> int:

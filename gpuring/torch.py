@@ -1,6 +1,14 @@
-"""PyTorch helpers (optional: `pip install 'gpuring[torch]'`). torch is imported on first use.
+"""PyTorch integration (optional: `pip install 'gpuring[torch]'`; importing this module
+imports torch).
+
+Importing it registers the torch.distributed backend "gpuring" (CPU and CUDA tensors):
 
     import gpuring.torch
+    torch.distributed.init_process_group("gpuring")   # env:// (torchrun's variables)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+and `allreduce_gradients` reduces a model's gradients with gpuring's own communicator:
+
     loss.backward()
     gpuring.torch.allreduce_gradients(model)   # every rank now holds the mean gradient
     optimizer.step()
@@ -10,9 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._ops import ReduceOp
+import torch.distributed
 
-__all__ = ["allreduce_gradients"]
+from ._ops import ReduceOp
+from ._torch_pg import BACKEND, GpuringProcessGroup, create
+
+__all__ = ["allreduce_gradients", "GpuringProcessGroup", "BACKEND"]
+
+if BACKEND.upper() not in torch.distributed.Backend._plugins:  # imported once per process
+    torch.distributed.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
 
 
 def allreduce_gradients(module: Any, *, op: ReduceOp | str = "avg", comm: Any = None,

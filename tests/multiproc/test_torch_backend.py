@@ -1,0 +1,57 @@
+"""The torch.distributed backend "gpuring", used as torch users use a backend: processes
+set up as torchrun sets them up (`env://`), `init_process_group("gpuring")`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed", reason="torch is not installed")
+
+WORKER = str(Path(__file__).parent / "worker_torch.py")
+
+
+def _torchrun_like(n: int, case: str, timeout: float = 300) -> list[str]:
+    """Start `worker_torch.py case` as n processes with torchrun's variables."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(n), GPURING_TIMEOUT="60")
+        procs.append(subprocess.Popen([sys.executable, WORKER, case], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, out[-4000:]
+        assert f"rank {rank}: {case} ok" in out, out[-4000:]
+    return outputs
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_call_of_the_backend(n):
+    """all_reduce (sync and async), all_gather (list and single tensor), broadcast, reduce,
+    reduce_scatter (list and single tensor), all_to_all (list, single, uneven splits),
+    gather, scatter, send/recv, barrier, a new_group, a mismatch."""
+    _torchrun_like(n, "verbs")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ddp_trains_as_with_gloo(n):
+    """DistributedDataParallel on "gpuring" and on "gloo" in the same processes: the same
+    parameters after every step (bit for bit on 2 ranks)."""
+    _torchrun_like(n, "ddp")

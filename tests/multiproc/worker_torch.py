@@ -1,0 +1,148 @@
+"""A process of a torch.distributed job on the "gpuring" backend, set up as torchrun sets
+its workers up (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE): `worker_torch.py CASE`. `verbs`: every torch.distributed call the
+backend serves, checked against NumPy on random integers (exact in the dtypes used);
+`ddp`: DistributedDataParallel on "gpuring" beside the same training on a "gloo" group, the
+parameters compared after every step. Prints `rank R: CASE ok`."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import gpuring
+import gpuring.torch
+
+
+def ints(shape, seed, dtype=torch.float32):
+    return [torch.from_numpy(np.random.default_rng([seed, r]).integers(-40, 40, shape))
+            .to(dtype) for r in range(n)]
+
+
+def same(got, want, what):
+    assert got.dtype == want.dtype and torch.equal(got, want), (what, got, want)
+
+
+def verbs() -> None:
+    for seed, dtype in enumerate([torch.float32, torch.int64]):
+        ins = ints((5, 3), seed, dtype)
+        total = sum(ins[1:], ins[0].clone())
+        t = ins[rank].clone()
+        dist.all_reduce(t)
+        same(t, total, "all_reduce")
+        t = ins[rank].clone()
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+        work.wait()
+        same(t, torch.stack(ins).amax(0), "all_reduce async max")
+        outs = [torch.empty_like(ins[0]) for _ in range(n)]
+        dist.all_gather(outs, ins[rank])
+        for q in range(n):
+            same(outs[q], ins[q], "all_gather list")
+        flat = torch.empty((n * 5, 3), dtype=dtype)
+        dist.all_gather_single(flat, ins[rank])
+        same(flat, torch.cat(ins), "all_gather_single")
+        for root in range(n):
+            b = ins[rank].clone()
+            dist.broadcast(b, src=root)
+            same(b, ins[root], "broadcast")
+            r = ins[rank].clone()
+            dist.reduce(r, dst=root, op=dist.ReduceOp.SUM)
+            if rank == root:
+                same(r, total, "reduce")
+        blocks = ints((n, 4), 10 + seed, dtype)
+        out = torch.empty(4, dtype=dtype)
+        dist.reduce_scatter(out, list(blocks[rank]))
+        same(out, torch.stack(blocks).sum(0)[rank], "reduce_scatter list")
+        out = torch.empty(4, dtype=dtype)
+        dist.reduce_scatter_single(out, blocks[rank].reshape(-1))
+        same(out, torch.stack(blocks).sum(0)[rank], "reduce_scatter_single")
+        got = [torch.empty(4, dtype=dtype) for _ in range(n)]
+        dist.all_to_all(got, list(blocks[rank]))
+        for q in range(n):
+            same(got[q], blocks[q][rank], "all_to_all list")
+        got = torch.empty((n, 4), dtype=dtype)
+        dist.all_to_all_single(got, blocks[rank])
+        same(got, torch.stack([blocks[q][rank] for q in range(n)]), "all_to_all_single")
+        # uneven: rank q sends (q + j) % 3 + 1 rows to rank j
+        rows = [[(q + j) % 3 + 1 for j in range(n)] for q in range(n)]
+        sent = [ints((sum(rows[q]), 2), 20 + seed, dtype)[q] for q in range(n)]
+        got = torch.empty((sum(rows[q][rank] for q in range(n)), 2), dtype=dtype)
+        dist.all_to_all_single(got, sent[rank], [rows[q][rank] for q in range(n)], rows[rank])
+        want = [torch.split(sent[q], rows[q])[rank] for q in range(n)]
+        same(got, torch.cat(want), "all_to_all_single uneven")
+        gathered = [torch.empty(4, dtype=dtype) for _ in range(n)] if rank == 0 else None
+        dist.gather(blocks[rank][0], gathered, dst=0)
+        if rank == 0:
+            for q in range(n):
+                same(gathered[q], blocks[q][0], "gather")
+        out = torch.empty(4, dtype=dtype)
+        dist.scatter(out, list(blocks[n - 1]) if rank == n - 1 else None, src=n - 1)
+        same(out, blocks[n - 1][rank], "scatter")
+        if n > 1:
+            if rank == 0:
+                dist.send(ins[0], dst=1)
+            elif rank == 1:
+                got = torch.empty_like(ins[0])
+                dist.recv(got, src=0)
+                same(got, ins[0], "recv")
+        dist.barrier()
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)  # beyond gloo
+    same(t, torch.full((3,), (n - 1) / 2), "avg")
+    evens = dist.new_group([q for q in range(n) if q % 2 == 0], backend="gpuring")
+    if rank % 2 == 0:
+        t = torch.tensor([rank])
+        dist.all_reduce(t, group=evens)
+        same(t, torch.tensor([sum(range(0, n, 2))]), "new_group all_reduce")
+    if n > 1:
+        try:
+            dist.all_reduce(torch.ones(3 + (rank == 1)))
+        except gpuring.CollectiveMismatchError as exc:
+            assert "shape" in exc.differences, exc.differences
+        else:
+            raise AssertionError("no CollectiveMismatchError for another shape")
+
+
+def ddp() -> None:
+    gloo = dist.new_group(backend="gloo")
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 3))
+
+    ours = torch.nn.parallel.DistributedDataParallel(model(), bucket_cap_mb=0.001)
+    theirs = torch.nn.parallel.DistributedDataParallel(model(), process_group=gloo,
+                                                       bucket_cap_mb=0.001)
+    assert ours.process_group.name() == "gpuring"
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    for step in range(5):
+        rng = np.random.default_rng([step, rank])  # every rank its own batch
+        x = torch.from_numpy(rng.standard_normal((8, 6)).astype(np.float32))
+        y = torch.from_numpy(rng.standard_normal((8, 3)).astype(np.float32))
+        for m, opt in zip((ours, theirs), optimizers, strict=True):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            if n <= 2:  # one addition per element: the same bits whatever the order
+                same(p.detach(), q.detach(), f"ddp step {step}")
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    start = [p.detach().clone() for p in ours.parameters()]
+    everyone = [[torch.empty_like(p) for _ in range(n)] for p in start]
+    for p, gathered in zip(start, everyone, strict=True):
+        dist.all_gather(gathered, p, group=gloo)
+        for g in gathered:
+            same(g, p, "ddp parameters alike on every rank")
+
+
+case = sys.argv[1]
+dist.init_process_group("gpuring")
+rank, n = dist.get_rank(), dist.get_world_size()
+{"verbs": verbs, "ddp": ddp}[case]()
+dist.destroy_process_group()
+print(f"rank {rank}: {case} ok", flush=True)
