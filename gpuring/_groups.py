@@ -73,11 +73,14 @@ def pair(comm: Communicator, peer: int) -> tuple[Communicator, int, int]:
 
 
 @contextlib.contextmanager
-def _in_ranks_of(comm: Communicator, verb: str, peer: int) -> Iterator[None]:
-    """Errors of the channel with `peer` in `comm`'s ranks: their `peer` and `differences`
-    name ranks of `comm`, and the message says which message failed."""
+def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any) -> Iterator[None]:
+    """A message of `comm` (`x` its array): an event of `comm`'s timeline when one records;
+    errors of the channel with `peer` in `comm`'s ranks (their `peer` and `differences` name
+    ranks of `comm`, and the message says which message failed)."""
+    timeline = comm._path.timeline
     try:
-        yield
+        with contextlib.nullcontext() if timeline is None else timeline.span(verb, x):
+            yield
     except GpuringError as exc:
         members = sorted((comm.rank, peer))
         error = copy.copy(exc)
@@ -97,7 +100,7 @@ def send(comm: Communicator, x: Any, dst: Any) -> None:
     peer = _peer(comm, dst, "dst", "send")
     _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
     channel, mine, _ = pair(comm, peer)
-    with _in_ranks_of(comm, f"send to rank {peer}", peer):
+    with _in_ranks_of(comm, f"send to rank {peer}", peer, x):
         channel.broadcast(_arrays.contiguous(x), root=mine)
 
 
@@ -105,7 +108,7 @@ def recv(comm: Communicator, x: Any, src: Any) -> Any:
     peer = _peer(comm, src, "src", "recv")
     _check_filled(x, "recv", "x")
     channel, _, theirs = pair(comm, peer)
-    with _in_ranks_of(comm, f"recv from rank {peer}", peer):
+    with _in_ranks_of(comm, f"recv from rank {peer}", peer, x):
         return channel.broadcast(x, root=theirs)
 
 
@@ -128,7 +131,7 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
         return given
     if dst == src:  # one pair, both ways: the lower rank's message first
         channel, mine, theirs = pair(comm, dst)
-        with _in_ranks_of(comm, f"sendrecv with rank {dst}", dst):
+        with _in_ranks_of(comm, f"sendrecv with rank {dst}", dst, x):
             for root in (0, 1):
                 channel.broadcast(x if root == mine else out, root=root)
         return given
@@ -136,10 +139,10 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     receiving, _, theirs = pair(comm, src)
     work = sending.broadcast_async(x, root=mine)  # the pair's own thread
     try:
-        with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src):
+        with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             receiving.broadcast(out, root=theirs)
     finally:
-        with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst):
+        with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
             work.wait()  # bounded by the pair's timeout; its error first if both failed
     return given
 

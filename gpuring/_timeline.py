@@ -12,9 +12,10 @@ When no timeline runs, a collective pays one attribute check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -68,6 +69,17 @@ class Timeline:
                       {"bytes": 0 if x is None else int(x.nbytes),
                        "dtype": "-" if x is None else str(x.dtype), "seq": seq,
                        "op": getattr(op, "value", str(op)), "rounds": len(rounds)})
+
+
+    @contextlib.contextmanager
+    def span(self, name: str, x: Any) -> Iterator[None]:
+        """Record the block as an event `name` of the collectives' track (a message, whose
+        rounds run on its pair's channel), with `x`'s size and dtype."""
+        begin = self._now()
+        try:
+            yield
+        finally:
+            self._add(name, _COLLECTIVES, begin, {"bytes": int(x.nbytes), "dtype": str(x.dtype)})
 
 
 def write_trace(path: str, per_rank: list[list[dict[str, Any]]]) -> None:

@@ -403,11 +403,13 @@ class StoreClient(ControlPlane):
     def deliver(self, message: Any) -> None:
         """A message of this client's group, from the link's reader."""
         if isinstance(message, Failure):
-            rank = self.members.index(message.rank)
+            rank, reason = self.members.index(message.rank), message.reason
+            if self.group:  # the server names ranks of the job
+                reason = f"{reason} (rank {message.rank} of the job is rank {rank} here)"
             if self.failure is None:
-                self.failure = (rank, message.reason)
-            self._replies.put(Failure(rank, message.reason, message.group))
-            self._peer_failed(rank, message.reason)
+                self.failure = (rank, reason)
+            self._replies.put(Failure(rank, reason, message.group))
+            self._peer_failed(rank, reason)
             return
         self._replies.put(message)
 

@@ -27,7 +27,8 @@ def results(stdout: str) -> dict[int, tuple[str, str, float]]:
 
 
 @pytest.mark.parametrize(("n", "verb"), [(3, "all_reduce"), (4, "all_reduce"),
-                                         (3, "all_to_all"), (3, "sendrecv")])
+                                         (3, "all_to_all"), (3, "sendrecv"),
+                                         (4, "split")])
 def test_sigkill_mid_allreduce(n, verb):
     """Rank 1 dies inside large collectives: every survivor raises PeerFailureError naming
     it within seconds (the timeout is 600 s), and nothing is left in /dev/shm."""
@@ -42,7 +43,7 @@ def test_sigkill_mid_allreduce(n, verb):
     assert set(got) == survivors, out
     for rank, (name, peer, after) in got.items():
         assert name == "PeerFailureError", out
-        assert peer == "1", out
+        assert peer == ("2" if verb == "split" else "1"), out  # split: the sub's ranks
         assert after < 60, f"rank {rank} took {after} s (timeout is 600 s)"
     job = re.search(r"JOB (\w+)", proc.stdout).group(1)
     assert glob.glob(f"/dev/shm/gpuring-{job}-*") == []

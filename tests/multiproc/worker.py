@@ -979,8 +979,17 @@ def case_p2p(c: Checker) -> None:
             assert "ranks 0 and 1" in str(exc), str(exc)
         else:
             raise AssertionError("no CollectiveMismatchError for another dtype")
+    trace = os.path.join(os.path.dirname(c.path), "p2p-trace.json")
+    comm.start_timeline(trace)
     got = comm.sendrecv(xp.full(5, rank), right, xp.zeros(5, xp.full(5, rank).dtype), left)
     c.expect(got, np.full(5, left), "ring shift after mismatches", copy=True, shared=False)
+    if comm.stop_timeline() is not None and n > 1:  # rank 0 wrote every rank's events
+        import json
+
+        with open(trace) as f:
+            names = {(e["pid"], e["name"]) for e in json.load(f)["traceEvents"]}
+        assert all((q, f"sendrecv: recv from rank {(q - 1) % n}") in names for q in range(n)), \
+            names
 
 
 def case_split(c: Checker) -> None:

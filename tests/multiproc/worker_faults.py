@@ -66,17 +66,20 @@ def exit_when_survivors_reported(comm: gpuring.Communicator, dead: int) -> None:
 
 def case_kill(comm: gpuring.Communicator) -> None:
     """Rank 1 is SIGKILLed while every rank is inside large collectives: all_reduces, or the
-    verb GPURING_TEST_VERB names (all_to_all, gather, scatter, sendrecv: a ring shift)."""
+    verb GPURING_TEST_VERB names (all_to_all, gather, scatter, sendrecv: a ring shift,
+    split: all_reduces of a sub-communicator of every rank)."""
     n = comm.size
     x = np.random.default_rng(comm.rank).standard_normal(n * (2 << 20)).astype(np.float32)
     verb = os.environ.get("GPURING_TEST_VERB", "all_reduce")
     out = np.empty_like(x)
+    sub = comm.split(0, key=-comm.rank) if verb == "split" else None  # in reverse order
     calls = {"all_reduce": lambda: comm.all_reduce(x),
              "all_to_all": lambda: comm.all_to_all(x.reshape(n, -1)),
              "gather": lambda: comm.gather(x, root=n - 1),
              "scatter": lambda: comm.scatter(x.reshape(n, -1), root=0),
              "sendrecv": lambda: comm.sendrecv(x, (comm.rank + 1) % n, out,
-                                               (comm.rank - 1) % n)}
+                                               (comm.rank - 1) % n),
+             "split": lambda: sub.all_reduce(x)}  # type: ignore[union-attr]
     call = calls[verb]
     call()  # everyone set up
     print(f"JOB {comm._control.job_id}", flush=True)

@@ -210,7 +210,7 @@ def test_sub_groups_share_the_connection_and_keep_their_exchanges_apart(
         deadline = time.monotonic() + 10
         while not failed and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert failed == [(0, "gave up")]
+        assert failed == [(0, "gave up (rank 2 of the job is rank 0 here)")]
         assert clients[0].failure is None
         with pytest.raises(PeerFailureError, match="gave up"):
             groups[0].exchange("y", 1, timeout=30)
