@@ -236,13 +236,13 @@ class Communicator:
     @public_verb
     def send(self, x: Any, dst: int) -> None:
         """Send `x` to rank `dst`, which receives it with `recv(y, src=this rank)` into an
-        array of the same shape and dtype (else CollectiveMismatchError on both ranks).
-        Messages between two ranks are received in the order they were sent. `send` may
-        wait for the matching `recv` (NumPy arrays: until the receiver has the data; CuPy:
-        it returns once queued on the stream): two ranks that both send to each other first
-        get CollectiveMismatchError, and a cycle of sends (a ring shift) needs `sendrecv`.
-        The first message between two ranks sets up their channel (a communicator of the
-        pair with its own buffers, kept until this one closes)."""
+        array of the same shape and dtype (else CollectiveMismatchError). Messages between
+        two ranks are received in the order they were sent. On NumPy arrays `send` returns
+        once the receiver has the data; on CuPy arrays once queued on the stream. Two ranks
+        that both send to each other first get CollectiveMismatchError; a cycle of sends (a
+        ring shift) needs `sendrecv`. The first message between two ranks sets up their
+        channel (a communicator of the pair with its own buffers, kept until this one
+        closes). See the README's "Point to point"."""
         from ._groups import send
 
         send(self, x, dst)
@@ -260,7 +260,8 @@ class Communicator:
         """Send `x` to `dst` and receive from `src` into `out` at once, and return `out`;
         neither half waits for the other, so every rank calling
         `sendrecv(x, (rank + 1) % size, out, (rank - 1) % size)` shifts a ring without
-        deadlock. `dst == src` exchanges with one peer; `dst == src == rank` copies."""
+        deadlock. `dst == src` exchanges with one peer; `dst == src == rank` copies. `out`
+        must not overlap `x`."""
         from ._groups import sendrecv
 
         return sendrecv(self, x, dst, out, src)
@@ -271,8 +272,9 @@ class Communicator:
         MPI_UNDEFINED). A collective of this communicator: every rank calls it in the same
         order as its other collectives. The new communicator has its own sequence numbers
         and buffers: collectives on it and on this one (or on its siblings) may interleave
-        in any order that each communicator's ranks share, and it closes on its own (close
-        it too)."""
+        in any order that each communicator's ranks share, and it stays usable after this
+        one closes. Close it on all its ranks, sub-communicators in the same order on every
+        rank (a close waits for the peers' closes)."""
         from ._groups import split
 
         return split(self, color, key)
@@ -424,13 +426,10 @@ class Communicator:
             return
         self._close_training()
         unraised: BaseException | None = None
-        # in the order of the pairs' ranks on every rank: a close waits for the peer's, and a
-        # common order cannot make a cycle of waits
-        for _, channel in sorted(self._pairs.items()):
-            try:
-                channel._close(report=True)
-            except BaseException as exc:  # a message that failed and was not raised yet
-                unraised = unraised or exc
+        if self._pairs:
+            from ._groups import close_channels
+
+            unraised = close_channels(self)
         if self._path.life.state is State.OPEN:
             try:
                 self._path.wait_engines("close")
@@ -452,6 +451,10 @@ class Communicator:
         self._drain_async()
         self._path.life.check("synchronize", self._path.seq)
         self._path.wait_engines("synchronize")
+        if self._pairs:
+            from ._groups import synchronize_channels
+
+            synchronize_channels(self)
 
     # -- training features: async, timeline --------------------------------------------
     def start_timeline(self, path: str | os.PathLike[str]) -> None:

@@ -16,6 +16,8 @@ import contextlib
 import copy
 import dataclasses
 import operator
+import os
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +29,10 @@ if TYPE_CHECKING:
 
 __all__ = ["split", "send", "recv", "sendrecv"]
 
-#: the buffer regions of a pair's channel, where GPURING_BUFFER_BYTES does not say: a rank has
-#: a channel per peer it messages, so less than a collective's default on a GPU (messages
-#: larger than this run in rounds)
-PAIR_BUFFER_BYTES = 16 << 20
+#: a buffer region of a pair's channel, where GPURING_BUFFER_BYTES does not say (an engine
+#: has four): a rank has a channel per peer it messages, so far less than a collective's
+#: default on a GPU (messages larger than this run in rounds)
+PAIR_BUFFER_BYTES = 4 << 20
 
 
 def split(comm: Communicator, color: int | None, key: int) -> Communicator | None:
@@ -73,13 +75,15 @@ def pair(comm: Communicator, peer: int) -> tuple[Communicator, int, int]:
 
 
 @contextlib.contextmanager
-def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any) -> Iterator[None]:
+def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any = None
+                 ) -> Iterator[None]:
     """A message of `comm` (`x` its array): an event of `comm`'s timeline when one records;
     errors of the channel with `peer` in `comm`'s ranks (their `peer` and `differences` name
     ranks of `comm`, and the message says which message failed)."""
     timeline = comm._path.timeline
     try:
-        with contextlib.nullcontext() if timeline is None else timeline.span(verb, x):
+        with contextlib.nullcontext() if timeline is None or x is None else \
+                timeline.span(verb, x):
             yield
     except GpuringError as exc:
         members = sorted((comm.rank, peer))
@@ -96,12 +100,22 @@ def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any) -> Iterator[N
         raise error from None
 
 
+def _message(channel: Communicator, array: Any, root: int) -> Any:
+    """One message on a pair's channel: a broadcast from `root`; for NumPy arrays the two
+    ranks then meet, so that a send returns once the receiver has the data (a send that
+    returned early would leave a mismatch found later to the receiver alone)."""
+    result = channel.broadcast(array, root=root)
+    if _arrays.device_kind(array) == "cpu":
+        channel.barrier()
+    return result
+
+
 def send(comm: Communicator, x: Any, dst: Any) -> None:
     peer = _peer(comm, dst, "dst", "send")
     _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
     channel, mine, _ = pair(comm, peer)
     with _in_ranks_of(comm, f"send to rank {peer}", peer, x):
-        channel.broadcast(_arrays.contiguous(x), root=mine)
+        _message(channel, _arrays.contiguous(x), mine)
 
 
 def recv(comm: Communicator, x: Any, src: Any) -> Any:
@@ -109,7 +123,7 @@ def recv(comm: Communicator, x: Any, src: Any) -> Any:
     _check_filled(x, "recv", "x")
     channel, _, theirs = pair(comm, peer)
     with _in_ranks_of(comm, f"recv from rank {peer}", peer, x):
-        return channel.broadcast(x, root=theirs)
+        return _message(channel, x, theirs)
 
 
 def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
@@ -129,22 +143,68 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
             raise ValueError("sendrecv to itself: out must match x (shape, dtype, device)")
         out[...] = x
         return given
+    if _arrays.device_kind(x) == _arrays.device_kind(out) and _arrays.may_overlap(x, out):
+        raise ValueError("sendrecv: out must not overlap x (x is read while out is written)")
     if dst == src:  # one pair, both ways: the lower rank's message first
         channel, mine, theirs = pair(comm, dst)
         with _in_ranks_of(comm, f"sendrecv with rank {dst}", dst, x):
             for root in (0, 1):
-                channel.broadcast(x if root == mine else out, root=root)
+                _message(channel, x if root == mine else out, root)
         return given
+    if _arrays.device_kind(x) == "cuda":
+        _check_hardware_queues()
     sending, mine, _ = pair(comm, dst)
     receiving, _, theirs = pair(comm, src)
-    work = sending.broadcast_async(x, root=mine)  # the pair's own thread
+    # the send on the pair's own thread (made on the caller's stream, as its async verbs)
+    work = sending._submit("sendrecv", lambda a: _message(sending, a, mine), x)
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
-            receiving.broadcast(out, root=theirs)
+            _message(receiving, out, theirs)
     finally:
         with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
             work.wait()  # bounded by the pair's timeout; its error first if both failed
     return given
+
+
+#: fewest hardware queues per GPU with which the two halves of a CUDA sendrecv between two
+#: peers cannot hold each other up (each half's stream waits on its own peer's flags)
+_HALVES_NEED_QUEUES = 4
+_warned_queues = False
+
+
+def _check_hardware_queues() -> None:
+    global _warned_queues
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if _warned_queues or not queues or not queues.isdigit() or \
+            int(queues) >= _HALVES_NEED_QUEUES:
+        return
+    _warned_queues = True
+    warnings.warn(f"sendrecv between two peers on CuPy arrays with CUDA_DEVICE_MAX_CONNECTIONS="
+                  f"{queues}: its two halves run on streams that may then share a hardware "
+                  "queue, where a wait of one holds up the other, across ranks in a cycle "
+                  f"until the timeout; use at least {_HALVES_NEED_QUEUES} (the default is 8)",
+                  RuntimeWarning, stacklevel=5)
+
+
+def synchronize_channels(comm: Communicator) -> None:
+    """`comm.synchronize()` for its messages: wait for every pair's channel."""
+    for peer, channel in sorted(comm._pairs.items()):
+        with _in_ranks_of(comm, f"synchronize (messages with rank {peer})", peer):
+            channel.synchronize()
+
+
+def close_channels(comm: Communicator) -> BaseException | None:
+    """Close `comm`'s pairs' channels, in the order of the pairs' ranks on every rank (a close
+    waits for the peer's, and a common order cannot make a cycle of waits); the first error
+    a channel had not raised yet, in `comm`'s ranks."""
+    first: BaseException | None = None
+    for peer, channel in sorted(comm._pairs.items()):
+        try:
+            with _in_ranks_of(comm, f"close (messages with rank {peer})", peer):
+                channel._close(report=True)
+        except BaseException as exc:
+            first = first or exc
+    return first
 
 
 def _index(value: Any, name: str) -> int:

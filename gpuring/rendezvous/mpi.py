@@ -121,9 +121,14 @@ class MpiGroup(MpiControl):
             return self._inner
 
     def _meet(self, timeout: float | None) -> MpiControl:
+        """Meet the members (bounded), then make the group's communicator. `Create_group`
+        blocks until every member calls it, and a member that gave up on the meeting never
+        will: it runs on a thread of its own, waited for within what is left of `timeout`
+        (a thread that never returns is left behind, and this rank's error says why)."""
         import numpy as np
 
         parent = self._parent
+        deadline = None if timeout is None else time.monotonic() + timeout
         tag = 1000 + zlib.crc32(self.job_id.encode()) % 30000
         mine = np.array([zlib.crc32(self.job_id.encode())], np.int64)
         others = [m for m in self._members if m != parent.rank]
@@ -132,18 +137,38 @@ class MpiGroup(MpiControl):
         requests += [parent.comm.Irecv(heard[i:i + 1], source=m, tag=tag)
                      for i, m in enumerate(others)]
         for request in requests:
-            self.wait(request, timeout, f"meeting of group {self.job_id}", (mine, heard))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.wait(request, left, f"meeting of group {self.job_id}", (mine, heard))
         if (heard != mine[0]).any():
             from .._errors import CollectiveMismatchError
 
             raise CollectiveMismatchError(f"rank {self.rank} of group {self.job_id}: a member "
                                           "set up another group at the same time")
-        group = parent.comm.Get_group().Incl(list(self._members))
-        comm = parent.comm.Create_group(group, tag)
-        group.Free()
-        inner = MpiControl(comm)
-        comm.Free()
-        inner.job_id = self.job_id
+        made: list[Any] = []
+
+        def create() -> None:
+            try:
+                group = parent.comm.Get_group().Incl(list(self._members))
+                comm = parent.comm.Create_group(group, tag)
+                group.Free()
+                inner = MpiControl(comm)
+                comm.Free()
+                inner.job_id = self.job_id
+                made.append(inner)
+            except BaseException as exc:
+                made.append(exc)
+
+        thread = threading.Thread(target=create, name="gpuring-mpi-group", daemon=True)
+        thread.start()
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not made:
+            raise CollectiveTimeoutError(
+                f"MPI group {self.job_id} was not made within {timeout} s on rank "
+                f"{self.rank}: a member met the others but did not make it (it timed out "
+                "in the meeting, or died)")
+        if isinstance(made[0], BaseException):
+            raise made[0]
+        inner: MpiControl = made[0]
         return inner
 
     def interrupt(self, reason: str) -> None:

@@ -111,7 +111,9 @@ class StoreServer:
         self._listener = Listener((host, port), family="AF_INET")
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._lock = threading.Lock()
-        self._conns: dict[int, Connection] = {}
+        #: (rank, generation) -> the connection (a rank that made a new client after a close
+        #: may keep the old one for sub-groups that outlived it)
+        self._conns: dict[tuple[int, int], Connection] = {}
         # (generation, group, step) -> the values posted so far, by rank, and the members
         self._posted: dict[tuple[int, str, int], tuple[dict[int, Any], tuple[int, ...]]] = {}
         self._left: set[int] = set()  # id() of connections that said goodbye
@@ -147,14 +149,14 @@ class StoreServer:
             conn.close()
             return
         with self._lock:
-            self._conns[rank] = conn
+            self._conns[rank, generation] = conn
             if self.deaths:  # a peer already died: tell the newcomer at once
-                self._send(rank, Failure(*self.deaths[0]))
+                self._send(rank, Failure(*self.deaths[0]), generation)
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError, TypeError):  # TypeError: closed under our feet by close()
-                self._disconnected(rank, conn)
+                self._disconnected(rank, generation, conn)
                 return
             if isinstance(message, Post):
                 members = message.members or tuple(range(self.size))
@@ -170,16 +172,17 @@ class StoreServer:
                     for step in [k for k in self._posted if k[:2] == group]:
                         self._release_if_stuck(step)
             elif isinstance(message, Abort):
-                self._report_abort(rank, message)
+                self._report_abort(rank, generation, message)
 
-    def _send(self, rank: int, message: Any) -> None:
-        conn = self._conns.get(rank)
-        if conn is None:
-            return
-        try:
-            conn.send(message)
-        except (OSError, ValueError):
-            pass
+    def _send(self, rank: int, message: Any, generation: int | None = None) -> None:
+        """Send to `rank`'s connection of `generation`; None: to every one of the rank's."""
+        conns = [conn for (r, g), conn in self._conns.items()
+                 if r == rank and generation in (None, g)]
+        for conn in conns:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):
+                pass
 
     def _post(self, rank: int, step: tuple[int, str, int], members: tuple[int, ...],
               obj: Any) -> None:
@@ -190,7 +193,7 @@ class StoreServer:
                 del self._posted[step]
                 values = [posted[r] for r in members]
                 for r in members:
-                    self._send(r, Gathered(step[2], values, step[1]))
+                    self._send(r, Gathered(step[2], values, step[1]), step[0])
             else:
                 self._release_if_stuck(step)
 
@@ -203,16 +206,16 @@ class StoreServer:
             del self._posted[step]
             reason = f"rank {missing[0]} closed its communicator without joining this exchange"
             for r in posted:
-                self._send(r, Left(step[2], missing[0], reason, step[1]))
+                self._send(r, Left(step[2], missing[0], reason, step[1]), step[0])
 
-    def _disconnected(self, rank: int, conn: Connection) -> None:
+    def _disconnected(self, rank: int, generation: int, conn: Connection) -> None:
         if self._closed:  # close() ended every connection
             return
         with self._lock:
             gone_cleanly = id(conn) in self._left
             self._left.discard(id(conn))
-            if self._conns.get(rank) is conn:  # not a newer connection of the same rank
-                del self._conns[rank]
+            if self._conns.get((rank, generation)) is conn:  # not a newer one of the same
+                del self._conns[rank, generation]
         if not gone_cleanly:
             self.report_failure(rank, f"rank {rank} disconnected without closing (died?)",
                                 dead=True)
@@ -226,15 +229,15 @@ class StoreServer:
             if any(r == rank for r, _ in self.failures):
                 return
             self.failures.append((rank, reason))
-            for r in list(self._conns):
+            for r in {r for r, _ in self._conns}:
                 if r != rank:
                     self._send(r, Failure(rank, reason))
 
-    def _report_abort(self, rank: int, abort: Abort) -> None:
+    def _report_abort(self, rank: int, generation: int, abort: Abort) -> None:
         with self._lock:
-            for r in abort.members or list(self._conns):
+            for r in abort.members or {r for r, _ in self._conns}:
                 if r != rank:
-                    self._send(r, Failure(rank, abort.reason, abort.group))
+                    self._send(r, Failure(rank, abort.reason, abort.group), generation)
 
     def wait_until_alone(self, timeout: float) -> bool:
         """Wait (at most `timeout` s) until no rank is connected; whether none is."""

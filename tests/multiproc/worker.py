@@ -988,8 +988,8 @@ def case_p2p(c: Checker) -> None:
 
         with open(trace) as f:
             names = {(e["pid"], e["name"]) for e in json.load(f)["traceEvents"]}
-        assert all((q, f"sendrecv: recv from rank {(q - 1) % n}") in names for q in range(n)), \
-            names
+        event = "sendrecv with rank {}" if n == 2 else "sendrecv: recv from rank {}"
+        assert all((q, event.format((q - 1) % n)) in names for q in range(n)), names
 
 
 def case_split(c: Checker) -> None:
