@@ -26,7 +26,7 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
 from . import interop
 from ._communicator import Communicator
 from ._config import Config
-from .rendezvous.store import StoreClient, StoreServer
+from .rendezvous.store import StoreClient, StoreServer, leave_and_stop
 
 __all__ = ["GpuringProcessGroup", "create"]
 
@@ -285,13 +285,8 @@ class GpuringProcessGroup(_ProcessGroup):
     def shutdown(self) -> None:
         """From destroy_process_group(): close the communicator; group rank 0, which serves
         the control plane, then waits (at most the timeout) for the others to leave."""
-        try:
-            self.comm.close()
-        finally:
-            server, self._server = self._server, None
-            if server is not None:
-                server.wait_until_alone(self.comm.config.timeout)
-                server.close()
+        server, self._server = self._server, None
+        leave_and_stop(self.comm.close, server, self.comm.config.timeout)
 
     def abort(self) -> None:
         self.comm.abort("aborted through torch.distributed")

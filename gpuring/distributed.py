@@ -40,7 +40,7 @@ from ._config import Config
 from ._errors import GpuringError
 from ._ops import ReduceOp
 from .rendezvous.base import ControlPlane
-from .rendezvous.store import ENV_KEY, StoreClient, StoreServer
+from .rendezvous.store import ENV_KEY, StoreClient, StoreServer, leave_and_stop
 
 __all__ = ["init_process_group", "GpuringBackend", "DEFAULT_HOST", "DEFAULT_PORT"]
 
@@ -186,13 +186,8 @@ class GpuringBackend:
     def stop(self) -> None:
         """Leave the job (waits for this process's queued work). Rank 0, which serves the
         rendezvous, then waits (at most the timeout) for the others to leave too."""
-        try:
-            self.comm.close()
-        finally:
-            server, self._server = self._server, None
-            if server is not None:
-                server.wait_until_alone(self.comm.config.timeout)
-                server.close()
+        server, self._server = self._server, None
+        leave_and_stop(self.comm.close, server, self.comm.config.timeout)
 
 
 def _job_key(host: str, port: int) -> bytes:

@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import (  # type: ignore[attr-defined]
     Client,
     Connection,
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 from .._errors import CollectiveTimeoutError, PeerFailureError
 from .base import ControlPlane
 
-__all__ = ["StoreServer", "StoreClient", "ENV_ADDR", "ENV_KEY", "ENV_JOB"]
+__all__ = ["StoreServer", "StoreClient", "leave_and_stop", "ENV_ADDR", "ENV_KEY", "ENV_JOB"]
 
 log = logging.getLogger("gpuring.rendezvous")
 
@@ -264,6 +265,18 @@ class StoreServer:
                     pass
                 conn.close()
             self._conns.clear()
+
+
+def leave_and_stop(close: Callable[[], None], server: StoreServer | None,
+                   timeout: float) -> None:
+    """Close this rank's side (`close`); then, where this rank's process serves the control
+    plane (`server`), wait (at most `timeout` s) for the other ranks to leave, and stop."""
+    try:
+        close()
+    finally:
+        if server is not None:
+            server.wait_until_alone(timeout)
+            server.close()
 
 
 class _Link:
