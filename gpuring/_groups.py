@@ -160,9 +160,14 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             _message(receiving, out, theirs)
-    finally:
-        with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
-            work.wait()  # bounded by the pair's timeout; its error first if both failed
+    except BaseException:
+        # the send is bounded by its channel's timeout; when both halves fail, the receive's
+        # error is the one raised (a peer that gave up because of it fails the send)
+        with contextlib.suppress(BaseException):
+            work.wait()
+        raise
+    with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
+        work.wait()
     return given
 
 

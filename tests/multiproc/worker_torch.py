@@ -1,12 +1,13 @@
 """A process of a torch.distributed job on the "gpuring" backend, set up as torchrun sets
 its workers up (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE): `worker_torch.py CASE`. `verbs`: every torch.distributed call the
+LOCAL_WORLD_SIZE): `worker_torch.py CASE [cpu|cuda]`. `verbs`: every torch.distributed call the
 backend serves, checked against NumPy on random integers (exact in the dtypes used);
 `ddp`: DistributedDataParallel on "gpuring" beside the same training on a "gloo" group, the
 parameters compared after every step. Prints `rank R: CASE ok`."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -19,7 +20,7 @@ import gpuring.torch
 
 def ints(shape, seed, dtype=torch.float32):
     return [torch.from_numpy(np.random.default_rng([seed, r]).integers(-40, 40, shape))
-            .to(dtype) for r in range(n)]
+            .to(dtype).to(device) for r in range(n)]
 
 
 def same(got, want, what):
@@ -141,6 +142,11 @@ def ddp() -> None:
 
 
 case = sys.argv[1]
+device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+if device == "cuda":  # tensors on this rank's GPU, made current before the group, as usual
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) %
+                          torch.cuda.device_count())
+    torch.set_default_device("cuda")
 dist.init_process_group("gpuring")
 rank, n = dist.get_rank(), dist.get_world_size()
 {"verbs": verbs, "ddp": ddp}[case]()
