@@ -61,8 +61,8 @@ def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> N
     local_rank % 2, its arrays live there, IPC maps buffers across devices (with peer
     access), waits spin in kernels, and the device says why it fell back. Small collectives
     run as one kernel here (GPURING_CUDA_FUSED=auto without stream memory operations), so the
-    collectives' cases check that form too (sizes and back-to-back on 2 ranks, one per GPU;
-    back-to-back on 4 ran above); the tests of the forms themselves, the training features
+    collectives' cases check that form too (sizes and back-to-back on 2 ranks, one per GPU);
+    the tests of the forms themselves, the training features
     (async, fusion, compression), calls that come again, deterministic mode, messages,
     sub-communicators and the cupyx drop-in (nothing of them depends on the GPU count) ran
     above."""
