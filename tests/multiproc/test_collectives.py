@@ -34,7 +34,7 @@ def test_sizes(launcher, n, tmp_path):
 
 @pytest.mark.parametrize(("launcher", "n"), _under_both([2, 3], [2]))
 def test_back_to_back(launcher, n, tmp_path):
-    assert len(run_case(launcher, n, "back_to_back", tmp_path)) > 200
+    assert len(run_case(launcher, n, "back_to_back", tmp_path)) > 130
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
