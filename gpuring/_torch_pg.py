@@ -26,7 +26,8 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
 from . import interop
 from ._communicator import Communicator
 from ._config import Config
-from .rendezvous.store import StoreClient, StoreServer, leave_and_stop
+from .rendezvous.store import StoreServer, leave_and_stop
+from .rendezvous.store_client import StoreClient
 
 __all__ = ["GpuringProcessGroup", "create"]
 

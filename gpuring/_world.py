@@ -29,7 +29,7 @@ def _control_plane() -> ControlPlane:
     from .rendezvous.store import ENV_ADDR
 
     if os.environ.get(ENV_ADDR):
-        from .rendezvous.store import StoreClient
+        from .rendezvous.store_client import StoreClient
 
         return StoreClient.from_env()
     if launched_by_mpi():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import os
 import secrets
 import socket
@@ -38,9 +39,9 @@ from . import _arrays
 from ._communicator import Communicator
 from ._config import Config
 from ._errors import GpuringError
-from ._ops import ReduceOp
 from .rendezvous.base import ControlPlane
-from .rendezvous.store import ENV_KEY, StoreClient, StoreServer, leave_and_stop
+from .rendezvous.store import ENV_KEY, StoreServer, leave_and_stop
+from .rendezvous.store_client import StoreClient
 
 __all__ = ["init_process_group", "GpuringBackend", "DEFAULT_HOST", "DEFAULT_PORT"]
 
@@ -120,14 +121,14 @@ class GpuringBackend:
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum",
                    stream: Any = None) -> None:
         with _on(stream, in_array):
-            self.comm.all_reduce(in_array, op=_op(op),
+            self.comm.all_reduce(in_array, op=op,
                                  out=_as(out_array, in_array.shape, "out_array"))
 
     def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum",
                stream: Any = None) -> None:
         out = _as(out_array, in_array.shape, "out_array") if self.rank == root else None
         with _on(stream, in_array):
-            self.comm.reduce(in_array, op=_op(op), root=root, out=out)
+            self.comm.reduce(in_array, op=op, root=root, out=out)
 
     def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
         with _on(stream, in_out_array):
@@ -139,7 +140,7 @@ class GpuringBackend:
             raise ValueError(f"reduce_scatter: in_array has {in_array.size} elements, "
                              f"count x ranks is {count * self._n_devices}")
         with _on(stream, in_array):
-            self.comm.reduce_scatter(in_array.reshape(-1), op=_op(op),
+            self.comm.reduce_scatter(in_array.reshape(-1), op=op,
                                      out=_as(out_array, (count,), "out_array"))
 
     def all_gather(self, in_array: Any, out_array: Any, count: int,
@@ -218,19 +219,13 @@ def _local(what: str, default: int) -> int:
     return int(value) if value else default
 
 
-def _op(op: Any) -> ReduceOp:
-    return ReduceOp.parse(op)
-
-
 def _as(array: Any, shape: tuple[int, ...], name: str) -> Any:
     """`array` seen with `shape` (a view: cupyx reads arrays by their element count)."""
     if not hasattr(array, "reshape") or not hasattr(array, "flags"):
         raise TypeError(f"{name} must be a CuPy or NumPy array, got {type(array).__name__}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
-    size = 1
-    for d in shape:
-        size *= d
+    size = math.prod(shape)
     if array.size != size:
         raise ValueError(f"{name} has {array.size} elements, the call needs {size}")
     return array if array.shape == tuple(shape) else array.reshape(shape)

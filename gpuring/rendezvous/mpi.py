@@ -99,11 +99,11 @@ class MpiGroup(MpiControl):
     members call, completes at once."""
 
     def __init__(self, parent: MpiControl, members: tuple[int, ...], name: str):
-        parent._join(self, members, name, tuple(parent.nodes[m] for m in members))
+        self.nodes = tuple(parent.nodes[m] for m in members)
+        parent._join(self, members, name, self.nodes)
         self._MPI = parent._MPI
         self._parent = parent
         self._members = members
-        self.nodes = tuple(parent.nodes[m] for m in members)
         self._inner: MpiControl | None = None
         self._connecting = threading.Lock()
         self._closed = False

@@ -810,6 +810,15 @@ def expect_mismatches(attempts: list) -> None:
             raise AssertionError(f"no CollectiveMismatchError for a different {field}")
 
 
+def moved_blocks() -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, block shape) of the cases that move data unreduced: empty to several buffer
+    rounds, each in another dtype."""
+    dtypes = ["float32", "int8", "uint64", "complex128", "float16"] + (
+        ["bfloat16"] if "bfloat16" in FLOATS else [])
+    shapes = [(0,), (1,), (7, 3), (70000,), (3, 250000)]
+    return [(dtypes[i % len(dtypes)], shape) for i, shape in enumerate(shapes)]
+
+
 def case_exchange(c: Checker) -> None:
     """gather, scatter and all_to_all: every block where it belongs, bit for bit, every dtype,
     shapes from empty blocks to several buffer rounds, every root, given outputs, registered
@@ -817,10 +826,7 @@ def case_exchange(c: Checker) -> None:
     wrong first dimension ValueError before the ranks meet, and the communicator goes on."""
     comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
     seed = 19000
-    dtypes = ["float32", "int8", "uint64", "complex128", "float16"] + (
-        ["bfloat16"] if "bfloat16" in FLOATS else [])
-    for i, block in enumerate([(0,), (1,), (7, 3), (70000,), (3, 250000)]):
-        dtype = dtypes[i % len(dtypes)]
+    for i, (dtype, block) in enumerate(moved_blocks()):
         seed += 1
         ins = c.inputs(dtype, (n, *block), seed)
         for root in range(n) if n <= 3 or i < 3 else (0, n - 1):
@@ -918,10 +924,7 @@ def case_p2p(c: Checker) -> None:
     comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
     right, left = (rank + 1) % n, (rank - 1) % n
     seed = 21000
-    dtypes = ["float32", "int8", "uint64", "complex128", "float16"] + (
-        ["bfloat16"] if "bfloat16" in FLOATS else [])
-    for i, shape in enumerate([(0,), (1,), (7, 3), (70000,), (3, 250000)]):
-        dtype = dtypes[i % len(dtypes)]
+    for dtype, shape in moved_blocks():
         seed += 1
         ins = c.inputs(dtype, shape, seed)
         out = xp.zeros(shape, dtype)

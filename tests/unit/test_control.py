@@ -15,7 +15,8 @@ import pytest
 
 from gpuring import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
 from gpuring.rendezvous.base import ControlPlane
-from gpuring.rendezvous.store import StoreClient, StoreServer
+from gpuring.rendezvous.store import StoreServer
+from gpuring.rendezvous.store_client import StoreClient
 
 
 class _Scripted(ControlPlane):

@@ -11,7 +11,8 @@ from multiprocessing.connection import Client
 import pytest
 
 from gpuring.devices.host import HostDevice
-from gpuring.rendezvous.store import Hello, StoreClient, StoreServer
+from gpuring.rendezvous.store import Hello, StoreServer
+from gpuring.rendezvous.store_client import StoreClient
 
 
 def test_connection_without_the_key_is_refused_and_logged(caplog):

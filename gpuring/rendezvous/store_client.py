@@ -1,0 +1,244 @@
+"""The ranks' side of the launcher's control plane (`store`): one connection per process,
+shared by the job's control plane and the sub-groups made from it, each with its own
+exchanges."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from multiprocessing.connection import Client, Connection  # type: ignore[attr-defined]
+from typing import Any
+
+from .._errors import CollectiveTimeoutError, PeerFailureError
+from .base import ControlPlane
+from .store import (
+    ENV_ADDR,
+    ENV_JOB,
+    ENV_KEY,
+    Abort,
+    Bye,
+    Failure,
+    Gathered,
+    Hello,
+    Left,
+    Lost,
+    Post,
+)
+
+__all__ = ["StoreClient"]
+
+
+class _Link:
+    """A rank's one connection to the launcher's store, shared by the job's control plane
+    and the sub-groups made from it; closed once all of them are closed. Its reader routes
+    each reply to its group's client."""
+
+    def __init__(self, rank: int, address: tuple[str, int], key: bytes, generation: int,
+                 timeout: float):
+        self.rank = rank
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.conn = Client(address, family="AF_INET", authkey=key)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._groups: dict[str, StoreClient] = {}
+        self._closed = False
+        #: why the connection is gone, once it is (no exchange can work then)
+        self.lost: str | None = None
+        #: ranks of the job known dead, with why (a sub-group made later must know too)
+        self.deaths: dict[int, str] = {}
+        self.conn.send(Hello(rank, generation))
+        self._reader = threading.Thread(target=self._read_loop, name="gpuring-control",
+                                        daemon=True)
+        self._reader.start()
+
+    def join(self, client: StoreClient) -> None:
+        with self._lock:
+            if client.group in self._groups:
+                raise ValueError(f"control group {client.group!r} exists already")
+            self._groups[client.group] = client
+            deaths = [(r, why) for r, why in self.deaths.items() if r in client.members]
+        for rank, reason in deaths[:1]:
+            client.deliver(Failure(rank, reason))
+        if self.lost is not None:
+            client.deliver(Lost(self.lost))
+
+    def leave(self, client: StoreClient) -> None:
+        """`client` closed: say so; the last one closes the connection."""
+        with self._lock:
+            self._groups.pop(client.group, None)
+            last = not self._groups
+        try:
+            self.send(Bye(client.group))
+            if last:
+                self.send(Bye(None))
+        except OSError:
+            pass
+        if last:
+            self._closed = True
+            try:  # the reader blocked in recv() would keep the socket open: end it for both
+                with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.conn.close()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except Exception:
+                if not self._closed:
+                    self.lost = "the launcher's control connection closed"
+                    for client in self._clients():
+                        client.deliver(Lost(self.lost))
+                return
+            if isinstance(message, Failure) and message.group is None:  # a death
+                with self._lock:
+                    self.deaths.setdefault(message.rank, message.reason)
+                for client in self._clients():
+                    if message.rank in client.members:
+                        client.deliver(message)
+            else:
+                target = self._groups.get(message.group)
+                if target is not None:
+                    target.deliver(message)
+
+    def _clients(self) -> list[StoreClient]:
+        with self._lock:
+            return list(self._groups.values())
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+
+class StoreClient(ControlPlane):
+    """A rank's side, configured from the environment `gpuring run` sets. Every rank's k-th
+    client of a process forms the job's k-th generation (re-initialisation after a close).
+    Sub-groups (`subgroup`) share its connection, each with its own exchanges."""
+
+    _generation = 0
+
+    def __init__(self, rank: int, size: int, local_rank: int, local_size: int,
+                 address: tuple[str, int], key: bytes, job_id: str, timeout: float = 60.0):
+        super().__init__()
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.job_id = job_id
+        StoreClient._generation += 1
+        self._link = _Link(rank, address, key, StoreClient._generation, timeout)
+        self._setup("", tuple(range(size)))
+        #: each rank's node (ranks of `gpuring run` share one; others by local size)
+        self.nodes = tuple(f"node{r // max(local_size, 1)}" for r in range(size))
+
+    def _setup(self, group: str, members: tuple[int, ...]) -> None:
+        """Join the link as the client of `group`, whose `members` are ranks of the job."""
+        self.group, self.members = group, members
+        self._replies: queue.Queue[Any] = queue.Queue()
+        self._step = 0
+        self._closed = False
+        self.failure: tuple[int, str] | None = None
+        self._link.join(self)
+
+    @property
+    def _conn(self) -> Connection:
+        return self._link.conn
+
+    @property
+    def lost(self) -> str | None:
+        """Why the connection to the launcher is gone, once it is."""
+        return self._link.lost
+
+    def subgroup(self, members: tuple[int, ...], name: str) -> StoreClient:
+        group = StoreClient.__new__(StoreClient)
+        nodes = tuple(self.nodes[m] for m in members)
+        self._join(group, members, name, nodes)
+        group.nodes = nodes
+        group._link = self._link
+        group._setup(name, tuple(self.members[m] for m in members))
+        return group
+
+    def deliver(self, message: Any) -> None:
+        """A message of this client's group, from the link's reader."""
+        if isinstance(message, Failure):
+            rank, reason = self.members.index(message.rank), message.reason
+            if self.group:  # the server names ranks of the job
+                reason = f"{reason} (rank {message.rank} of the job is rank {rank} here)"
+            if self.failure is None:
+                self.failure = (rank, reason)
+            self._replies.put(Failure(rank, reason, message.group))
+            self._peer_failed(rank, reason)
+            return
+        self._replies.put(message)
+
+    @classmethod
+    def from_env(cls) -> StoreClient:
+        host, port = os.environ[ENV_ADDR].rsplit(":", 1)
+        return cls(
+            rank=int(os.environ["GPURING_RANK"]),
+            size=int(os.environ["GPURING_WORLD_SIZE"]),
+            local_rank=int(os.environ.get("GPURING_LOCAL_RANK", os.environ["GPURING_RANK"])),
+            local_size=int(os.environ.get("GPURING_LOCAL_SIZE",
+                                          os.environ["GPURING_WORLD_SIZE"])),
+            address=(host, int(port)),
+            key=bytes.fromhex(os.environ[ENV_KEY]),
+            job_id=os.environ[ENV_JOB],
+        )
+
+    def _send(self, message: Any) -> None:
+        self._link.send(message)
+
+    def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        if self.failure is not None:
+            rank, reason = self.failure
+            raise PeerFailureError(reason, peer=rank)
+        if self.lost is not None:  # later exchanges too: the one "lost" notice is used up
+            raise PeerFailureError(self.lost)
+        self._step += 1
+        try:
+            self._send(Post(self._step, obj, self.group, self.members if self.group else ()))
+        except OSError as exc:  # before the reader saw the end of the connection
+            raise PeerFailureError(f"the launcher's control connection failed ({exc!r})"
+                                   ) from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                message = self._replies.get(timeout=wait)
+            except queue.Empty:
+                raise CollectiveTimeoutError(
+                    f"control-plane exchange #{self._step} timed out after {timeout} s on rank "
+                    f"{self.rank}: some rank did not take part") from None
+            if isinstance(message, Gathered) and message.step == self._step:
+                return list(message.values)
+            if isinstance(message, Failure):
+                raise PeerFailureError(message.reason, peer=message.rank)
+            if isinstance(message, Lost):
+                raise PeerFailureError(message.reason)
+            if isinstance(message, Left) and message.step == self._step:
+                raise PeerFailureError(message.reason, peer=self.members.index(message.rank))
+
+    def interrupt(self, reason: str) -> None:
+        self._replies.put(Lost(reason))
+
+    def report_failure(self, reason: str) -> None:
+        try:
+            self._send(Abort(reason, self.group, self.members if self.group else ()))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._link.leave(self)
