@@ -110,6 +110,7 @@ class Route(enum.Enum):
 
     ALONE = "alone"  #: a world of one: nothing moves
     MPI = "mpi"  #: MPI's own collectives (NumPy arrays across nodes, or GPURING_TRANSPORT=mpi)
+    NODES = "nodes"  #: in two levels across nodes (`_hierarchy`): in each node, then between
     ENGINE = "engine"  #: a device engine of this communicator
 
 
@@ -124,5 +125,8 @@ class PreparedCall:
     digest: int = 0
     #: the launch may be recorded into a CUDA graph (one kernel, not verified)
     capturable: bool = False
-    #: what runs, in words (`RoundPlan.schedule`, "one operation", "mpi", "alone")
+    #: what runs, in words (`RoundPlan.schedule`, "one operation", "mpi", "nodes", "alone")
     schedule: str = ""
+    #: what the ranks agree on at every call (the route in two levels across nodes, which
+    #: has no status board to compare a call that comes again), else None
+    signature: Signature | None = None

@@ -19,9 +19,11 @@ from ._config import Config
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    CommunicatorClosedError,
     GpuringError,
     PeerFailureError,
 )
+from ._hierarchy import HIERARCHICAL, Layout, Levels
 from ._launch import Launch, RegistrationError
 from ._lifecycle import Lifecycle, State, in_context
 from ._registry import Placement, Registry
@@ -63,7 +65,10 @@ class CallPath:
     (`seq`), the prepared calls, the engines, the watchdog. The communicator's verbs hand
     their checked calls to `run`; `fail` may be called from any thread."""
 
-    def __init__(self, control: ControlPlane, config: Config):
+    def __init__(self, control: ControlPlane, config: Config,
+                 make_communicator: Callable[[ControlPlane], Any] | None = None):
+        """`make_communicator(control)`: a communicator over a sub-group's control plane (for
+        the levels of collectives across nodes)."""
         self.control = control
         self.config = config
         self.rank, self.size = control.rank, control.size
@@ -81,6 +86,10 @@ class CallPath:
         self.watchdog_parts: list[Any] = []  #: the watchdog and its board's memory, to close
         self.timeline: Timeline | None = None  #: recording timeline; checked once per call
         self._mpi: MpiCollectives | None = None  # made on first use
+        self._make_communicator = make_communicator
+        #: where the ranks run, where collectives across nodes go in two levels (else None)
+        self.layout = None if control.single_node else Layout.of(control.nodes, control.rank)
+        self.levels: Levels | None = None  #: those two levels' communicators, made on first use
 
     def run(self, call: Call) -> Any:
         """Run a checked call: prepare it once per key, then run it by its route."""
@@ -136,15 +145,23 @@ class CallPath:
         picked = self.choices.pick(call, kind, count * itemsize)
         algorithm = picked.algorithm
         plain = plain._replace(algorithm=algorithm, tuning=self.choices.digest)
-        if self.size == 1 or ((x is None or kind == "cpu") and self._via_mpi()):
-            refused = self.size > 1 and config.deterministic and name in FOLDS
+        if self.size == 1:
+            self._agree(plain)
+            return PreparedCall(Route.ALONE, schedule="alone")
+        if (x is None or kind == "cpu") and self._nodes_route(name):
+            plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
+            if config.deterministic and algorithm == "ring":
+                self._agree(plain, remember=False)
+                raise GpuringError(_RING_REFUSED.format(name=name))
+            return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
+        if (x is None or kind == "cpu") and self._via_mpi():
+            refused = config.deterministic and name in FOLDS
             self._agree(plain, remember=not refused)
             if refused:
                 raise GpuringError(
                     f"{name}: deterministic mode has no {name} through MPI (NumPy arrays "
                     "across nodes, or GPURING_TRANSPORT=mpi): MPI's reduction order is its own")
-            return PreparedCall(Route.ALONE, schedule="alone") if self.size == 1 else \
-                PreparedCall(Route.MPI, schedule="mpi")
+            return PreparedCall(Route.MPI, schedule="mpi")
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
             chunk = picked.chunk_bytes
@@ -165,10 +182,7 @@ class CallPath:
         refused = config.deterministic and algorithm == "ring"
         self._agree(signature, remember=not refused)
         if refused:  # agreed: every rank refuses it
-            raise GpuringError(
-                f"{name}: deterministic mode folds every element in rank order, which the "
-                "ring does not (its order depends on the segment): ask for 'direct' or "
-                "'one_shot', or for none")
+            raise GpuringError(_RING_REFUSED.format(name=name))
         try:
             engine = self._engine(kind, capacity)
             piece = chunk or engine.default_chunk_bytes
@@ -244,6 +258,36 @@ class CallPath:
                 raise
             raise error from None
         return call.out
+
+    def _run_nodes(self, prepared: PreparedCall, call: Call) -> Any:
+        """In two levels (`_hierarchy`), after the ranks agree on the call (at every call: a
+        rank that calls something else is a mismatch on every rank, not a wait for data that
+        never comes); a failure of either level breaks this communicator and both levels,
+        and is told to the peers of all three."""
+        name = call.collective
+        assert prepared.signature is not None
+        self._agree(prepared.signature, remember=False)
+        try:
+            if self.levels is None:
+                assert self.layout is not None and self._make_communicator is not None
+                self.levels = Levels(self.control, self.layout, self.config.deterministic,
+                                     self._make_communicator)
+            return self.levels.run(call, self.size)
+        except BaseException as exc:
+            error: BaseException = exc
+            if isinstance(exc, CommunicatorClosedError) and self.life.cause is not None:
+                error = self.life.explain(self.life.cause, name, self.seq)
+            elif isinstance(exc, GpuringError):
+                error = self.life.explain(exc, name, self.seq)
+            if not isinstance(error, CollectiveMismatchError):  # (found alike on every rank)
+                self.give_up(error, name)
+            else:
+                self.life.raised(error)
+            if self.levels is not None:
+                self.levels.abort(f"rank {self.rank}: {error!r}")
+            if error is exc:
+                raise
+            raise error from None
 
     def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
         launch = prepared.launch
@@ -356,6 +400,11 @@ class CallPath:
             if watchdog is not None:
                 watchdog.expect(None)
 
+    def _nodes_route(self, name: str) -> bool:
+        """Whether `name` on NumPy arrays (or a barrier) runs in two levels across nodes."""
+        return (self.layout is not None and self.config.transport != "mpi"
+                and self._make_communicator is not None and name in HIERARCHICAL)
+
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
         if self.control.single_node and self.config.transport != "mpi":
@@ -455,6 +504,8 @@ class CallPath:
             watchdog.note_failure(error)
         for engine in list(self.engines.values()):
             engine.device.abort(str(error))
+        if self.levels is not None:
+            self.levels.abort(str(error))
         self.control.interrupt(str(error))
 
     def give_up(self, error: BaseException, name: str, culprit: int | None = None,
@@ -465,7 +516,8 @@ class CallPath:
             where = f"{name} #{self.seq if seq is None else seq}"
             self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit)
         if culprit is None:
-            self.control.report_failure(f"rank {self.rank}: {error!r}")
+            self.control.report_failure(f"rank {self.rank}: {error!r}",
+                                        getattr(error, "peer", None))
         for engine in list(self.engines.values()):
             engine.device.abort(f"rank {self.rank} gave up: {error!r}")
 
@@ -509,6 +561,11 @@ class CallPath:
         return error
 
 
+#: a ring asked for in deterministic mode (refused on every rank once agreed)
+_RING_REFUSED = ("{name}: deterministic mode folds every element in rank order, which the "
+                 "ring does not (its order depends on the segment): ask for 'direct' or "
+                 "'one_shot', or for none")
+
 #: where a call on plain arrays lies: nowhere registered
 _PLAIN = Placement(None, None)
 
@@ -526,4 +583,5 @@ _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.ALONE: CallPath._run_alone,
     Route.MPI: CallPath._run_via_mpi,
     Route.ENGINE: CallPath._run_engine,
+    Route.NODES: CallPath._run_nodes,
 }

@@ -91,7 +91,8 @@ class Communicator:
         self._control = control
         self.config = config or Config.from_env()
         self._on_close = on_close
-        self._path = CallPath(control, self.config)
+        cls, config = type(self), self.config  # (the path must not hold the communicator)
+        self._path = CallPath(control, config, lambda group: cls(group, config))
         self._executor: Executor | None = None  # the async thread, made by the first *_async
         self._last_calls = LastCalls()
         self._splits = 0  #: split() calls so far (the same on every rank)
@@ -400,6 +401,8 @@ class Communicator:
         self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
         for channel in list(self._pairs.values()):
             channel.abort(reason)
+        if self._path.levels is not None:
+            self._path.levels.abort(reason)
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
         if self._path.watchdog is not None:
             self._path.watchdog.give_up(reason)
@@ -430,6 +433,8 @@ class Communicator:
             from ._groups import close_channels
 
             unraised = close_channels(self)
+        if self._path.levels is not None:
+            unraised = self._path.levels.close() or unraised
         if self._path.life.state is State.OPEN:
             try:
                 self._path.wait_engines("close")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 __all__ = [
     "GpuringError",
     "CollectiveMismatchError",
@@ -48,3 +51,19 @@ class PeerFailureError(GpuringError):
 
 class CommunicatorClosedError(GpuringError):
     """The communicator was closed or aborted and can no longer be used."""
+
+
+def in_ranks(exc: GpuringError, members: Sequence[int], where: str) -> GpuringError:
+    """`exc`, raised by a communicator whose rank i is rank `members[i]` of another, in that
+    other's ranks: the rank it blames (`peer`) and the ranks of its `differences` renamed,
+    its message prefixed with `where`."""
+    error = copy.copy(exc)
+    error.args = (f"{where}: {exc}",)
+    culprit = getattr(exc, "peer", None)
+    if isinstance(culprit, int) and 0 <= culprit < len(members):
+        error.peer = members[culprit]  # type: ignore[attr-defined]
+    if isinstance(exc, CollectiveMismatchError) and isinstance(error, CollectiveMismatchError):
+        error.differences = {field: {members[r]: v for r, v in values.items()}
+                             for field, values in exc.differences.items()}
+    return error
+

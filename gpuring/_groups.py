@@ -13,7 +13,6 @@ each other.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import operator
 import os
@@ -22,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _arrays, interop
-from ._errors import CollectiveMismatchError, GpuringError
+from ._errors import GpuringError, in_ranks
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -86,18 +85,9 @@ def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any = None
                 timeline.span(verb, x):
             yield
     except GpuringError as exc:
-        members = sorted((comm.rank, peer))
-        error = copy.copy(exc)
-        error.args = (f"{verb} (ranks {members[0]} and {members[1]}, which are ranks 0 and 1 "
-                      f"of their channel): {exc}",)
-        culprit = getattr(exc, "peer", None)
-        if isinstance(culprit, int) and 0 <= culprit < 2:
-            error.peer = members[culprit]  # type: ignore[attr-defined]
-        if isinstance(exc, CollectiveMismatchError) and isinstance(error,
-                                                                   CollectiveMismatchError):
-            error.differences = {field: {members[r]: v for r, v in values.items()}
-                                 for field, values in exc.differences.items()}
-        raise error from None
+        low, high = sorted((comm.rank, peer))
+        raise in_ranks(exc, (low, high), f"{verb} (ranks {low} and {high}, which are ranks 0 "
+                                         "and 1 of their channel)") from None
 
 
 def _message(channel: Communicator, array: Any, root: int) -> Any:

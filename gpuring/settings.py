@@ -107,8 +107,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_VERIFY", _flag, False, "0",
             "1: compare result checksums across ranks after each collective"),
     Setting("GPURING_TRANSPORT", _choice("auto", "mpi"), "auto", "auto",
-            "NumPy collectives: `auto` (shared memory on one node, MPI across nodes) or `mpi` "
-            "(MPI always; needs `mpiexec`)"),
+            "NumPy collectives: `auto` (shared memory on one node; across nodes hierarchical: "
+            "shared memory inside each node, MPI between nodes, where every node runs as many "
+            "ranks, else MPI alone) or `mpi` (MPI alone always; needs `mpiexec`)"),
+    Setting("GPURING_HOSTNAME", str, None, "the host's name",
+            "the node name this rank reports; ranks with the same name are one node (they map "
+            "each other's memory): for tests and containers, e.g. two simulated nodes on one "
+            "machine"),
     Setting("GPURING_FUSION_BYTES", parse_size, 64 << 20, "64M",
             "largest fusion buffer of `all_reduce_many`"),
     Setting("GPURING_TIMELINE", str, None, "unset",

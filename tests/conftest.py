@@ -57,11 +57,21 @@ def mpiexec() -> str | None:
     return found
 
 
+def on_nodes(nodes: list[str], command: list[str]) -> list[str]:
+    """mpiexec's arguments that run `command` as one rank per entry of `nodes`, each with
+    GPURING_HOSTNAME set to its entry (simulated nodes), in rank order."""
+    blocks: list[list[str]] = []
+    for name in nodes:
+        blocks.append(["-n", "1", "-env", "GPURING_HOSTNAME", name, *command])
+    return [arg for i, block in enumerate(blocks) for arg in ([":"] if i else []) + block]
+
+
 def launch(launcher: str, n: int, args: list[str], *, env: dict[str, str] | None = None,
-           timeout: float = 600, grace: float | None = None
+           timeout: float = 600, grace: float | None = None, nodes: list[str] | None = None
            ) -> subprocess.CompletedProcess[str]:
     """Run `python args...` as n ranks; returns the finished process (output captured).
-    `grace`: the `gpuring run --grace` seconds survivors of a failed rank get."""
+    `grace`: the `gpuring run --grace` seconds survivors of a failed rank get; `nodes`
+    (mpiexec): each rank's simulated node (`on_nodes`)."""
     full_env = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
     full_env.update(env or {})
     if launcher == "gpuring":
@@ -72,7 +82,9 @@ def launch(launcher: str, n: int, args: list[str], *, env: dict[str, str] | None
         exe = mpiexec()
         if exe is None:
             pytest.skip("mpiexec with mpi4py is not available")
-        cmd = [exe, "-n", str(n), sys.executable, *args]
+        cmd = [exe, "-n", str(n), sys.executable, *args] if nodes is None else \
+            [exe, *on_nodes(nodes, [sys.executable, *args])]
+        assert nodes is None or len(nodes) == n
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -101,10 +113,11 @@ def start_by_hand(n: int, args: list[str], *, env: dict[str, str] | None = None,
 
 
 def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,
-               env: dict[str, str] | None = None) -> list[str]:
+               env: dict[str, str] | None = None, nodes: list[str] | None = None
+               ) -> list[str]:
     """Run `worker case tmp_path` on n ranks; check it succeeded and that every rank wrote the
     same digests (bitwise identical results); return rank 0's digest lines."""
-    proc = launch(launcher, n, [str(worker), case, str(tmp_path)], env=env)
+    proc = launch(launcher, n, [str(worker), case, str(tmp_path)], env=env, nodes=nodes)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
     for r in range(1, n):

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import settings
 from .._errors import CollectiveMismatchError
 
-__all__ = ["ControlPlane"]
+__all__ = ["ControlPlane", "host_name"]
+
+
+def host_name() -> str:
+    """The name of this rank's node: GPURING_HOSTNAME, else the host's name. Ranks that
+    report the same name are one node (they map each other's memory)."""
+    return settings.get("GPURING_HOSTNAME") or socket.gethostname()
 
 
 class ControlPlane(abc.ABC):
@@ -22,6 +30,8 @@ class ControlPlane(abc.ABC):
     job_id: str
     #: True when every rank runs on this node (peers can map each other's memory)
     single_node: bool = True
+    #: each rank's node name, in rank order (`host_name()` of each)
+    nodes: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._failure_callbacks: list[Callable[[int, str], None]] = []
@@ -49,11 +59,17 @@ class ControlPlane(abc.ABC):
             raise ValueError(f"sub-group {members} of rank {self.rank}: it must list this "
                              "rank, each rank once")
         group.rank, group.size, group.job_id = members.index(self.rank), len(members), name
-        here = nodes[group.rank]
-        group.local_rank = sum(1 for node in nodes[:group.rank] if node == here)
-        group.local_size = nodes.count(here)
-        group.single_node = len(set(nodes)) == 1
+        group._place(nodes)
         group._device_slot = self.device_slot
+
+    def _place(self, nodes: Sequence[str]) -> None:
+        """Set where the ranks run from `nodes` (each rank's node name, in rank order): this
+        rank's local rank and local size among the ranks of its node, and `single_node`."""
+        self.nodes = tuple(nodes)
+        here = self.nodes[self.rank]
+        self.local_rank = sum(1 for node in self.nodes[:self.rank] if node == here)
+        self.local_size = self.nodes.count(here)
+        self.single_node = len(set(self.nodes)) == 1
 
     @abc.abstractmethod
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
@@ -83,8 +99,9 @@ class ControlPlane(abc.ABC):
         for callback in list(self._failure_callbacks):
             callback(rank, reason)
 
-    def report_failure(self, reason: str) -> None:
-        """Tell the peers this rank gave up, where the control plane can (best effort)."""
+    def report_failure(self, reason: str, peer: int | None = None) -> None:
+        """Tell the peers this rank gave up (`peer`: the rank it blames, where known), where
+        the control plane can (best effort)."""
 
     def interrupt(self, reason: str) -> None:
         """Make a pending or later exchange of this rank fail with PeerFailureError(reason)."""

@@ -8,10 +8,10 @@ import secrets
 import threading
 import time
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._errors import CollectiveTimeoutError, PeerFailureError
-from .base import ControlPlane
+from .base import ControlPlane, host_name
 
 __all__ = ["MpiControl", "MpiGroup", "launched_by_mpi"]
 
@@ -24,25 +24,87 @@ def launched_by_mpi() -> bool:
     return any(name in os.environ for name in _MPI_ENV)
 
 
-class MpiControl(ControlPlane):
-    """Every call is bounded: exchanges use non-blocking MPI and poll with backoff."""
+class Notice(NamedTuple):
+    """A failure notice: rank `source` of the job gave up, blaming rank `peer` (None: no
+    rank in particular), for `reason`."""
 
-    def __init__(self, comm: Any = None):
+    source: int
+    peer: int | None
+    reason: str
+
+
+class _Alarm:
+    """Failure notices between the ranks of an MPI job: a rank that gives up tells every
+    other rank with a small message on a communicator of its own, which each rank's waits
+    poll (MPI itself tells nothing: a rank waiting for a dead peer's data would wait its
+    whole timeout). A rank's node peers learn of its death from the status board in shared
+    memory; the first of them to give up tells the rest of the job here."""
+
+    _TAG = 7
+
+    def __init__(self, comm: Any, MPI: Any):
+        import numpy as np
+
+        self._MPI = MPI
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._inbox = np.zeros(4096, np.uint8)
+        self._receive = self.comm.Irecv(self._inbox, source=MPI.ANY_SOURCE, tag=self._TAG)
+        self._sent: list[Any] = []
+        self._closed = False
+        #: the first notice heard, once one is
+        self.heard: Notice | None = None
+
+    def check(self) -> Notice | None:
+        """The first notice another rank sent, once one arrived (else None)."""
+        if self.heard is None and self._receive is not None:
+            status = self._MPI.Status()
+            if self._receive.Test(status):
+                text = self._inbox[:status.Get_count(self._MPI.BYTE)].tobytes()
+                blamed, _, reason = text.decode(errors="replace").partition("\n")
+                self.heard = Notice(status.Get_source(), int(blamed) if blamed else None,
+                                    reason)
+                self._receive = None
+        return self.heard
+
+    def send(self, reason: str, peer: int | None) -> None:
+        """Tell every other rank, once, without waiting for any of them."""
+        import numpy as np
+
+        if self._sent or self.heard is not None or self._closed:  # told already, repeating
+            return  # a notice, or closed (a sub-group that outlived its parent)
+        text = f"{'' if peer is None else peer}\n{reason}"
+        data = np.frombuffer(text.encode()[:4096], np.uint8).copy()
+        self._sent = [data] + [self.comm.Isend(data, dest=r, tag=self._TAG)
+                               for r in range(self.size) if r != self.rank]
+
+    def close(self) -> None:
+        self._closed = True
+        if self._receive is not None:
+            self._receive.Cancel()
+            self._receive.Wait()
+            self._receive = None
+        self.comm.Free()
+
+
+class MpiControl(ControlPlane):
+    """Every call is bounded: exchanges use non-blocking MPI and poll with backoff, and
+    listen for a failure notice from any rank of the job (`report_failure`)."""
+
+    def __init__(self, comm: Any = None, alarm: _Alarm | None = None):
         super().__init__()
         from mpi4py import MPI
 
         self._MPI = MPI
         self.comm = (comm or MPI.COMM_WORLD).Dup()
+        self._own_alarm = alarm is None
+        self._alarm = _Alarm(self.comm, MPI) if alarm is None else alarm
+        #: each rank's rank in the job (the failure notices' numbering)
+        self.job_ranks: tuple[int, ...] = tuple(range(self.comm.Get_size()))
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank = local.Get_rank()
-        self.local_size = local.Get_size()
-        local.Free()
-        self.single_node = self.local_size == self.size
         self.job_id = self.comm.bcast(secrets.token_hex(8) if self.rank == 0 else None)
-        #: each rank's node (host name)
-        self.nodes: tuple[str, ...] = tuple(self.comm.allgather(MPI.Get_processor_name()))
+        self._place(self.comm.allgather(host_name()))
         self._closed = False
         self._interrupted: str | None = None
         self._abandoned: list[Any] = []
@@ -63,6 +125,10 @@ class MpiControl(ControlPlane):
             if self._interrupted is not None:
                 self._abandoned.append((request, buffers))
                 raise PeerFailureError(self._interrupted)
+            heard = self._alarm.check()
+            if heard is not None:
+                self._abandoned.append((request, buffers))
+                raise self._notice_error(heard)
             if deadline is not None and time.monotonic() > deadline:
                 self._abandoned.append((request, buffers))
                 raise CollectiveTimeoutError(
@@ -86,9 +152,23 @@ class MpiControl(ControlPlane):
         return [pickle.loads(gathered[displs[r]:displs[r] + sizes[r]].tobytes())
                 for r in range(self.size)]
 
+    def _notice_error(self, notice: Notice) -> PeerFailureError:
+        """The error of a failure notice, naming ranks of this group where they are in it."""
+        ranks = self.job_ranks
+        peer = ranks.index(notice.peer) if notice.peer in ranks else None
+        blamed = "" if notice.peer is None else f": rank {notice.peer} of the job failed"
+        return PeerFailureError(f"rank {notice.source} of the job gave up{blamed} "
+                                f"({notice.reason})", peer=peer)
+
+    def report_failure(self, reason: str, peer: int | None = None) -> None:
+        """Tell every rank of the job (`peer`: a rank of this group)."""
+        self._alarm.send(reason, None if peer is None else self.job_ranks[peer])
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._own_alarm and not self._abandoned:  # (MPI may still hold a request)
+                self._alarm.close()
             self.comm.Free()
 
 
@@ -99,9 +179,11 @@ class MpiGroup(MpiControl):
     members call, completes at once."""
 
     def __init__(self, parent: MpiControl, members: tuple[int, ...], name: str):
-        self.nodes = tuple(parent.nodes[m] for m in members)
-        parent._join(self, members, name, self.nodes)
+        parent._join(self, members, name, tuple(parent.nodes[m] for m in members))
         self._MPI = parent._MPI
+        self._alarm = parent._alarm
+        self._own_alarm = False
+        self.job_ranks = tuple(parent.job_ranks[m] for m in members)
         self._parent = parent
         self._members = members
         self._inner: MpiControl | None = None
@@ -151,7 +233,8 @@ class MpiGroup(MpiControl):
                 group = parent.comm.Get_group().Incl(list(self._members))
                 comm = parent.comm.Create_group(group, tag)
                 group.Free()
-                inner = MpiControl(comm)
+                inner = MpiControl(comm, parent._alarm)
+                inner.job_ranks = self.job_ranks
                 comm.Free()
                 inner.job_id = self.job_id
                 made.append(inner)

@@ -138,7 +138,7 @@ class StoreClient(ControlPlane):
         StoreClient._generation += 1
         self._link = _Link(rank, address, key, StoreClient._generation, timeout)
         self._setup("", tuple(range(size)))
-        #: each rank's node (ranks of `gpuring run` share one; others by local size)
+        #: each rank's node (ranks of `gpuring run` share one; `rendezvous.meet` asks)
         self.nodes = tuple(f"node{r // max(local_size, 1)}" for r in range(size))
 
     def _setup(self, group: str, members: tuple[int, ...]) -> None:
@@ -161,9 +161,7 @@ class StoreClient(ControlPlane):
 
     def subgroup(self, members: tuple[int, ...], name: str) -> StoreClient:
         group = StoreClient.__new__(StoreClient)
-        nodes = tuple(self.nodes[m] for m in members)
-        self._join(group, members, name, nodes)
-        group.nodes = nodes
+        self._join(group, members, name, tuple(self.nodes[m] for m in members))
         group._link = self._link
         group._setup(name, tuple(self.members[m] for m in members))
         return group
@@ -231,7 +229,7 @@ class StoreClient(ControlPlane):
     def interrupt(self, reason: str) -> None:
         self._replies.put(Lost(reason))
 
-    def report_failure(self, reason: str) -> None:
+    def report_failure(self, reason: str, peer: int | None = None) -> None:
         try:
             self._send(Abort(reason, self.group, self.members if self.group else ()))
         except OSError:

@@ -128,8 +128,27 @@ def test_sub_communicators(launcher, n, tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["dtypes_ops", "back_to_back", "mismatch", "exchange", "p2p"])
+@pytest.mark.parametrize("case", ["dtypes_ops", "back_to_back", "mismatch"])
 def test_mpi_transport(case, tmp_path):
-    """NumPy collectives carried by MPI (the path between nodes), forced on one node (sizes
-    from 1 to 60000 elements come in back_to_back; MPI has no rounds of its own here)."""
+    """NumPy collectives carried by MPI alone, forced on one node (sizes from 1 to 60000
+    elements come in back_to_back; MPI has no rounds of its own here). The verbs that move
+    blocks and messages run over MPI in `test_simulated_nodes`."""
     run_case("mpiexec", 3, case, tmp_path, env={"GPURING_TRANSPORT": "mpi"})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("nodes", "case"), [(["a", "a", "b", "b"], "nodes"),
+                                             (["a", "b", "c", "a", "b", "c"], "dtypes_ops")])
+def test_simulated_nodes(nodes, case, tmp_path):
+    """Ranks on simulated nodes (GPURING_HOSTNAME per rank): on 2 nodes of 2, the collectives
+    of two levels (shared memory in each node, MPI between nodes) and the flat ones, bit for
+    bit alike on every rank; on 3 nodes of 2 whose ranks interleave, those of two levels."""
+    run_worker(WORKER, "mpiexec", len(nodes), case, tmp_path, nodes=nodes)
+
+
+@pytest.mark.mpi
+def test_simulated_nodes_deterministic(tmp_path):
+    """Deterministic mode across nodes: the node-major fold's bits (small buffers: several
+    rounds in each node)."""
+    run_worker(WORKER, "mpiexec", 4, "deterministic", tmp_path, nodes=["a", "a", "b", "b"],
+               env={"GPURING_DETERMINISTIC": "1", "GPURING_BUFFER_BYTES": "256K"})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import launch, mpiexec
+from ..conftest import launch, mpiexec, on_nodes
 
 WORKER = str(Path(__file__).parent / "worker_faults.py")
 
@@ -192,7 +192,8 @@ def remove_mpich_segments(directory: Path) -> None:
 
 
 def mpiexec_lazy(n: int, args: list[str], directory: Path, env: dict[str, str],
-                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
+                 timeout: float = 120, nodes: list[str] | None = None
+                 ) -> subprocess.CompletedProcess[str]:
     """`mpiexec -n N lazy_parent.py DIR python args...`: a rank a signal kills stays an
     unreaped zombie, so hydra does not see it die (and kill the job) before the survivors
     have reported; they can only learn of the death from its process id."""
@@ -203,9 +204,10 @@ def mpiexec_lazy(n: int, args: list[str], directory: Path, env: dict[str, str],
     full_env = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
     full_env.update(env)
     try:
-        return subprocess.run([exe, "-n", str(n), sys.executable, lazy, str(directory),
-                               sys.executable, *args], env=full_env, capture_output=True,
-                              text=True, timeout=timeout)
+        command = [sys.executable, lazy, str(directory), sys.executable, *args]
+        where = ["-n", str(n), *command] if nodes is None else on_nodes(nodes, command)
+        return subprocess.run([exe, *where], env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
     finally:
         remove_mpich_segments(directory)
 
@@ -271,6 +273,23 @@ def test_sigkill_under_mpiexec_is_seen_in_the_process_id(tmp_path):
         assert f"RESULT {rank} PeerFailureError peer=1 " in line, out
         assert re.search(r"rank 1 \(pid \d+\) is gone", line), out
         assert after(line) < 10, out  # not at the timeout
+
+
+@pytest.mark.mpi
+def test_sigkill_on_a_simulated_node(tmp_path):
+    """Two simulated nodes of two ranks; rank 1 (node a) is SIGKILLed inside all_reduces that
+    run in two levels. Rank 0 learns it from the status board of its node, and tells the
+    job (MPI failure notices); ranks 2 and 3 (node b) hear it in their waits. Every survivor
+    raises PeerFailureError naming rank 1, within seconds."""
+    proc = mpiexec_lazy(4, [WORKER, "kill", str(tmp_path)], tmp_path, nodes=["a", "a", "b", "b"],
+                        env={"GPURING_TIMEOUT": "30", "GPURING_JITTER": "0"})
+    out = proc.stdout + proc.stderr
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 2, 3}, out
+    for rank, line in got.items():
+        assert f"RESULT {rank} PeerFailureError peer=1 " in line, out
+        assert after(line) < 15, out  # not at the timeout
+        assert re.search(r"rank 1 \(pid \d+\) is gone", line), out
 
 
 @pytest.mark.parametrize("how", ["abort", "kill"])

@@ -343,6 +343,26 @@ def rank_order_fold(ins: list[np.ndarray], op: str) -> np.ndarray:
     return fold
 
 
+def deterministic_fold(c: Checker, ins: list[np.ndarray], op: str) -> np.ndarray:
+    """The bits of deterministic mode: the rank-order fold on one node; across nodes (where
+    collectives run in two levels) the node-major fold: each node's ranks folded in rank
+    order, those folded in node order, avg dividing the sum at the end (16-bit floats in
+    float32, rounded once)."""
+    nodes = c.comm._control.nodes
+    order = list(dict.fromkeys(nodes))
+    if c.comm._path.layout is None:
+        return rank_order_fold(ins, op)
+    step = "sum" if op == "avg" else op
+    folded = rank_order_fold([rank_order_fold([ins[r] for r in range(len(nodes))
+                                               if nodes[r] == node], step)
+                              for node in order], step)
+    if op != "avg":
+        return folded
+    if folded.dtype.name in ("float16", "bfloat16"):
+        return (folded.astype(np.float32) / np.float32(len(nodes))).astype(folded.dtype)
+    return folded / folded.dtype.type(len(nodes))
+
+
 def case_deterministic(c: Checker) -> None:
     """Deterministic mode (GPURING_DETERMINISTIC=1, with small buffers): every all_reduce,
     reduce_scatter, reduce and all_reduce_many result is the rank-order fold bit for bit,
@@ -367,22 +387,22 @@ def case_deterministic(c: Checker) -> None:
             label = f"deterministic {dtype} {op} {n * size} chunk {chunk} channels {channels}"
             got = comm.all_reduce(dev(c, ins[rank]), op=op, chunk_bytes=chunk,
                                   channels=channels)
-            c.expect(got, rank_order_fold(ins, op), f"{label} all_reduce", copy=True)
+            c.expect(got, deterministic_fold(c, ins, op), f"{label} all_reduce", copy=True)
             got = comm.reduce_scatter(dev(c, ins[rank]), op=op, chunk_bytes=chunk,
                                       channels=channels)
-            c.expect(got, rank_order_fold([a.reshape(n, -1)[rank] for a in ins], op),
+            c.expect(got, deterministic_fold(c, [a.reshape(n, -1)[rank] for a in ins], op),
                      f"{label} reduce_scatter", copy=True, shared=False)
             got = comm.reduce(dev(c, ins[rank]), op=op, root=root, chunk_bytes=chunk,
                               channels=channels)
             if rank == root:
-                c.expect(got, rank_order_fold(ins, op), f"{label} reduce", copy=True,
+                c.expect(got, deterministic_fold(c, ins, op), f"{label} reduce", copy=True,
                          shared=False)
     arrays = [c.inputs("float32", shape, 15500 + i) for i, shape in
               enumerate([(33,), (100, 7), (5,), (4000,)])]
     for fusion in (1 << 10, 1 << 20):  # alone, then packed together
         got = comm.all_reduce_many([dev(c, a[rank]) for a in arrays], fusion_bytes=fusion)
         for i, (g, a) in enumerate(zip(got, arrays, strict=True)):
-            c.expect(g, rank_order_fold(a, "sum"), f"deterministic fused {fusion} {i}",
+            c.expect(g, deterministic_fold(c, a, "sum"), f"deterministic fused {fusion} {i}",
                      copy=True)
     try:  # every rank asks for the ring: refused on every rank, once agreed
         comm.all_reduce(dev(c, np.ones(3000, np.float32)), algorithm="ring")
@@ -398,8 +418,8 @@ def case_deterministic(c: Checker) -> None:
     else:
         raise AssertionError("ranks ran different schedules in deterministic mode")
     ins = c.inputs("float32", (5000,), 15900)
-    c.expect(comm.all_reduce(dev(c, ins[rank]), algorithm="direct"), rank_order_fold(ins, "sum"),
-             "deterministic after the refusal", copy=True)
+    c.expect(comm.all_reduce(dev(c, ins[rank]), algorithm="direct"),
+             deterministic_fold(c, ins, "sum"), "deterministic after the refusal", copy=True)
 
 
 def case_direct(c: Checker) -> None:
@@ -660,6 +680,9 @@ def case_again(c: Checker) -> None:
         if xp is not np:
             comm.synchronize()
     except gpuring.CollectiveMismatchError as exc:
+        if "op" in exc.differences:  # across nodes the ranks agree at every call
+            assert exc.differences["op"][1] == "max", exc.differences
+            return
         assert "called all_reduce(shape=(8,), dtype=float32, op=max" in str(exc), str(exc)
         assert "rank 0 went ahead with all_reduce(shape=(8,), dtype=float32, op=sum" in str(
             exc), str(exc)
@@ -1094,7 +1117,31 @@ def case_module_api(c: Checker) -> None:
     gpuring.barrier()
     y = x.copy()
     c.expect(gpuring.broadcast(y, root=0), np.arange(6.0), "module broadcast", copy=True)
-    assert comm.local_rank == comm.rank and comm.local_size == comm.size
+    if not os.environ.get("GPURING_HOSTNAME"):  # one node (else `case_nodes` checks)
+        assert comm.local_rank == comm.rank and comm.local_size == comm.size
+
+
+def case_nodes(c: Checker) -> None:
+    """Simulated nodes (GPURING_HOSTNAME set per rank): each rank's node, local rank and local
+    size follow the names; all_reduce, reduce_scatter, all_gather, broadcast, reduce and
+    barrier run in two levels, the other verbs flat (MPI); then the cases of one node, alike
+    bit for bit on every rank; last, a rank that changes the op on the same arrays (every
+    rank raises the mismatch at once: across nodes the ranks agree at every call)."""
+    comm = c.comm
+    here = os.environ["GPURING_HOSTNAME"]
+    label = np.frombuffer(here.encode().ljust(32), np.uint8)
+    names = [bytes(row).decode().strip() for row in host(comm.all_gather(label))]
+    assert comm.rank < len(names) and names[comm.rank] == here
+    assert comm.local_size == names.count(here), (names, comm.local_size)
+    assert comm.local_rank == names[:comm.rank].count(here), (names, comm.local_rank)
+    assert len(set(names)) > 1, names
+    comm.barrier()
+    assert comm.last_schedule == "nodes", comm.last_schedule
+    comm.gather(np.ones(3, np.float32), root=0)
+    assert comm.last_schedule == "mpi", comm.last_schedule
+    for case in (case_dtypes_ops, case_exchange, case_uneven, case_p2p, case_split,
+                 case_mismatch, case_module_api, case_again):
+        case(c)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -1,0 +1,271 @@
+"""Collectives across nodes in two levels, as Horovod's hierarchical all-reduce and NCCL's own
+split between the links inside a node and the network do: inside each node the ranks' own
+engine (shared memory for NumPy arrays), between nodes the engine for that device (MPI for
+NumPy arrays), each rank talking across the network only to the ranks of its own local rank.
+
+    all_reduce      reduce_scatter in the node -> all_reduce of the shard across nodes
+                    -> all_gather in the node
+    reduce_scatter  reduce_scatter in the node (blocks ordered so that local rank j holds
+                    the blocks of every node's local rank j) -> reduce_scatter across nodes
+    all_gather      all_gather across nodes -> all_gather in the node
+    broadcast       across nodes among the root's local rank -> in every node
+    reduce          in the node to the root's local rank -> across nodes to the root
+    barrier         in the node -> across nodes
+
+Each rank sends and receives across the network what a flat algorithm of its node's share
+would: 1/local_size of the data for all_reduce and reduce_scatter, and every other node's data
+once per node for all_gather.
+
+Deterministic mode: the reductions between nodes are not MPI's (whose order is its own) but
+an all_gather of the shards and a fold in node order, so every element is the fold over nodes,
+in the order of their lowest rank, of the fold over the node's ranks in rank order ("node
+major"); avg divides that sum by the size.
+
+Used where every node runs the same number of ranks, and more than one (`Layout.of`);
+otherwise collectives across nodes run flat (MPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ._call import Call
+from ._errors import GpuringError, in_ranks
+from ._ops import ReduceOp
+from .rendezvous.base import ControlPlane
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+
+__all__ = ["Layout", "Levels", "HIERARCHICAL"]
+
+#: the collectives that run in two levels (the others run flat across nodes)
+HIERARCHICAL = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
+                          "barrier"})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job's ranks run: `ranks[node][local]` is the rank of local rank `local` on
+    node `node` (nodes in the order of their lowest rank, local ranks in rank order); `node`
+    and `local` are this rank's."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    node: int
+    local: int
+
+    @classmethod
+    def of(cls, nodes: Sequence[str], rank: int) -> Layout | None:
+        """The layout of ranks on `nodes` (each rank's node name), seen from `rank`; None
+        where two levels do not apply: one node, one rank per node, or nodes with different
+        numbers of ranks."""
+        order = list(dict.fromkeys(nodes))
+        ranks = tuple(tuple(r for r, name in enumerate(nodes) if name == node)
+                      for node in order)
+        sizes = {len(members) for members in ranks}
+        if len(order) < 2 or len(sizes) != 1 or sizes == {1}:
+            return None
+        node = order.index(nodes[rank])
+        return cls(ranks, node, ranks[node].index(rank))
+
+    @property
+    def nodes(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.ranks[0])
+
+    def node_major(self) -> list[int]:
+        """Ranks grouped by local rank, each group in node order: position j*nodes + k
+        holds the rank of local rank j on node k."""
+        return [self.ranks[k][j] for j in range(self.local_size) for k in range(self.nodes)]
+
+
+class Tune(NamedTuple):
+    """A call's tuning, for its collectives inside the node (None: the communicator's)."""
+
+    chunk_bytes: int | None
+    channels: int | None
+
+
+class _Level:
+    """One level's communicator; its errors name ranks of the job (`ranks[i]` is its rank
+    i) and say which level raised them."""
+
+    def __init__(self, comm: Communicator, ranks: tuple[int, ...], what: str):
+        self.comm, self.ranks, self.what = comm, ranks, what
+
+    def run(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.comm, verb)(*args, **kwargs)
+        except GpuringError as exc:
+            raise in_ranks(exc, self.ranks, f"{verb} {self.what} (ranks {list(self.ranks)} "
+                                            "of the job)") from None
+
+
+class Levels:
+    """The two communicators of a rank: `intra` (its node's ranks, in local rank order) and
+    `inter` (every node's rank of its local rank, in node order), made from sub-groups of
+    the job's control plane without a meeting (every rank knows every rank's node)."""
+
+    def __init__(self, control: ControlPlane, layout: Layout, deterministic: bool,
+                 make: Callable[[ControlPlane], Communicator]):
+        self.layout = layout
+        self.deterministic = deterministic
+        job, node, local = control.job_id, layout.ranks[layout.node], layout.local
+        self.intra = _Level(make(control.subgroup(node, f"{job}-n{layout.node}")), node,
+                            "in the node")
+        try:
+            across = tuple(members[local] for members in layout.ranks)
+            self.inter = _Level(make(control.subgroup(across, f"{job}-l{local}")), across,
+                                "between nodes")
+        except BaseException:
+            self.intra.comm.abort("the communicator across nodes could not be made")
+            self.intra.comm.close()
+            raise
+
+    # -- the collectives ------------------------------------------------------------------
+    def run(self, call: Call, size: int) -> Any:
+        """Run `call` (one of HIERARCHICAL, agreed by the job's ranks) of a job of `size`
+        ranks; returns what the verb returns."""
+        name = call.collective
+        if name == "barrier":
+            self.intra.run("barrier")
+            self.inter.run("barrier")
+            return None
+        x, out, op = call.x, call.out, call.op
+        if x.size == 0:
+            return out
+        tune = Tune(call.chunk_bytes, call.channels)
+        step = ReduceOp.SUM if op is ReduceOp.AVG else op
+        if name == "all_gather":
+            self._all_gather(x, out, tune)
+            return out
+        if name == "broadcast":
+            return self._broadcast(x, out, call.root, tune)
+        result: np.ndarray | None
+        if name == "all_reduce":
+            result = self._all_reduce(x, step, tune)
+        elif name == "reduce_scatter":
+            result = self._reduce_scatter(x, step, size, tune)
+        else:
+            result = self._reduce(x, step, call.root, tune)
+        if out is None or result is None:  # a reduce off its root
+            return None
+        out[...] = result.reshape(out.shape)
+        if op is ReduceOp.AVG:
+            _divide(out, size)
+        return out
+
+    def _across(self, shard: np.ndarray, op: ReduceOp) -> np.ndarray:
+        """The reduction of `shard` over the nodes, the same bits on every node."""
+        if not self.deterministic:
+            return self.inter.run("all_reduce", shard, op=op)
+        return fold(list(self.inter.run("all_gather", shard)), op)
+
+    def _all_reduce(self, x: np.ndarray, op: ReduceOp, tune: Tune) -> np.ndarray:
+        layout, count = self.layout, x.size
+        per = -(-count // layout.local_size)
+        padded = x.reshape(-1)
+        if per * layout.local_size != count:
+            padded = np.zeros(per * layout.local_size, x.dtype)
+            padded[:count] = x.reshape(-1)
+        shard = self.intra.run("reduce_scatter", padded, op=op, **tune._asdict())
+        whole = self.intra.run("all_gather", self._across(shard, op), **tune._asdict())
+        return whole.reshape(-1)[:count]
+
+    def _reduce_scatter(self, x: np.ndarray, op: ReduceOp, size: int, tune: Tune
+                        ) -> np.ndarray:
+        layout = self.layout
+        blocks = x.reshape(size, -1)[layout.node_major()]  # a copy, local rank major
+        # every node's block of this local rank, reduced over this node:
+        mine = self.intra.run("reduce_scatter", blocks.reshape(-1), op=op, **tune._asdict())
+        if not self.deterministic:
+            return self.inter.run("reduce_scatter", mine, op=op)
+        gathered = self.inter.run("all_gather", mine).reshape(layout.nodes, layout.nodes, -1)
+        return fold(list(gathered[:, layout.node]), op)
+
+    def _all_gather(self, x: np.ndarray, out: np.ndarray, tune: Tune) -> None:
+        layout = self.layout
+        across = self.inter.run("all_gather", np.ascontiguousarray(x))  # (nodes, *x.shape)
+        every = self.intra.run("all_gather", across, **tune._asdict())  # (local, nodes, ..)
+        out.reshape(len(layout.node_major()), -1)[layout.node_major()] = \
+            every.reshape(len(layout.node_major()), -1)
+
+    def _broadcast(self, x: np.ndarray, out: np.ndarray, root: int, tune: Tune
+                   ) -> np.ndarray:
+        layout = self.layout
+        node, local = _where(layout, root)
+        if out is not x and (layout.node, layout.local) == (node, local):
+            out[...] = x
+        if layout.local == local:
+            self.inter.run("broadcast", out, root=node)
+        self.intra.run("broadcast", out, root=local, **tune._asdict())
+        return out
+
+    def _reduce(self, x: np.ndarray, op: ReduceOp, root: int, tune: Tune
+                ) -> np.ndarray | None:
+        layout = self.layout
+        node, local = _where(layout, root)
+        partial = self.intra.run("reduce", x, op=op, root=local, **tune._asdict())
+        if layout.local != local:
+            return None
+        if not self.deterministic:
+            return self.inter.run("reduce", partial, op=op, root=node)
+        gathered = self.inter.run("gather", partial, root=node)
+        return None if gathered is None else fold(list(gathered), op)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        for level in (self.intra, self.inter):
+            level.comm.abort(reason)
+
+    def close(self) -> BaseException | None:
+        """Close both levels (intra first, on every rank); the first failure, unraised."""
+        failure: BaseException | None = None
+        for level in (self.intra, self.inter):
+            try:
+                level.comm.close()
+            except BaseException as exc:
+                failure = failure or exc
+        return failure
+
+
+def _where(layout: Layout, rank: int) -> tuple[int, int]:
+    """(node, local rank) of `rank`."""
+    for node, members in enumerate(layout.ranks):
+        if rank in members:
+            return node, members.index(rank)
+    raise ValueError(f"rank {rank} is on no node")
+
+
+def fold(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """arrays[0] op arrays[1] op ... in order, each step rounded to the dtype (16-bit floats
+    computed in float32), as the engines' folds."""
+    dtype = arrays[0].dtype
+    wide = np.float32 if dtype.name in ("float16", "bfloat16") else dtype
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum,
+             ReduceOp.MAX: np.maximum}[op]
+    acc = np.array(arrays[0], copy=True)
+    for a in arrays[1:]:
+        acc = ufunc(acc.astype(wide), a.astype(wide)).astype(dtype)
+    return acc
+
+
+def _divide(a: np.ndarray, n: int) -> None:
+    """a /= n in place (avg, after the sum); integers rounded toward zero, 16-bit floats
+    divided in float32 and rounded once."""
+    if a.dtype.name in ("float16", "bfloat16"):
+        a[...] = (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
+    elif a.dtype.kind in "fc":
+        a /= a.dtype.type(n)
+    else:
+        quotient, remainder = np.divmod(a, a.dtype.type(n))
+        if a.dtype.kind == "i":
+            quotient += (remainder != 0) & (a < 0)
+        a[...] = quotient
