@@ -10,7 +10,7 @@ import threading
 import weakref
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _arrays
 from ._call import Call, PreparedCall, Route, Signature, check_alike
@@ -264,9 +264,13 @@ class CallPath:
         rank that calls something else is a mismatch on every rank, not a wait for data that
         never comes); a failure of either level breaks this communicator and both levels,
         and is told to the peers of all three."""
-        name = call.collective
         assert prepared.signature is not None
-        self._agree(prepared.signature, remember=False)
+        try:
+            self._agree(prepared.signature, remember=False)
+        except CollectiveMismatchError:
+            raise  # found alike on every rank, before anything moved
+        except BaseException as exc:
+            self._nodes_failed(exc, call.collective)
         try:
             if self.levels is None:
                 assert self.layout is not None and self._make_communicator is not None
@@ -274,20 +278,39 @@ class CallPath:
                                      self._make_communicator)
             return self.levels.run(call, self.size)
         except BaseException as exc:
-            error: BaseException = exc
-            if isinstance(exc, CommunicatorClosedError) and self.life.cause is not None:
-                error = self.life.explain(self.life.cause, name, self.seq)
-            elif isinstance(exc, GpuringError):
-                error = self.life.explain(exc, name, self.seq)
-            if not isinstance(error, CollectiveMismatchError):  # (found alike on every rank)
-                self.give_up(error, name)
-            else:
-                self.life.raised(error)
-            if self.levels is not None:
-                self.levels.abort(f"rank {self.rank}: {error!r}")
-            if error is exc:
-                raise
-            raise error from None
+            self._nodes_failed(exc, call.collective)
+
+    def _nodes_failed(self, exc: BaseException, name: str) -> NoReturn:
+        """Raise the error of a failed call in two levels, after breaking this communicator
+        and both levels and telling every peer (a mismatch of a level is found by every rank
+        of that level: it only breaks them)."""
+        error: BaseException = exc
+        known = self._first_failure() if isinstance(
+            exc, (PeerFailureError, CommunicatorClosedError)) else None
+        if known is not None:
+            error = self.life.explain(known, name, self.seq)
+        elif isinstance(exc, CommunicatorClosedError) and self.life.cause is not None:
+            error = self.life.explain(self.life.cause, name, self.seq)
+        elif isinstance(exc, GpuringError):
+            error = self.life.explain(exc, name, self.seq)
+        if not isinstance(error, CollectiveMismatchError):
+            self.give_up(error, name)
+        else:
+            self.life.raised(error)
+        if self.levels is not None:
+            self.levels.abort(f"rank {self.rank}: {error!r}")
+        if error is exc:
+            raise exc
+        raise error from None
+
+    def _first_failure(self) -> PeerFailureError | None:
+        """Across nodes, the failure that came first, where it is known: a rank's report to
+        the whole job naming the rank it blames, else a rank of this node that died or gave
+        up (a failure one level raised may only be a peer's giving up because of it)."""
+        notice = self.control.failure_notice()
+        if notice is not None and notice.peer is not None:
+            return notice
+        return None if self.levels is None else self.levels.node_failure()
 
     def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
         launch = prepared.launch
@@ -401,9 +424,13 @@ class CallPath:
                 watchdog.expect(None)
 
     def _nodes_route(self, name: str) -> bool:
-        """Whether `name` on NumPy arrays (or a barrier) runs in two levels across nodes."""
-        return (self.layout is not None and self.config.transport != "mpi"
-                and self._make_communicator is not None and name in HIERARCHICAL)
+        """Whether `name` on NumPy arrays (or a barrier) runs in two levels across nodes
+        (between them on MPI, which the ranks must then come from)."""
+        if not (self.layout is not None and self.config.transport != "mpi"
+                and self._make_communicator is not None and name in HIERARCHICAL):
+            return False
+        self._via_mpi()
+        return True
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
@@ -413,7 +440,8 @@ class CallPath:
 
         if not isinstance(self.control, MpiControl):
             raise GpuringError("NumPy collectives across nodes (or GPURING_TRANSPORT=mpi) "
-                               "need the ranks to come from mpiexec")
+                               "need MPI between the nodes: start the ranks with mpiexec "
+                               "(mpi4py installed: pip install gpuring[mpi])")
         return True
 
     def _capacity(self, kind: str) -> int:

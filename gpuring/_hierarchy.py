@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ._call import Call
-from ._errors import GpuringError, in_ranks
+from ._errors import GpuringError, PeerFailureError, in_ranks
 from ._ops import ReduceOp
 from .rendezvous.base import ControlPlane
 
@@ -128,6 +128,24 @@ class Levels:
             self.intra.comm.abort("the communicator across nodes could not be made")
             self.intra.comm.close()
             raise
+        # waits between nodes (this rank's job and the level between nodes) also end when
+        # a rank of this node dies or gives up (its status board tells)
+        control.watch(self.node_failure)
+        self.inter.comm._control.watch(lambda: self.node_failure(named=False))
+
+    def node_failure(self, named: bool = True) -> PeerFailureError | None:
+        """A rank of this node that died or gave up, as the node's status board shows it,
+        named in the job's ranks (`named`: as the error's `peer` too); None if none did or
+        the board is not made yet."""
+        watchdog = self.intra.comm._path.watchdog
+        trouble = None if watchdog is None else watchdog.board.troubled_peer()
+        if trouble is None:
+            return None
+        peer, _state, reason, culprit = trouble
+        blamed = culprit if 0 <= culprit < len(self.intra.ranks) else peer
+        rank = self.intra.ranks[blamed]
+        return PeerFailureError(f"rank {rank} failed (rank {blamed} of its node: {reason})",
+                                peer=rank if named else None)
 
     # -- the collectives ------------------------------------------------------------------
     def run(self, call: Call, size: int) -> Any:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import settings
 from ._communicator import Communicator
@@ -14,6 +15,9 @@ from ._errors import GpuringError
 from ._ops import ReduceOp
 from ._work import Work
 from .rendezvous.base import ControlPlane
+
+if TYPE_CHECKING:
+    from .rendezvous.store import StoreServer
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "gather", "scatter", "all_to_all", "all_gather_v", "all_to_all_v",
@@ -24,29 +28,41 @@ _lock = threading.Lock()
 _current: Communicator | None = None
 
 
-def _control_plane() -> ControlPlane:
+def _control_plane(timeout: float) -> tuple[ControlPlane, StoreServer | None]:
+    """The job's control plane, from the launcher that started this process, and the
+    server this process serves it with (rank 0 under torchrun or Slurm; else None)."""
+    from .rendezvous.launchers import from_environment, job_key, meet
     from .rendezvous.mpi import launched_by_mpi
     from .rendezvous.store import ENV_ADDR
 
     if os.environ.get(ENV_ADDR):
         from .rendezvous.store_client import StoreClient
 
-        return StoreClient.from_env()
+        return StoreClient.from_env(), None
     if launched_by_mpi():
         from .rendezvous.mpi import MpiControl
 
-        return MpiControl()
+        return MpiControl(), None
+    job = from_environment()
+    if job is not None:
+        key = job_key(job.host, job.port, f"gpuring.init under {job.launcher}")
+        met = meet(job.rank, job.size, job.host, job.port, key, timeout,
+                   f"gpuring.init under {job.launcher}")
+        if job.local_rank is not None:  # the GPU the launcher gave this rank
+            met.control._device_slot = job.local_rank
+        return met.control, met.server
     from .rendezvous.local import SingleProcess
 
-    return SingleProcess()
+    return SingleProcess(), None
 
 
 def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
          channels: int | None = None, buffer_bytes: int | None = None,
          algorithm: str | None = None, deterministic: bool | None = None,
          tuning: str | os.PathLike[str] | None = None) -> Communicator:
-    """The job's communicator: ranks from `gpuring run`, from MPI under mpiexec, or a world
-    of one. Calling it again returns the same communicator until that one is closed.
+    """The job's communicator: ranks from `gpuring run`, from MPI under mpiexec, from
+    torchrun's or Slurm's variables (`rendezvous.launchers`), or a world of one. Calling it
+    again returns the same communicator until that one is closed.
     Arguments override the GPURING_* environment variables (`deterministic`:
     GPURING_DETERMINISTIC, `algorithm`: GPURING_ALGORITHM, `tuning`: GPURING_TUNING, a table
     from `gpuring tune`)."""
@@ -58,11 +74,23 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
                                  buffer_bytes=buffer_bytes, algorithm=algorithm,
                                  deterministic=deterministic,
                                  tuning=None if tuning is None else os.fspath(tuning))
-        _current = Communicator(_control_plane(), config, on_close=forget)
+        control, server = _control_plane(config.timeout)
+        _current = Communicator(control, config, on_close=functools.partial(
+            _closed, server, config.timeout))
         trace = settings.get("GPURING_TIMELINE")
         if trace:
             _current.start_timeline(trace)
         return _current
+
+
+def _closed(server: StoreServer | None, timeout: float, comm: Communicator) -> None:
+    """Called by Communicator.close(): forget it; where this process serves the control
+    plane, wait (at most `timeout`) for the other ranks to leave, and stop serving."""
+    forget(comm)
+    if server is not None:
+        from .rendezvous.store import leave_and_stop
+
+        leave_and_stop(lambda: None, server, timeout)
 
 
 def forget(comm: Communicator) -> None:

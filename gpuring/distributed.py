@@ -9,6 +9,8 @@
 `host:port` (the arguments, else $CUPYX_DISTRIBUTED_HOST and $CUPYX_DISTRIBUTED_PORT, else
 127.0.0.1:13333) and the others connect to it; the processes may come from any launcher or
 be started by hand. With `use_mpi=True` they meet through MPI instead (under mpiexec).
+Processes that report the same node name (`GPURING_HOSTNAME`, else the host's) are one node:
+that gives each its local rank and local size.
 
 Who may join: rank 0 listens on `host` only (loopback by default, so only processes of this
 machine can connect), and admits only connections that prove the job's key: the hex string
@@ -26,13 +28,9 @@ diverging peer (`gpuring.PeerFailureError`, `gpuring.CollectiveMismatchError`).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import math
 import os
-import secrets
-import socket
 import sys
-import warnings
 from typing import Any
 
 from . import _arrays
@@ -40,8 +38,8 @@ from ._communicator import Communicator
 from ._config import Config
 from ._errors import GpuringError
 from .rendezvous.base import ControlPlane
-from .rendezvous.store import ENV_KEY, StoreServer, leave_and_stop
-from .rendezvous.store_client import StoreClient
+from .rendezvous.launchers import job_key, meet
+from .rendezvous.store import StoreServer, leave_and_stop
 
 __all__ = ["init_process_group", "GpuringBackend", "DEFAULT_HOST", "DEFAULT_PORT"]
 
@@ -80,26 +78,15 @@ def init_process_group(n_devices: int, rank: int, *, backend: str = "gpuring",
     else:
         host = host or os.environ.get(ENV_HOST) or DEFAULT_HOST
         port = int(port if port is not None else os.environ.get(ENV_PORT) or DEFAULT_PORT)
-        key = _job_key(host, port)
-        if rank == 0:
-            try:
-                server = StoreServer(n_devices, key, host, port)
-            except OSError as exc:
-                raise GpuringError(f"init_process_group: rank 0 cannot serve the rendezvous "
-                                   f"on {host}:{port} ({exc}); pass another port") from None
+        who = "gpuring.distributed.init_process_group"
         try:
-            control = StoreClient(rank, n_devices, _local("RANK", rank),
-                                  _local("SIZE", n_devices), (host, port), key, "pending",
-                                  timeout=config.timeout)
-            # a name for the job's shared memory, the same on every rank
-            job = control.exchange("init_process_group()",
-                                   secrets.token_hex(8) if rank == 0 else None,
-                                   config.timeout)[0]
-        except BaseException:
-            if server is not None:
-                server.close()
+            met = meet(rank, n_devices, host, port, job_key(host, port, who), config.timeout,
+                       who)
+        except OSError as exc:
+            if rank == 0 and "cannot serve" in str(exc):
+                raise GpuringError(f"{exc}; pass another port") from None
             raise
-        control.job_id = job
+        control, server = met.control, met.server
     cupy = sys.modules.get("cupy")
     if cupy is not None:  # CuPy arrays live on the device current now, as with cupyx
         control._device_slot = int(cupy.cuda.runtime.getDevice())
@@ -189,34 +176,6 @@ class GpuringBackend:
         rendezvous, then waits (at most the timeout) for the others to leave too."""
         server, self._server = self._server, None
         leave_and_stop(self.comm.close, server, self.comm.config.timeout)
-
-
-def _job_key(host: str, port: int) -> bytes:
-    given = os.environ.get(ENV_KEY)
-    if given:
-        try:
-            return bytes.fromhex(given)
-        except ValueError:
-            raise ValueError(f"{ENV_KEY} must be a hex string") from None
-    if not _loopback(host):
-        warnings.warn(f"gpuring.distributed: the rendezvous on {host}:{port} has no job key: "
-                      f"any process that reaches it can join the job; set {ENV_KEY} (the same "
-                      "hex string in every process)", RuntimeWarning, stacklevel=3)
-    return f"gpuring.distributed:{port}".encode()
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def _local(what: str, default: int) -> int:
-    """GPURING_LOCAL_RANK / GPURING_LOCAL_SIZE where set: processes started by hand run on
-    one machine otherwise."""
-    value = os.environ.get(f"GPURING_LOCAL_{what}")
-    return int(value) if value else default
 
 
 def _as(array: Any, shape: tuple[int, ...], name: str) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ class Setting:
     shown: str
     meaning: str
 
-    def read(self, environ: dict[str, str] | os._Environ[str] | None = None) -> Any:
+    def read(self, environ: Mapping[str, str] | None = None) -> Any:
         """The parsed value from the environment, else the default; a value that cannot be
         read is a ValueError naming the variable."""
         text = (os.environ if environ is None else environ).get(self.name, "")
@@ -114,6 +114,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "the node name this rank reports; ranks with the same name are one node (they map "
             "each other's memory): for tests and containers, e.g. two simulated nodes on one "
             "machine"),
+    Setting("GPURING_PORT", int, None, "MASTER_PORT + 1",
+            "under torchrun or Slurm (not `gpuring run` or `mpiexec`): the port rank 0 serves "
+            "gpuring's control plane on (Slurm without MASTER_PORT: 29500 + job id % 10000)"),
     Setting("GPURING_FUSION_BYTES", parse_size, 64 << 20, "64M",
             "largest fusion buffer of `all_reduce_many`"),
     Setting("GPURING_TIMELINE", str, None, "unset",

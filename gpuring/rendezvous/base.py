@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import settings
-from .._errors import CollectiveMismatchError
+from .._errors import CollectiveMismatchError, PeerFailureError
 
 __all__ = ["ControlPlane", "host_name"]
 
@@ -35,6 +35,7 @@ class ControlPlane(abc.ABC):
 
     def __init__(self) -> None:
         self._failure_callbacks: list[Callable[[int, str], None]] = []
+        self._watches: list[Callable[[], BaseException | None]] = []
         self._device_slot: int | None = None
 
     @property
@@ -102,6 +103,17 @@ class ControlPlane(abc.ABC):
     def report_failure(self, reason: str, peer: int | None = None) -> None:
         """Tell the peers this rank gave up (`peer`: the rank it blames, where known), where
         the control plane can (best effort)."""
+
+    def watch(self, check: Callable[[], BaseException | None]) -> None:
+        """Poll `check` (every few tens of milliseconds) in this control plane's waits: what
+        it returns fails the wait (a peer that died, seen by other means). Control planes
+        that learn of deaths themselves need none, and ignore it."""
+        self._watches.append(check)
+
+    def failure_notice(self) -> PeerFailureError | None:
+        """A failure another rank reported to the whole job, once one arrived (a control
+        plane whose failures reach the ranks otherwise has none)."""
+        return None
 
     def interrupt(self, reason: str) -> None:
         """Make a pending or later exchange of this rank fail with PeerFailureError(reason)."""

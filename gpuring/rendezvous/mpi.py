@@ -19,6 +19,10 @@ _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
             "SLURM_MPI_TYPE", "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_TOPOLIB")
 
 
+#: seconds between two polls of a wait's watches (`ControlPlane.watch`)
+_WATCH_EVERY = 0.05
+
+
 def launched_by_mpi() -> bool:
     """True when an MPI launcher started this process (without importing MPI)."""
     return any(name in os.environ for name in _MPI_ENV)
@@ -42,14 +46,19 @@ class _Alarm:
 
     _TAG = 7
 
-    def __init__(self, comm: Any, MPI: Any):
+    def __init__(self, comm: Any, MPI: Any, name: str):
+        """`name`: the same on every rank, unique per job and generation (MPI may give a
+        later communicator the context of a freed one, and a notice sent to the freed one
+        could then reach it: notices of other names are dropped)."""
         import numpy as np
 
         self._MPI = MPI
         self.comm = comm.Dup()
+        self.name = name
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._inbox = np.zeros(4096, np.uint8)
-        self._receive = self.comm.Irecv(self._inbox, source=MPI.ANY_SOURCE, tag=self._TAG)
+        self._receive: Any = None
+        self._listen()
         self._sent: list[Any] = []
         self._closed = False
         #: the first notice heard, once one is
@@ -61,11 +70,18 @@ class _Alarm:
             status = self._MPI.Status()
             if self._receive.Test(status):
                 text = self._inbox[:status.Get_count(self._MPI.BYTE)].tobytes()
-                blamed, _, reason = text.decode(errors="replace").partition("\n")
+                name, blamed, reason = text.decode(errors="replace").split("\n", 2)
+                if name != self.name:  # meant for an earlier communicator
+                    self._listen()
+                    return None
                 self.heard = Notice(status.Get_source(), int(blamed) if blamed else None,
                                     reason)
                 self._receive = None
         return self.heard
+
+    def _listen(self) -> None:
+        self._receive = self.comm.Irecv(self._inbox, source=self._MPI.ANY_SOURCE,
+                                        tag=self._TAG)
 
     def send(self, reason: str, peer: int | None) -> None:
         """Tell every other rank, once, without waiting for any of them."""
@@ -73,7 +89,7 @@ class _Alarm:
 
         if self._sent or self.heard is not None or self._closed:  # told already, repeating
             return  # a notice, or closed (a sub-group that outlived its parent)
-        text = f"{'' if peer is None else peer}\n{reason}"
+        text = f"{self.name}\n{'' if peer is None else peer}\n{reason}"
         data = np.frombuffer(text.encode()[:4096], np.uint8).copy()
         self._sent = [data] + [self.comm.Isend(data, dest=r, tag=self._TAG)
                                for r in range(self.size) if r != self.rank]
@@ -97,13 +113,13 @@ class MpiControl(ControlPlane):
 
         self._MPI = MPI
         self.comm = (comm or MPI.COMM_WORLD).Dup()
-        self._own_alarm = alarm is None
-        self._alarm = _Alarm(self.comm, MPI) if alarm is None else alarm
-        #: each rank's rank in the job (the failure notices' numbering)
-        self.job_ranks: tuple[int, ...] = tuple(range(self.comm.Get_size()))
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.job_id = self.comm.bcast(secrets.token_hex(8) if self.rank == 0 else None)
+        self._own_alarm = alarm is None
+        self._alarm = _Alarm(self.comm, MPI, self.job_id) if alarm is None else alarm
+        #: each rank's rank in the job (the failure notices' numbering)
+        self.job_ranks: tuple[int, ...] = tuple(range(self.size))
         self._place(self.comm.allgather(host_name()))
         self._closed = False
         self._interrupted: str | None = None
@@ -121,7 +137,15 @@ class MpiControl(ControlPlane):
         since MPI may still write them."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-6
+        watched = time.monotonic()
         while not request.Test():
+            if self._watches and time.monotonic() > watched + _WATCH_EVERY:
+                watched = time.monotonic()
+                for check in self._watches:
+                    found = check()
+                    if found is not None:
+                        self._abandoned.append((request, buffers))
+                        raise found
             if self._interrupted is not None:
                 self._abandoned.append((request, buffers))
                 raise PeerFailureError(self._interrupted)
@@ -159,6 +183,10 @@ class MpiControl(ControlPlane):
         blamed = "" if notice.peer is None else f": rank {notice.peer} of the job failed"
         return PeerFailureError(f"rank {notice.source} of the job gave up{blamed} "
                                 f"({notice.reason})", peer=peer)
+
+    def failure_notice(self) -> PeerFailureError | None:
+        heard = self._alarm.check()
+        return None if heard is None else self._notice_error(heard)
 
     def report_failure(self, reason: str, peer: int | None = None) -> None:
         """Tell every rank of the job (`peer`: a rank of this group)."""
@@ -235,6 +263,7 @@ class MpiGroup(MpiControl):
                 group.Free()
                 inner = MpiControl(comm, parent._alarm)
                 inner.job_ranks = self.job_ranks
+                inner._watches = self._watches
                 comm.Free()
                 inner.job_id = self.job_id
                 made.append(inner)

@@ -35,19 +35,20 @@ def test_a_killed_process_fails_the_others():
 
 def test_the_job_key_and_where_the_rendezvous_listens(monkeypatch):
     from gpuring import distributed
+    from gpuring.rendezvous.launchers import job_key
 
     monkeypatch.setenv("GPURING_JOB_KEY", "00ff")
-    assert distributed._job_key("10.0.0.1", 1) == b"\x00\xff"  # given: no warning
+    assert job_key("10.0.0.1", 1, "test") == b"\x00\xff"  # given: no warning
     monkeypatch.setenv("GPURING_JOB_KEY", "not hex")
     with pytest.raises(ValueError, match="hex"):
-        distributed._job_key("127.0.0.1", 1)
+        job_key("127.0.0.1", 1, "test")
     monkeypatch.delenv("GPURING_JOB_KEY")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loopback = distributed._job_key("127.0.0.1", 13333)  # loopback: no warning
-    assert loopback != distributed._job_key("127.0.0.1", 13334)
+        loopback = job_key("127.0.0.1", 13333, "test")  # loopback: no warning
+    assert loopback != job_key("127.0.0.1", 13334, "test")
     with pytest.warns(RuntimeWarning, match="no job key"):
-        distributed._job_key("10.0.0.1", 13333)
+        job_key("10.0.0.1", 13333, "test")
     with pytest.raises(ValueError, match="Invalid rank"):
         distributed.init_process_group(2, 2)
     with pytest.raises(ValueError, match="not supported"):

@@ -1121,6 +1121,29 @@ def case_module_api(c: Checker) -> None:
         assert comm.local_rank == comm.rank and comm.local_size == comm.size
 
 
+def case_nodes_without_mpi(c: Checker) -> None:
+    """Simulated nodes whose ranks met without MPI (torchrun, Slurm): identity follows the
+    node names; a NumPy collective across nodes raises a clear error on every rank, before
+    anything moves, and the communicator goes on (messages inside a node still run)."""
+    comm = c.comm
+    here = os.environ["GPURING_HOSTNAME"]
+    nodes = comm._control.nodes
+    assert nodes[comm.rank] == here and len(set(nodes)) > 1, nodes
+    assert (comm.local_rank, comm.local_size) == (nodes[:comm.rank].count(here),
+                                                  nodes.count(here))
+    for attempt in (lambda: comm.all_reduce(np.ones(4, np.float32)), comm.barrier):
+        try:
+            attempt()
+        except gpuring.GpuringError as exc:
+            assert "need MPI between the nodes" in str(exc), str(exc)
+        else:
+            raise AssertionError("a NumPy collective across nodes ran without MPI")
+    peer = comm.rank ^ 1  # the neighbour on the same node
+    if nodes[peer] == here:
+        out = comm.sendrecv(np.full(3, comm.rank, np.int64), peer, np.empty(3, np.int64), peer)
+        c.expect(out, np.full(3, peer, np.int64), "a message inside the node", shared=False)
+
+
 def case_nodes(c: Checker) -> None:
     """Simulated nodes (GPURING_HOSTNAME set per rank): each rank's node, local rank and local
     size follow the names; all_reduce, reduce_scatter, all_gather, broadcast, reduce and
