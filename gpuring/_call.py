@@ -111,6 +111,7 @@ class Route(enum.Enum):
     ALONE = "alone"  #: a world of one: nothing moves
     MPI = "mpi"  #: MPI's own collectives (NumPy arrays across nodes, or GPURING_TRANSPORT=mpi)
     NODES = "nodes"  #: in two levels across nodes (`_hierarchy`): in each node, then between
+    NCCL = "nccl"  #: NCCL's own collectives (CuPy arrays across nodes, flat)
     ENGINE = "engine"  #: a device engine of this communicator
 
 

@@ -39,6 +39,7 @@ from .rendezvous.base import ControlPlane
 
 if TYPE_CHECKING:
     from .transports.mpi import MpiCollectives
+    from .transports.nccl import NcclCollectives
 
 __all__ = ["CallPath", "weakly"]
 
@@ -90,6 +91,7 @@ class CallPath:
         #: where the ranks run, where collectives across nodes go in two levels (else None)
         self.layout = None if control.single_node else Layout.of(control.nodes, control.rank)
         self.levels: Levels | None = None  #: those two levels' communicators, made on first use
+        self.nccl: NcclCollectives | None = None  #: CuPy collectives on NCCL, made on first use
 
     def run(self, call: Call) -> Any:
         """Run a checked call: prepare it once per key, then run it by its route."""
@@ -148,20 +150,29 @@ class CallPath:
         if self.size == 1:
             self._agree(plain)
             return PreparedCall(Route.ALONE, schedule="alone")
-        if (x is None or kind == "cpu") and self._nodes_route(name):
+        across = not self.control.single_node
+        if x is None and across and config.transport == "auto":  # every call agrees first:
+            return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
+        if x is not None and self._nodes_route(name) and (kind != "cpu" or self._via_mpi()):
             plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
             if config.deterministic and algorithm == "ring":
                 self._agree(plain, remember=False)
                 raise GpuringError(_RING_REFUSED.format(name=name))
             return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
-        if (x is None or kind == "cpu") and self._via_mpi():
+        flat = "mpi" if x is None or kind == "cpu" else "nccl"
+        if (flat == "mpi" and self._via_mpi()) or (flat == "nccl" and (
+                across or config.transport == "nccl")):
             refused = config.deterministic and name in FOLDS
             self._agree(plain, remember=not refused)
             if refused:
                 raise GpuringError(
-                    f"{name}: deterministic mode has no {name} through MPI (NumPy arrays "
-                    "across nodes, or GPURING_TRANSPORT=mpi): MPI's reduction order is its own")
-            return PreparedCall(Route.MPI, schedule="mpi")
+                    f"{name}: deterministic mode has no {name} through {flat.upper()} "
+                    f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays across nodes, or "
+                    f"GPURING_TRANSPORT={flat}): its reduction order is its own")
+            if flat == "nccl" and name not in _NCCL_VERBS:
+                raise GpuringError(f"{name} of CuPy arrays across nodes is not supported yet "
+                                   f"(only {', '.join(sorted(_NCCL_VERBS))})")
+            return PreparedCall(Route.MPI if flat == "mpi" else Route.NCCL, schedule=flat)
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
             chunk = picked.chunk_bytes
@@ -271,6 +282,8 @@ class CallPath:
             raise  # found alike on every rank, before anything moved
         except BaseException as exc:
             self._nodes_failed(exc, call.collective)
+        if call.x is None:  # a barrier: the agreement was one
+            return None
         try:
             if self.levels is None:
                 assert self.layout is not None and self._make_communicator is not None
@@ -311,6 +324,25 @@ class CallPath:
         if notice is not None and notice.peer is not None:
             return notice
         return None if self.levels is None else self.levels.node_failure()
+
+    def _run_via_nccl(self, prepared: PreparedCall, call: Call) -> Any:
+        name = call.collective
+        try:
+            if self.nccl is None:
+                from .transports.nccl import NcclCollectives
+
+                self.nccl = NcclCollectives(self.control, int(call.x.device.id),
+                                            self.config.timeout, weakly(self.fail))
+            self.nccl.run(name, call.x, call.out, call.op, call.root, self.size)
+        except BaseException as exc:
+            error: BaseException = exc
+            if isinstance(exc, GpuringError):
+                error = self.life.explain(exc, name, self.seq)
+            self.give_up(error, name)
+            if error is exc:
+                raise
+            raise error from None
+        return call.out
 
     def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
         launch = prepared.launch
@@ -424,13 +456,10 @@ class CallPath:
                 watchdog.expect(None)
 
     def _nodes_route(self, name: str) -> bool:
-        """Whether `name` on NumPy arrays (or a barrier) runs in two levels across nodes
-        (between them on MPI, which the ranks must then come from)."""
-        if not (self.layout is not None and self.config.transport != "mpi"
-                and self._make_communicator is not None and name in HIERARCHICAL):
-            return False
-        self._via_mpi()
-        return True
+        """Whether collective `name` runs in two levels across nodes (NumPy arrays: between
+        nodes on MPI, which the ranks must then come from; CuPy arrays: on NCCL)."""
+        return (self.layout is not None and self.config.transport == "auto"
+                and self._make_communicator is not None and name in HIERARCHICAL)
 
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
@@ -534,6 +563,8 @@ class CallPath:
             engine.device.abort(str(error))
         if self.levels is not None:
             self.levels.abort(str(error))
+        if self.nccl is not None:
+            self.nccl.abort(str(error))
         self.control.interrupt(str(error))
 
     def give_up(self, error: BaseException, name: str, culprit: int | None = None,
@@ -548,8 +579,17 @@ class CallPath:
                                         getattr(error, "peer", None))
         for engine in list(self.engines.values()):
             engine.device.abort(f"rank {self.rank} gave up: {error!r}")
+        if self.nccl is not None:
+            self.nccl.abort(f"rank {self.rank} gave up: {error!r}")
 
     def wait_engines(self, name: str) -> None:
+        if self.nccl is not None:
+            try:
+                self.nccl.synchronize()
+            except GpuringError as exc:
+                failed = in_context(self.life.cause or exc, name, self.seq, self.rank)
+                self.life.raised(failed)
+                raise failed from None
         for engine in list(self.engines.values()):
             try:
                 engine.synchronize()
@@ -612,4 +652,8 @@ _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.MPI: CallPath._run_via_mpi,
     Route.ENGINE: CallPath._run_engine,
     Route.NODES: CallPath._run_nodes,
+    Route.NCCL: CallPath._run_via_nccl,
 }
+
+#: the verbs NCCL runs (CuPy arrays across nodes, flat)
+_NCCL_VERBS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})

@@ -442,6 +442,11 @@ class Communicator:
                 unraised = exc
         else:
             unraised = self._path.life.unraised(self._path.seq) or unraised
+        if self._path.nccl is not None:
+            try:
+                self._path.nccl.close()
+            except BaseException as exc:
+                unraised = unraised or exc
         self._path.life.close()
         self._finalizer()
         if self._on_close is not None:
@@ -456,6 +461,12 @@ class Communicator:
         self._drain_async()
         self._path.life.check("synchronize", self._path.seq)
         self._path.wait_engines("synchronize")
+        if self._path.levels is not None:  # across nodes
+            try:
+                self._path.levels.synchronize()
+            except BaseException as exc:
+                self._path.life.raised(exc)
+                raise
         if self._pairs:
             from ._groups import synchronize_channels
 

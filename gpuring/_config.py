@@ -63,8 +63,9 @@ class Config:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.channels is not None and not 1 <= self.channels <= 32:
             raise ValueError(f"channels must be between 1 and 32, got {self.channels}")
-        if self.transport not in ("auto", "mpi"):
-            raise ValueError(f"transport must be 'auto' or 'mpi', got {self.transport!r}")
+        if self.transport not in ("auto", "mpi", "nccl"):
+            raise ValueError(f"transport must be 'auto', 'mpi' or 'nccl', got "
+                             f"{self.transport!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
                              f"got {self.algorithm!r}")

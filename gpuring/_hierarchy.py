@@ -10,7 +10,8 @@ NumPy arrays), each rank talking across the network only to the ranks of its own
     all_gather      all_gather across nodes -> all_gather in the node
     broadcast       across nodes among the root's local rank -> in every node
     reduce          in the node to the root's local rank -> across nodes to the root
-    barrier         in the node -> across nodes
+    barrier         the agreement every call across nodes begins with (a control-plane
+                    exchange of every rank)
 
 Each rank sends and receives across the network what a flat algorithm of its node's share
 would: 1/local_size of the data for all_reduce and reduce_scatter, and every other node's data
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from . import _arrays
 from ._call import Call
 from ._errors import GpuringError, PeerFailureError, in_ranks
 from ._ops import ReduceOp
@@ -43,9 +45,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Layout", "Levels", "HIERARCHICAL"]
 
-#: the collectives that run in two levels (the others run flat across nodes)
-HIERARCHICAL = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-                          "barrier"})
+#: the collectives that run in two levels (the others run flat across nodes; a barrier across
+#: nodes is the agreement every call across nodes begins with)
+HIERARCHICAL = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,6 @@ class Levels:
         """Run `call` (one of HIERARCHICAL, agreed by the job's ranks) of a job of `size`
         ranks; returns what the verb returns."""
         name = call.collective
-        if name == "barrier":
-            self.intra.run("barrier")
-            self.inter.run("barrier")
-            return None
         x, out, op = call.x, call.out, call.op
         if x.size == 0:
             return out
@@ -166,7 +164,7 @@ class Levels:
             return out
         if name == "broadcast":
             return self._broadcast(x, out, call.root, tune)
-        result: np.ndarray | None
+        result: Any | None
         if name == "all_reduce":
             result = self._all_reduce(x, step, tune)
         elif name == "reduce_scatter":
@@ -180,43 +178,43 @@ class Levels:
             _divide(out, size)
         return out
 
-    def _across(self, shard: np.ndarray, op: ReduceOp) -> np.ndarray:
+    def _across(self, shard: Any, op: ReduceOp) -> Any:
         """The reduction of `shard` over the nodes, the same bits on every node."""
-        if not self.deterministic:
+        if not self.deterministic and _reduced_between(shard, op):
             return self.inter.run("all_reduce", shard, op=op)
         return fold(list(self.inter.run("all_gather", shard)), op)
 
-    def _all_reduce(self, x: np.ndarray, op: ReduceOp, tune: Tune) -> np.ndarray:
+    def _all_reduce(self, x: Any, op: ReduceOp, tune: Tune) -> Any:
         layout, count = self.layout, x.size
         per = -(-count // layout.local_size)
         padded = x.reshape(-1)
         if per * layout.local_size != count:
-            padded = np.zeros(per * layout.local_size, x.dtype)
+            padded = _arrays.array_module(x).zeros(per * layout.local_size, x.dtype)
             padded[:count] = x.reshape(-1)
         shard = self.intra.run("reduce_scatter", padded, op=op, **tune._asdict())
         whole = self.intra.run("all_gather", self._across(shard, op), **tune._asdict())
         return whole.reshape(-1)[:count]
 
-    def _reduce_scatter(self, x: np.ndarray, op: ReduceOp, size: int, tune: Tune
-                        ) -> np.ndarray:
+    def _reduce_scatter(self, x: Any, op: ReduceOp, size: int, tune: Tune
+                        ) -> Any:
         layout = self.layout
         blocks = x.reshape(size, -1)[layout.node_major()]  # a copy, local rank major
         # every node's block of this local rank, reduced over this node:
         mine = self.intra.run("reduce_scatter", blocks.reshape(-1), op=op, **tune._asdict())
-        if not self.deterministic:
+        if not self.deterministic and _reduced_between(mine, op):
             return self.inter.run("reduce_scatter", mine, op=op)
         gathered = self.inter.run("all_gather", mine).reshape(layout.nodes, layout.nodes, -1)
         return fold(list(gathered[:, layout.node]), op)
 
-    def _all_gather(self, x: np.ndarray, out: np.ndarray, tune: Tune) -> None:
+    def _all_gather(self, x: Any, out: Any, tune: Tune) -> None:
         layout = self.layout
-        across = self.inter.run("all_gather", np.ascontiguousarray(x))  # (nodes, *x.shape)
+        across = self.inter.run("all_gather", _arrays.contiguous(x))  # (nodes, *x.shape)
         every = self.intra.run("all_gather", across, **tune._asdict())  # (local, nodes, ..)
         out.reshape(len(layout.node_major()), -1)[layout.node_major()] = \
             every.reshape(len(layout.node_major()), -1)
 
-    def _broadcast(self, x: np.ndarray, out: np.ndarray, root: int, tune: Tune
-                   ) -> np.ndarray:
+    def _broadcast(self, x: Any, out: Any, root: int, tune: Tune
+                   ) -> Any:
         layout = self.layout
         node, local = _where(layout, root)
         if out is not x and (layout.node, layout.local) == (node, local):
@@ -226,19 +224,24 @@ class Levels:
         self.intra.run("broadcast", out, root=local, **tune._asdict())
         return out
 
-    def _reduce(self, x: np.ndarray, op: ReduceOp, root: int, tune: Tune
-                ) -> np.ndarray | None:
+    def _reduce(self, x: Any, op: ReduceOp, root: int, tune: Tune
+                ) -> Any | None:
         layout = self.layout
         node, local = _where(layout, root)
         partial = self.intra.run("reduce", x, op=op, root=local, **tune._asdict())
         if layout.local != local:
             return None
-        if not self.deterministic:
+        if not self.deterministic and _reduced_between(partial, op):
             return self.inter.run("reduce", partial, op=op, root=node)
-        gathered = self.inter.run("gather", partial, root=node)
-        return None if gathered is None else fold(list(gathered), op)
+        gathered = self.inter.run("all_gather", partial)  # (NCCL has no gather)
+        return fold(list(gathered), op) if layout.node == node else None
 
     # -- lifetime ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for both levels' collectives (CuPy collectives return once queued)."""
+        for level in (self.intra, self.inter):
+            level.run("synchronize")
+
     def abort(self, reason: str) -> None:
         for level in (self.intra, self.inter):
             level.comm.abort(reason)
@@ -254,6 +257,16 @@ class Levels:
         return failure
 
 
+def _reduced_between(x: Any, op: ReduceOp) -> bool:
+    """Whether the engine between nodes reduces `x` with `op` itself (else: an all_gather
+    and a fold): MPI reduces every NumPy dtype; NCCL no complex but sums."""
+    if _arrays.device_kind(x) == "cpu":
+        return True
+    from .transports.nccl import reduces
+
+    return reduces(x.dtype, op)
+
+
 def _where(layout: Layout, rank: int) -> tuple[int, int]:
     """(node, local rank) of `rank`."""
     for node, members in enumerate(layout.ranks):
@@ -262,28 +275,30 @@ def _where(layout: Layout, rank: int) -> tuple[int, int]:
     raise ValueError(f"rank {rank} is on no node")
 
 
-def fold(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+def fold(arrays: list[Any], op: ReduceOp) -> Any:
     """arrays[0] op arrays[1] op ... in order, each step rounded to the dtype (16-bit floats
-    computed in float32), as the engines' folds."""
+    computed in float32), as the engines' folds (NumPy or CuPy arrays)."""
+    xp = _arrays.array_module(arrays[0])
     dtype = arrays[0].dtype
     wide = np.float32 if dtype.name in ("float16", "bfloat16") else dtype
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum,
-             ReduceOp.MAX: np.maximum}[op]
-    acc = np.array(arrays[0], copy=True)
+    ufunc = {ReduceOp.SUM: xp.add, ReduceOp.PROD: xp.multiply, ReduceOp.MIN: xp.minimum,
+             ReduceOp.MAX: xp.maximum}[op]
+    acc = arrays[0].copy()
     for a in arrays[1:]:
         acc = ufunc(acc.astype(wide), a.astype(wide)).astype(dtype)
     return acc
 
 
-def _divide(a: np.ndarray, n: int) -> None:
+def _divide(a: Any, n: int) -> None:
     """a /= n in place (avg, after the sum); integers rounded toward zero, 16-bit floats
-    divided in float32 and rounded once."""
+    divided in float32 and rounded once (NumPy or CuPy arrays)."""
+    xp = _arrays.array_module(a)
     if a.dtype.name in ("float16", "bfloat16"):
         a[...] = (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
     elif a.dtype.kind in "fc":
-        a /= a.dtype.type(n)
+        a /= n
+    elif a.dtype.kind == "u":
+        a //= n
     else:
-        quotient, remainder = np.divmod(a, a.dtype.type(n))
-        if a.dtype.kind == "i":
-            quotient += (remainder != 0) & (a < 0)
-        a[...] = quotient
+        quotient = abs(a) // n
+        a[...] = xp.where(a < 0, -quotient, quotient)

@@ -106,10 +106,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "seconds in a collective before missing ranks are logged"),
     Setting("GPURING_VERIFY", _flag, False, "0",
             "1: compare result checksums across ranks after each collective"),
-    Setting("GPURING_TRANSPORT", _choice("auto", "mpi"), "auto", "auto",
-            "NumPy collectives: `auto` (shared memory on one node; across nodes hierarchical: "
-            "shared memory inside each node, MPI between nodes, where every node runs as many "
-            "ranks, else MPI alone) or `mpi` (MPI alone always; needs `mpiexec`)"),
+    Setting("GPURING_TRANSPORT", _choice("auto", "mpi", "nccl"), "auto", "auto",
+            "`auto`: on one node gpuring's own engines; across nodes two levels where every "
+            "node runs as many ranks, more than one (in each node shared memory or CUDA IPC, "
+            "between nodes MPI for NumPy arrays and NCCL for CuPy arrays), else MPI or NCCL "
+            "flat; `mpi`: NumPy collectives flat on MPI always (needs `mpiexec`); `nccl`: CuPy "
+            "collectives flat on NCCL always"),
     Setting("GPURING_HOSTNAME", str, None, "the host's name",
             "the node name this rank reports; ranks with the same name are one node (they map "
             "each other's memory): for tests and containers, e.g. two simulated nodes on one "

@@ -112,6 +112,51 @@ def start_by_hand(n: int, args: list[str], *, env: dict[str, str] | None = None,
     return done
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_env(size: int, port: int, nodes: list[str] | None = None) -> list[dict[str, str]]:
+    """torchrun's variables for each of `size` ranks on `nodes` (one name per rank; set as
+    GPURING_HOSTNAME where they differ). MASTER_PORT is torchrun's own store: gpuring serves
+    on the next port, `port`."""
+    nodes = nodes or ["n"] * size
+    envs = []
+    for rank, node in enumerate(nodes):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port - 1), "LOCAL_RANK": str(nodes[:rank].count(node)),
+               "LOCAL_WORLD_SIZE": str(nodes.count(node))}
+        if len(set(nodes)) > 1:
+            env["GPURING_HOSTNAME"] = node
+        envs.append(env)
+    return envs
+
+
+def start_as(envs: list[dict[str, str]], args: list[str], timeout: float = 300
+             ) -> list[subprocess.CompletedProcess[str]]:
+    """Start `python args...` once per entry of `envs` (a launcher's variables for that
+    process, over this environment without another launcher's), by hand; wait for all."""
+    base = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
+    for name in ("GPURING_STORE", "PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "PMIX_RANK"):
+        base.pop(name, None)
+    procs = [subprocess.Popen([sys.executable, *args], env={**base, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for env in envs]
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
 def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,
                env: dict[str, str] | None = None, nodes: list[str] | None = None
                ) -> list[str]:

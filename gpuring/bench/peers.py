@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..transports.nccl import nccl_id_argument, nccl_id_bytes
 from .metrics import IN_PLACE, OUT_OF_PLACE
 from .systems import Buffers, System, Unsupported
 
@@ -105,22 +106,6 @@ def all_ranks_ok(comm: Any, ok: bool) -> bool:
     return bool(comm.all_reduce(flag, op="min")[0])
 
 
-def _nccl_id_argument(nccl_id: bytes, cupy_version: str, char_signed: bool = True) -> Any:
-    """CuPy >= 14 takes the 128-byte ncclUniqueId as bytes, older CuPy as a tuple of C chars
-    (signed on x86-64, unsigned on ARM)."""
-    if int(cupy_version.split(".")[0]) >= 14:
-        return nccl_id
-    return tuple(int(v) for v in np.frombuffer(nccl_id, dtype=np.int8 if char_signed
-                                                else np.uint8))
-
-
-def _nccl_id_bytes(value: Any) -> bytes:
-    """ncclGetUniqueId's result as 128 bytes (bytes in CuPy >= 14, a tuple of chars before)."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    return np.asarray(value, dtype=np.int64).astype(np.int8).tobytes()
-
-
 class NcclPeer(System):  # pragma: no cover - needs GPUs
     """NCCL through cupy.cuda.nccl, on the current CuPy stream. Constructing it is collective."""
 
@@ -150,7 +135,7 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         message = np.zeros(129, dtype=np.uint8)  # [ok, the 128-byte ncclUniqueId]
         if comm.rank == 0:
             try:
-                message[1:] = np.frombuffer(_nccl_id_bytes(nccl.get_unique_id()), np.uint8)
+                message[1:] = np.frombuffer(nccl_id_bytes(nccl.get_unique_id()), np.uint8)
                 message[0] = 1
             except Exception as exc:  # NcclError: reported below on every rank
                 why = f"ncclGetUniqueId failed: {exc}"
@@ -160,10 +145,10 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         nccl_id = message[1:].tobytes()
         try:
             self.comm = nccl.NcclCommunicator(
-                comm.size, _nccl_id_argument(nccl_id, cupy.__version__), comm.rank)
+                comm.size, nccl_id_argument(nccl_id, cupy.__version__), comm.rank)
         except OverflowError:  # an old CuPy where C char is unsigned
             self.comm = nccl.NcclCommunicator(
-                comm.size, _nccl_id_argument(nccl_id, cupy.__version__, False), comm.rank)
+                comm.size, nccl_id_argument(nccl_id, cupy.__version__, False), comm.rank)
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
         """Both placements, as nccl-tests: in place, the pointers alias (all_gather's input

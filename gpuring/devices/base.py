@@ -302,8 +302,8 @@ class Device(abc.ABC):
         device maps its peers' memory, so every rank must run on this node."""
         if not control.single_node:
             raise GpuringError(
-                f"{cls.arrays} collectives across nodes are not supported yet: every rank of "
-                f"the job must run on one node ({cls.reach})")
+                f"a {cls.arrays} engine serves the ranks of one node ({cls.reach}); across "
+                "nodes gpuring runs two levels or MPI/NCCL (GPURING_TRANSPORT)")
         return cls._for_rank(control, timeout)
 
     @classmethod

@@ -505,9 +505,9 @@ class CudaDevice(Device):
         here = socket.gethostname()
         if handle.host != here:
             raise GpuringError(
-                f"CUDA IPC maps memory of processes on this node only; a rank on {handle.host!r} "
-                f"shares a communicator with this one on {here!r}. CuPy collectives across "
-                "nodes are not supported yet: run every rank of the job on one node")
+                f"CUDA IPC maps memory of processes on this host only; a rank on {handle.host!r} "
+                f"shares a node with this one on {here!r} (ranks that report one node name, "
+                "GPURING_HOSTNAME or the host's, must run on one host)")
         mem = self._opened.get(handle.ipc)
         if mem is None:
             with self.scope():

@@ -1401,6 +1401,22 @@ for _name, _value in {"runtime": runtime, "function": function, "driver": driver
                       "get_elapsed_time": get_elapsed_time}.items():
     setattr(cuda, _name, _value)
 sys.modules["cupy.cuda"] = cuda
+
+
+def _load_nccl() -> types.ModuleType:
+    """cupy.cuda.nccl: the stand-in next to this file (tests/cudasim/nccl.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "cupy.cuda.nccl", os.path.join(os.path.dirname(__file__), "nccl.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cupy.cuda.nccl"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cuda.nccl = _load_nccl()  # type: ignore[attr-defined]
 sys.modules["cupy.cuda.runtime"] = runtime
 sys.modules["cupy.cuda.function"] = function
 sys.modules["cupy.cuda.driver"] = driver

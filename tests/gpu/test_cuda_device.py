@@ -496,7 +496,7 @@ def test_handles_name_the_process_not_its_pid(device: CudaDevice) -> None:
         device.open(other_process)
     assert not isinstance(info.value, GpuringError)
     elsewhere = handle._replace(process="a process elsewhere", host="another-node")
-    with pytest.raises(GpuringError, match="on this node only"):
+    with pytest.raises(GpuringError, match="on this host only"):
         device.open(elsewhere)
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ..conftest import WORKER, launch, start_by_hand
+from ..conftest import WORKER, free_port, launch, start_as, start_by_hand, torchrun_env
 
 TRAINING = WORKER.parent / "worker_training.py"
 FAULTS = WORKER.parent / "worker_faults.py"
@@ -189,3 +189,33 @@ def test_survivors_of_a_killed_rank_keep_their_gpu():
     recovered = set(re.findall(r"RECOVERED (\d+) ", proc.stdout))
     assert recovered == {"0", "2"}, out[-4000:]
     assert took < grace, f"the survivors were stopped by the launcher after {took:.0f} s"
+
+
+@pytest.mark.mpi
+def test_simulated_nodes(tmp_path):
+    """2 simulated nodes of 2 ranks (GPURING_HOSTNAME): CuPy collectives in two levels (CUDA
+    IPC in each node, NCCL between nodes), messages, sub-communicators, mismatches, bit for
+    bit alike on every rank."""
+    proc = launch("mpiexec", 4, [str(WORKER), "nodes", str(tmp_path), "cuda"],
+                  nodes=["a", "a", "b", "b"], timeout=600,
+                  env={"GPURING_JITTER": "0", "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"nodes-{r}.txt").read_text() for r in range(4)]
+    assert all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
+def test_a_killed_rank_on_a_simulated_node(tmp_path):
+    """2 simulated nodes of 2 ranks met as torchrun starts them (no MPI: NCCL between the
+    nodes); rank 1 is SIGKILLed inside CuPy all_reduces. Every survivor raises
+    PeerFailureError naming it (the control plane sees it go), closes (the NCCL calls
+    waiting for it are aborted), and goes on using its GPU."""
+    envs = torchrun_env(4, free_port(), ["a", "a", "b", "b"])
+    for env in envs:
+        env.update(GPURING_TIMEOUT="120", GPURING_JITTER="0", NCCL_MULTI_RANK_GPU_ENABLE="1")
+    done = start_as(envs, [str(FAULTS), "kill_cuda"], timeout=300)
+    out = "".join(p.stdout + p.stderr for p in done)
+    for rank in (0, 2, 3):
+        found = re.search(rf"RESULT {rank} (\w+) peer=(\S+) after=([\d.]+)", done[rank].stdout)
+        assert found and found.group(1) == "PeerFailureError", out[-4000:]
+        assert found.group(2) == "1" and float(found.group(3)) < 30, out[-4000:]
+        assert f"RECOVERED {rank} " in done[rank].stdout, out[-4000:]

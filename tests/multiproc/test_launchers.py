@@ -3,65 +3,26 @@ variables set by hand, no launcher): rank 0 serves the control plane, the others
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
 from gpuring.rendezvous.launchers import first_host, from_environment
 
-from ..conftest import WORKER
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ..conftest import WORKER, free_port, start_as, torchrun_env
 
 
 def start(envs: list[dict[str, str]], case: str, tmp_path) -> list[str]:
     """Run worker.py CASE as one process per entry of `envs` (its launcher's variables);
     check every process succeeded and wrote the same digests; rank 0's digest lines."""
-    base = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
-    for name in ("GPURING_STORE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
-        base.pop(name, None)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), case, str(tmp_path)],
-                              env={**base, **env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for env in envs]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=180)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out[-4000:]
+    done = start_as(envs, [str(WORKER), case, str(tmp_path)], timeout=180)
+    for proc in done:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(len(envs))]
     assert all(d == digests[0] for d in digests), "results differ bitwise across ranks"
     return digests[0].splitlines()
 
 
-def torchrun(size: int, port: int, nodes: list[str] | None = None) -> list[dict[str, str]]:
-    """torchrun's variables for each rank (MASTER_PORT is torchrun's store; gpuring serves
-    on the next port)."""
-    nodes = nodes or ["n"] * size
-    envs = []
-    for rank, node in enumerate(nodes):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port - 1), "LOCAL_RANK": str(nodes[:rank].count(node)),
-               "LOCAL_WORLD_SIZE": str(nodes.count(node))}
-        if len(set(nodes)) > 1:
-            env["GPURING_HOSTNAME"] = node
-        envs.append(env)
-    return envs
-
-
 def test_torchrun_variables(tmp_path):
-    lines = start(torchrun(3, free_port()), "dtypes_ops", tmp_path)
+    lines = start(torchrun_env(3, free_port()), "dtypes_ops", tmp_path)
     assert len(lines) > 140
 
 
@@ -77,7 +38,7 @@ def test_slurm_variables(tmp_path):
 def test_simulated_nodes_without_mpi(tmp_path):
     """2 simulated nodes of 2 under torchrun's variables: local ranks follow the node names;
     NumPy collectives across nodes need MPI, and say so on every rank."""
-    start(torchrun(4, free_port(), ["a", "a", "b", "b"]), "nodes_without_mpi", tmp_path)
+    start(torchrun_env(4, free_port(), ["a", "a", "b", "b"]), "nodes_without_mpi", tmp_path)
 
 
 def test_where_rank_0_serves():

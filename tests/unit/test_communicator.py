@@ -89,8 +89,7 @@ def test_devices_refuse_ranks_on_other_nodes(kind: str, arrays: str) -> None:
     from gpuring import GpuringError
     from gpuring.devices import device_class
 
-    with pytest.raises(GpuringError, match=f"{arrays} collectives across nodes are not "
-                                           "supported yet"):
+    with pytest.raises(GpuringError, match=f"a {arrays} engine serves the ranks of one node"):
         device_class(kind).for_job(_TwoNodes(), timeout=5)
 
 

@@ -1,0 +1,279 @@
+"""CuPy collectives carried by NCCL (`cupy.cuda.nccl`): the path between nodes, where CUDA IPC
+cannot map a peer's memory. Each call is queued on the caller's stream and returns at once, as
+every CuPy collective of gpuring does.
+
+Bounded, with NCCL's own means. ncclCommInitRank waits for every rank without a limit, so the
+communicator is made on a thread and waited for within the timeout. Every call records an
+event after it, and a watcher thread (every 50 ms) fails the communicator when a call has not
+completed within the timeout, when NCCL reports an asynchronous error
+(ncclCommGetAsyncError), or when the control plane learns that a rank failed (a notice to
+the job, a watch of the node's status board); failing aborts the NCCL communicator
+(ncclCommAbort), which ends its calls still queued or running, so the caller's stream goes on.
+
+Types: NCCL's own; bytes moved (all_gather, broadcast) as uint8 whatever the dtype; complex
+sums as pairs of reals. avg is a sum divided afterwards (integers rounded toward zero, as
+gpuring's own avg).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
+from .._ops import ReduceOp
+from ..rendezvous.base import ControlPlane
+
+__all__ = ["NcclCollectives", "load_nccl", "nccl_id_argument", "nccl_id_bytes", "reduces"]
+
+_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+          "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
+          "float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
+          "float64": "NCCL_FLOAT64"}
+_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD",
+        ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
+_TICK = 0.05
+#: where NCCL lacks a type: the one reduced instead
+_WIDER = {"int16": "int32", "uint16": "uint32", "bfloat16": "float32", "bool": "uint8"}
+
+
+def reduces(dtype: Any, op: ReduceOp) -> bool:
+    """Whether NCCL reduces `dtype` (a NumPy dtype) with `op` (complex: only sums)."""
+    return dtype.kind != "c" or op in (ReduceOp.SUM, ReduceOp.AVG)
+
+
+def load_nccl() -> Any:
+    """cupy.cuda.nccl, loaded; GpuringError saying what to install where it is not."""
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:  # ImportError, or a library that fails to load
+        raise GpuringError(f"CuPy collectives across nodes need NCCL, which CuPy could not "
+                           f"load ({type(exc).__name__}: {exc}): pip install "
+                           "nvidia-nccl-cu13 (or -cu12, as your CuPy)") from None
+    if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
+        raise GpuringError("CuPy collectives across nodes need NCCL, which CuPy could not "
+                           "load: pip install nvidia-nccl-cu13 (or -cu12, as your CuPy)")
+    return nccl
+
+
+def nccl_id_argument(nccl_id: bytes, cupy_version: str, char_signed: bool = True) -> Any:
+    """CuPy >= 14 takes the 128-byte ncclUniqueId as bytes, older CuPy as a tuple of C chars
+    (signed on x86-64, unsigned on ARM)."""
+    if int(cupy_version.split(".")[0]) >= 14:
+        return nccl_id
+    return tuple(int(v) for v in np.frombuffer(nccl_id, dtype=np.int8 if char_signed
+                                                else np.uint8))
+
+
+def nccl_id_bytes(value: Any) -> bytes:
+    """ncclGetUniqueId's result as 128 bytes (bytes in CuPy >= 14, a tuple of chars before)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    return np.asarray(value, dtype=np.int64).astype(np.int8).tobytes()
+
+
+class NcclCollectives:
+    """A communicator's collectives on one NCCL communicator of its ranks (made here,
+    collectively: every rank calls it with its control plane). `on_failure(error)` is called
+    once, from the watcher thread, when the communicator fails by itself."""
+
+    def __init__(self, control: ControlPlane, device: int, timeout: float,
+                 on_failure: Callable[[GpuringError], None]):
+        import cupy
+
+        self._cupy, self._control, self._timeout = cupy, control, timeout
+        self._on_failure = on_failure
+        why, unique = None, None
+        try:
+            nccl = load_nccl()
+            if control.rank == 0:
+                unique = nccl_id_bytes(nccl.get_unique_id())
+        except Exception as exc:
+            why = str(exc)
+        met = control.exchange("NCCL communicator", (why, unique), timeout)
+        missing = [f"rank {r}: {w}" for r, (w, _) in enumerate(met) if w]
+        if missing:
+            raise GpuringError("; ".join(missing))
+        self._nccl = nccl
+        self.comm = self._make(met[0][1], device)
+        self._pending: collections.deque[tuple[Any, float, str]] = collections.deque()
+        self._lock = threading.Lock()
+        self.failure: GpuringError | None = None
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="gpuring-nccl", daemon=True)
+        self._watcher.start()
+
+    def _make(self, unique: bytes, device: int) -> Any:
+        """ncclCommInitRank on a thread of its own (it waits for every rank, unbounded),
+        waited for within the timeout; a thread that never returns is left behind."""
+        made: list[Any] = []
+        control, cupy = self._control, self._cupy
+
+        def make() -> None:
+            try:
+                with cupy.cuda.Device(device):
+                    try:
+                        made.append(self._nccl.NcclCommunicator(
+                            control.size, nccl_id_argument(unique, cupy.__version__),
+                            control.rank))
+                    except OverflowError:  # an old CuPy where C char is unsigned
+                        made.append(self._nccl.NcclCommunicator(
+                            control.size, nccl_id_argument(unique, cupy.__version__, False),
+                            control.rank))
+            except BaseException as exc:
+                made.append(exc)
+
+        thread = threading.Thread(target=make, name="gpuring-nccl-init", daemon=True)
+        thread.start()
+        thread.join(self._timeout)
+        if not made:
+            raise CollectiveTimeoutError(
+                f"the NCCL communicator of rank {control.rank} was not made within "
+                f"{self._timeout} s: some rank did not take part")
+        if isinstance(made[0], BaseException):
+            raise GpuringError(f"NCCL communicator: {made[0]!r}") from None
+        return made[0]
+
+    # -- the collectives -------------------------------------------------------------------
+    def run(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int) -> None:
+        """Queue collective `name` of C-contiguous CuPy `x` into `out` on the current stream
+        (`out` as the MPI transport takes it: x itself in place, all_gather's out holding x
+        as this rank's slot, reduce_scatter's out x's block of this rank, None off a
+        reduce's root)."""
+        self._check()
+        cupy, nccl, c = self._cupy, self._nccl, self.comm
+        stream = cupy.cuda.get_current_stream()
+        ptr = int(stream.ptr)
+        if name in ("all_gather", "broadcast"):  # bytes
+            count, t = x.nbytes, nccl.NCCL_UINT8
+            if name == "all_gather":
+                c.allGather(x.data.ptr, out.data.ptr, count, t, ptr)
+            else:
+                c.broadcast(x.data.ptr, out.data.ptr, count, t, root, ptr)
+        else:
+            send, target, t, nop, widened = self._typed(x, out, op)
+            if name == "all_reduce":
+                c.allReduce(send.data.ptr, target.data.ptr, send.size, t, nop, ptr)
+            elif name == "reduce_scatter":
+                c.reduceScatter(send.data.ptr, target.data.ptr, target.size, t, nop, ptr)
+            else:  # reduce: only root's out is written
+                c.reduce(send.data.ptr, 0 if target is None else target.data.ptr, send.size,
+                         t, nop, root, ptr)
+            if widened and target is not None:  # back into out, rounded once
+                out[...] = target.astype(out.dtype)
+            if op is ReduceOp.AVG and out is not None:
+                _divide(cupy, out, size)
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        with self._lock:
+            self._pending.append((event, time.monotonic() + self._timeout, name))
+
+    def _typed(self, x: Any, out: Any, op: ReduceOp) -> tuple[Any, Any, int, int, bool]:
+        """(input, output, NCCL type, NCCL op, widened) of a reduction: complex as pairs of reals; a
+        type NCCL lacks (int16, uint16; bfloat16 in an old NCCL) in a wider one, the output
+        then a new array (reductions of integers wrap alike in the wider type)."""
+        nccl = self._nccl
+        if x.dtype.kind == "c":
+            if op not in (ReduceOp.SUM, ReduceOp.AVG):
+                raise GpuringError(f"NCCL has no {op.value} of {x.dtype}")
+            real = np.dtype(np.float32 if x.dtype == np.complex64 else np.float64)
+            x, out = x.view(real), None if out is None else out.view(real)
+        t = getattr(nccl, _TYPES.get(x.dtype.name, ""), None)
+        widened = t is None
+        if widened:
+            wide = _WIDER.get(x.dtype.name)
+            t = None if wide is None else getattr(nccl, _TYPES[wide], None)
+            if t is None:
+                raise GpuringError(f"NCCL has no {x.dtype.name}")
+            x = x.astype(wide)
+            out = None if out is None else self._cupy.empty(out.shape, wide)
+        assert t is not None
+        return x, out, int(t), getattr(nccl, _OPS[op]), widened
+
+    # -- completion and failure ------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every queued call completed (bounded: the watcher fails a late one)."""
+        delay = 1e-4
+        while True:
+            self._check()
+            with self._lock:
+                if not self._pending:
+                    return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_TICK):
+            error = self._trouble()
+            if error is not None:
+                self.abort(str(error), error)
+                return
+
+    def _trouble(self) -> GpuringError | None:
+        with self._lock:
+            while self._pending and self._pending[0][0].done:
+                self._pending.popleft()
+            late = self._pending[0] if self._pending and \
+                time.monotonic() > self._pending[0][1] else None
+        if late is not None:
+            return CollectiveTimeoutError(
+                f"NCCL {late[2]} did not complete on rank {self._control.rank} within "
+                f"{self._timeout} s: some rank did not take part", collective=late[2])
+        try:
+            self.comm.check_async_error()
+        except Exception as exc:
+            return PeerFailureError(f"NCCL reported an error on rank {self._control.rank}: "
+                                    f"{exc}")
+        notice = self._control.failure_notice()
+        if notice is not None:
+            return notice
+        for watch in list(self._control._watches):
+            found = watch()
+            if isinstance(found, GpuringError):
+                return found
+        return None
+
+    def abort(self, reason: str, error: GpuringError | None = None) -> None:
+        """End every queued call (ncclCommAbort) and fail this transport. Any thread."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = error or PeerFailureError(reason)
+            self._pending.clear()
+        self._stop.set()
+        self.comm.abort()
+        if error is not None:
+            self._on_failure(error)
+
+    def close(self) -> None:
+        """Wait for the queued calls (bounded), then free the communicator."""
+        try:
+            if self.failure is None:
+                self.synchronize()
+        finally:
+            self._stop.set()
+            if threading.current_thread() is not self._watcher:
+                self._watcher.join(timeout=1)
+            if self.failure is None:
+                self.comm.destroy()
+
+
+def _divide(cupy: Any, out: Any, size: int) -> None:
+    """out /= size on the device; integers rounded toward zero."""
+    if out.dtype.kind in "fc":
+        out /= size
+    elif out.dtype.kind == "u":
+        out //= size
+    else:
+        negative = out < 0
+        quotient = cupy.abs(out) // size
+        out[...] = cupy.where(negative, -quotient, quotient)

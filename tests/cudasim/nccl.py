@@ -1,0 +1,216 @@
+"""A stand-in for `cupy.cuda.nccl` in the CUDA simulator: NCCL between processes, with NCCL's
+semantics where gpuring depends on them.
+
+- `NcclCommunicator(ndev, id, rank)` blocks until all `ndev` ranks have made theirs (as
+  ncclCommInitRank does), without a timeout.
+- A collective is queued on the stream given and returns at once. On the stream it publishes
+  this rank's input, then waits until every rank of the communicator has published its own
+  for the same call, with no timeout either: a rank that never comes (dead, or calling
+  something else) holds the stream, as NCCL's kernels do, until `abort()`.
+- `abort()` (ncclCommAbort) releases the waits of every queued call, which then write
+  nothing; `check_async_error()` raises NcclError afterwards.
+
+Ranks meet through files under the system's temporary directory, named after the unique id.
+Reductions fold in rank order, each step rounded to the dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+available = True
+
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+
+_DTYPES: dict[int, Any] = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32,
+                           NCCL_UINT32: np.uint32, NCCL_INT64: np.int64,
+                           NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16,
+                           NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
+try:
+    import ml_dtypes
+
+    _DTYPES[NCCL_BFLOAT16] = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover
+    pass
+
+_POLL = 0.0005
+
+
+class NcclError(RuntimeError):
+    def __init__(self, status: int, text: str = ""):
+        self.status = status
+        super().__init__(f"NCCL_ERROR {status}: {text}")
+
+
+def get_version() -> int:
+    return 22805
+
+
+def get_unique_id() -> tuple[int, ...]:
+    """128 signed chars, as CuPy before 14 returns them."""
+    return tuple(int(v) for v in np.frombuffer(secrets.token_bytes(128), np.int8))
+
+
+def _folder(commId: Any) -> str:
+    raw = bytes(commId) if isinstance(commId, (bytes, bytearray)) else \
+        np.asarray(commId, np.int64).astype(np.int8).tobytes()
+    return os.path.join(tempfile.gettempdir(), f"gpuring-cudasim-nccl-{raw[:12].hex()}")
+
+
+def _publish(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+class NcclCommunicator:
+    def __init__(self, ndev: int, commId: Any, rank: int):
+        if not 0 <= rank < ndev:
+            raise NcclError(4, "invalid rank")
+        self._ndev, self._rank = ndev, rank
+        self._dir = _folder(commId)
+        os.makedirs(self._dir, exist_ok=True)
+        self._seq = 0
+        self._aborted = threading.Event()
+        self._error: str | None = None
+        self._comm = 1
+        _publish(os.path.join(self._dir, f"join-{rank}"), b"")
+        while not all(os.path.exists(os.path.join(self._dir, f"join-{r}"))
+                      for r in range(ndev)):
+            time.sleep(_POLL)
+
+    @property
+    def comm(self) -> int:
+        return self._comm
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._ndev
+
+    # -- the calls -----------------------------------------------------------------------
+    def _queue(self, stream: int, sendbuf: int, nbytes: int,
+               finish: Any) -> None:
+        """Queue one call: publish `nbytes` at `sendbuf`, wait for every rank's, then
+        `finish(inputs)` (each rank's bytes, in rank order)."""
+        sim = sys.modules["cupy"]  # the simulator
+        if not self._comm:
+            raise NcclError(5, "communicator aborted or destroyed")
+        seq, self._seq = self._seq, self._seq + 1
+        me = os.path.join(self._dir, f"s{seq}-r{self._rank}")
+
+        def run() -> None:
+            if self._aborted.is_set():
+                return
+            _publish(me, ctypes.string_at(sendbuf, nbytes) if nbytes else b"")
+            paths = [os.path.join(self._dir, f"s{seq}-r{r}") for r in range(self._ndev)]
+            while not all(os.path.exists(p) for p in paths):
+                if self._aborted.wait(_POLL):
+                    return
+            inputs = []
+            for p in paths:
+                with open(p, "rb") as f:
+                    inputs.append(f.read())
+            finish(inputs)
+            old = os.path.join(self._dir, f"s{seq - 2}-r{self._rank}")
+            if seq >= 2 and os.path.exists(old):
+                os.unlink(old)  # every rank read it: each has finished the call after it
+
+        sim._stream(stream)._put(run)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+                  stream: int) -> None:
+        dtype = np.dtype(_DTYPES[datatype])
+        self._queue(stream, sendbuf, count * dtype.itemsize, lambda inputs: _write(
+            recvbuf, _fold([np.frombuffer(b, dtype) for b in inputs], op)))
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+               root: int, stream: int) -> None:
+        dtype = np.dtype(_DTYPES[datatype])
+
+        def finish(inputs: list[bytes]) -> None:
+            if self._rank == root:
+                _write(recvbuf, _fold([np.frombuffer(b, dtype) for b in inputs], op))
+        self._queue(stream, sendbuf, count * dtype.itemsize, finish)
+
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
+                  stream: int) -> None:
+        nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
+        self._queue(stream, sendbuff, nbytes if self._rank == root else 0,
+                    lambda inputs: ctypes.memmove(recvbuff, inputs[root], nbytes))
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        self.broadcast(buff, buff, count, datatype, root, stream)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
+                      op: int, stream: int) -> None:
+        dtype = np.dtype(_DTYPES[datatype])
+        rank = self._rank
+
+        def finish(inputs: list[bytes]) -> None:
+            blocks = [np.frombuffer(b, dtype)[rank * recvcount:(rank + 1) * recvcount]
+                      for b in inputs]
+            _write(recvbuf, _fold(blocks, op))
+        self._queue(stream, sendbuf, recvcount * self._ndev * dtype.itemsize, finish)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  stream: int) -> None:
+        nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
+        self._queue(stream, sendbuf, nbytes, lambda inputs: ctypes.memmove(
+            recvbuf, b"".join(inputs), nbytes * len(inputs)))
+
+    # -- lifetime and errors -------------------------------------------------------------
+    def check_async_error(self) -> None:
+        if self._error is not None:
+            raise NcclError(3, self._error)
+
+    def abort(self) -> None:
+        if self._comm:
+            self._error = "communicator aborted"
+            self._aborted.set()
+            self._leave()
+
+    def destroy(self) -> None:
+        if self._comm:
+            self._leave()
+
+    def _leave(self) -> None:
+        """The last rank to leave removes the files (a rank leaves once its streams are done
+        with every call, or they gave up: no rank reads them any more then)."""
+        self._comm = 0
+        _publish(os.path.join(self._dir, f"leave-{self._rank}"), b"")
+        if all(os.path.exists(os.path.join(self._dir, f"leave-{r}"))
+               for r in range(self._ndev)):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _fold(arrays: list[np.ndarray], op: int) -> np.ndarray:
+    dtype = arrays[0].dtype
+    wide = np.float32 if dtype.name in ("float16", "bfloat16") else dtype
+    acc = arrays[0].astype(wide)
+    for a in arrays[1:]:
+        b = a.astype(wide)
+        acc = {NCCL_SUM: np.add, NCCL_AVG: np.add, NCCL_PROD: np.multiply,
+               NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}[op](acc, b)
+        acc = acc.astype(dtype).astype(wide)
+    if op == NCCL_AVG:
+        acc = acc / len(arrays)
+    return acc.astype(dtype)
+
+
+def _write(address: int, array: np.ndarray) -> None:
+    data = np.ascontiguousarray(array).tobytes()
+    ctypes.memmove(address, data, len(data))
