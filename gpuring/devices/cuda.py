@@ -508,6 +508,13 @@ class CudaDevice(Device):
                 f"CUDA IPC maps memory of processes on this host only; a rank on {handle.host!r} "
                 f"shares a node with this one on {here!r} (ranks that report one node name, "
                 "GPURING_HOSTNAME or the host's, must run on one host)")
+        if handle.gpu != self._pci_bus_id:
+            why = self._unreachable(handle.gpu)
+            if why is not None:
+                raise GpuringError(
+                    f"CUDA IPC between GPUs needs peer-to-peer access, and {why}: run these "
+                    "ranks on one GPU, or their CuPy collectives on NCCL "
+                    "(GPURING_TRANSPORT=nccl)")
         mem = self._opened.get(handle.ipc)
         if mem is None:
             with self.scope():
@@ -515,6 +522,18 @@ class CudaDevice(Device):
             mem = CudaMemory(int(ptr), handle.nbytes, "peer")
             self._opened[handle.ipc] = mem
         return mem
+
+    def _unreachable(self, bus_id: str) -> str | None:
+        """Why this GPU cannot read the GPU at PCI bus `bus_id` directly (None: it can)."""
+        runtime = _cupy().cuda.runtime
+        try:
+            peer = int(runtime.deviceGetByPCIBusId(bus_id))
+        except Exception:
+            return f"GPU {bus_id} is not visible to this process (CUDA_VISIBLE_DEVICES)"
+        if peer != self.device_id and not runtime.deviceCanAccessPeer(self.device_id, peer):
+            return (f"GPU {self.device_id} ({self._pci_bus_id}) cannot access GPU {peer} "
+                    f"({bus_id}) peer to peer")
+        return None
 
     def array(self, mem: Memory, shape: tuple[int, ...], dtype: Any) -> Any:
         if not isinstance(mem, CudaMemory) or mem.kind != "local" or mem._owner is None:

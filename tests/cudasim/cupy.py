@@ -665,7 +665,16 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def deviceCanAccessPeer(device: int, peer: int) -> int:
-        return 1
+        """1, unless GPURING_CUDASIM_NO_P2P=1 (GPUs behind different CPU sockets without
+        P2P, say): then 0 between different devices."""
+        return int(device == peer or os.environ.get("GPURING_CUDASIM_NO_P2P") != "1")
+
+    @staticmethod
+    def deviceGetByPCIBusId(bus_id: str) -> int:
+        for device in range(_Runtime.getDeviceCount()):
+            if Device(device).pci_bus_id == bus_id:
+                return device
+        raise CUDARuntimeError("cudaErrorInvalidDevice")
 
     @staticmethod
     def deviceEnablePeerAccess(peer: int) -> None:

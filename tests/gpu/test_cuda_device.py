@@ -500,6 +500,22 @@ def test_handles_name_the_process_not_its_pid(device: CudaDevice) -> None:
         device.open(elsewhere)
 
 
+def test_gpus_without_peer_access_are_refused(device, monkeypatch):
+    """A peer's buffer on a GPU this one cannot read peer to peer (or cannot see) is a clear
+    error naming both GPUs and the way out, not a failed IPC open or a kernel fault."""
+    import cupy
+
+    mem = device.alloc(4096)
+    other = device.export(mem)._replace(process="another process", gpu="0000:ff:00.0")
+    with pytest.raises(GpuringError, match="not visible to this process"):
+        device.open(other)
+    runtime = cupy.cuda.runtime
+    monkeypatch.setattr(runtime, "deviceGetByPCIBusId", lambda bus: device.device_id + 1)
+    monkeypatch.setattr(runtime, "deviceCanAccessPeer", lambda a, b: 0)
+    with pytest.raises(GpuringError, match=r"cannot access GPU .* peer to peer.*NCCL"):
+        device.open(other)
+
+
 def test_export_open_in_one_process_gives_the_local_pointer(device: CudaDevice) -> None:
     mem = device.alloc(4096)
     handle = pickle.loads(pickle.dumps(device.export(mem)))

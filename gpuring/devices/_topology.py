@@ -1,0 +1,162 @@
+"""The GPUs of this node and how they connect, read through NVML (nvidia-ml-py): NVLink
+between each pair, else the closest PCIe ancestor they share (as `nvidia-smi topo -m` and
+NCCL name it: PIX, PXB, PHB, NODE, SYS), whether peer-to-peer access works, and each GPU's
+NUMA node. None where NVML is unavailable (no driver, no GPU, no nvidia-ml-py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Gpu", "Topology", "read", "ring_order"]
+
+#: NVML's nvmlGpuTopologyLevel_t, by the name nvidia-smi gives it
+_LEVELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    bus_id: str
+    numa_node: int | None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`link[i][j]`: how GPU i reaches GPU j ("X" itself, "NV<n>" over n NVLinks, else
+    the PCIe level); `p2p[i][j]`: whether GPU i can read GPU j's memory directly."""
+
+    gpus: tuple[Gpu, ...]
+    link: tuple[tuple[str, ...], ...]
+    p2p: tuple[tuple[bool, ...], ...]
+
+    def lines(self) -> list[str]:
+        """The matrix as `nvidia-smi topo -m` prints it, with P2P and NUMA columns."""
+        n = len(self.gpus)
+        out = ["      " + " ".join(f"{f'GPU{j}':>6}" for j in range(n)) + "   P2P  NUMA"]
+        for i, gpu in enumerate(self.gpus):
+            p2p = "".join("x" if i == j else "y" if self.p2p[i][j] else "n" for j in range(n))
+            numa = "-" if gpu.numa_node is None else str(gpu.numa_node)
+            out.append(f"{f'GPU{i}':<6}" + " ".join(f"{self.link[i][j]:>6}" for j in range(n))
+                       + f"   {p2p:<4} {numa}")
+        return out
+
+    def summary(self) -> str:
+        """One line: each pair's link, e.g. `GPU0-GPU1 NV18, GPU0-GPU2 SYS (no P2P)`."""
+        pairs = []
+        for i in range(len(self.gpus)):
+            for j in range(i + 1, len(self.gpus)):
+                pairs.append(f"GPU{i}-GPU{j} {self.link[i][j]}"
+                             + ("" if self.p2p[i][j] else " (no P2P)"))
+        return ", ".join(pairs) if pairs else "one GPU"
+
+
+def _nvlinks(nvml: Any, handle: Any, bus_ids: Sequence[str]) -> dict[int, int]:
+    """GPU index -> active NVLinks from this GPU to it."""
+    found: dict[int, int] = {}
+    for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
+                continue
+            remote = _text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+        except Exception:  # NVMLError: no such link, or not supported
+            continue
+        for j, bus in enumerate(bus_ids):
+            if _same_bus(bus, remote):
+                found[j] = found.get(j, 0) + 1
+    return found
+
+
+def _same_bus(a: str, b: str) -> bool:
+    """PCI bus ids compared without the domain's width (00000000:18:00.0 == 0000:18:00.0)."""
+    def norm(text: str) -> str:
+        domain, _, rest = text.lower().rpartition(":")[0].partition(":")
+        return f"{int(domain or '0', 16)}:{rest}:{text.lower().rpartition(':')[2]}"
+    return norm(a) == norm(b)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read(nvml: Any = None) -> Topology | None:
+    """This node's topology through NVML (`nvml`: the pynvml module, for tests); None where
+    NVML cannot tell."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        bus_ids = [_text(nvml.nvmlDeviceGetPciInfo(h).busId) for h in handles]
+        gpus = []
+        for i, h in enumerate(handles):
+            try:
+                numa: int | None = int(nvml.nvmlDeviceGetNumaNodeId(h))
+            except Exception:  # older drivers and nvidia-ml-py
+                numa = None
+            gpus.append(Gpu(i, _text(nvml.nvmlDeviceGetName(h)), bus_ids[i], numa))
+        links, p2p = [], []
+        for i, h in enumerate(handles):
+            nv = _nvlinks(nvml, h, bus_ids)
+            row, can = [], []
+            for j, other in enumerate(handles):
+                if i == j:
+                    row.append("X")
+                    can.append(True)
+                    continue
+                if nv.get(j):
+                    row.append(f"NV{nv[j]}")
+                else:
+                    try:
+                        level = nvml.nvmlDeviceGetTopologyCommonAncestor(h, other)
+                        row.append(_LEVELS.get(int(level), str(level)))
+                    except Exception:
+                        row.append("?")
+                try:
+                    status = nvml.nvmlDeviceGetP2PStatus(h, other,
+                                                         nvml.NVML_P2P_CAPS_INDEX_READ)
+                    can.append(status == nvml.NVML_P2P_STATUS_OK)
+                except Exception:
+                    can.append(False)
+            links.append(tuple(row))
+            p2p.append(tuple(can))
+        return Topology(tuple(gpus), tuple(links), tuple(p2p))
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def ring_order(topology: Topology, gpu_of_rank: Sequence[int]) -> list[int]:
+    """An order of the ranks for a ring that follows NVLink where it can: greedily from rank
+    0, each next rank the one not yet placed whose GPU is best linked to the last one's (same
+    GPU, then most NVLinks, then the nearest PCIe level), ties in rank order."""
+    def closeness(a: int, b: int) -> tuple[int, int]:
+        if a == b:
+            return (0, 0)
+        link = topology.link[a][b]
+        if link.startswith("NV"):
+            return (1, -int(link[2:] or 1))
+        order = ["PIX", "PXB", "PHB", "NODE", "SYS"]
+        return (2, order.index(link) if link in order else len(order))
+
+    left = list(range(1, len(gpu_of_rank)))
+    order = [0] if gpu_of_rank else []
+    while left:
+        last = gpu_of_rank[order[-1]]
+        best = min(left, key=lambda r: (closeness(last, gpu_of_rank[r]), r))
+        order.append(best)
+        left.remove(best)
+    return order
