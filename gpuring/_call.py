@@ -86,6 +86,8 @@ class Signature(NamedTuple):
     registered: Placement | None = None
     #: the digest of the tuning table in force (`Tuning.digest`; None: none)
     tuning: str | None = None
+    #: GPURING_TRANSPORT (which route runs a call across nodes)
+    transport: str | None = None
 
 
 def check_alike(signatures: list[Signature], name: str, rank: int) -> None:

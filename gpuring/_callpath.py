@@ -146,7 +146,8 @@ class CallPath:
                               deterministic=config.deterministic)
         picked = self.choices.pick(call, kind, count * itemsize)
         algorithm = picked.algorithm
-        plain = plain._replace(algorithm=algorithm, tuning=self.choices.digest)
+        plain = plain._replace(algorithm=algorithm, tuning=self.choices.digest,
+                               transport=config.transport)
         if self.size == 1:
             self._agree(plain)
             return PreparedCall(Route.ALONE, schedule="alone")
@@ -262,9 +263,13 @@ class CallPath:
                 self._mpi.run(name, call.x, call.out, call.op, call.root)
         except BaseException as exc:
             error: BaseException = exc
-            if isinstance(exc, GpuringError):  # which call, like the engine's errors
+            known = self._first_failure() if isinstance(
+                exc, (PeerFailureError, CollectiveTimeoutError)) else None
+            if known is not None:
+                error = self.life.explain(known, name, self.seq)
+            elif isinstance(exc, GpuringError):  # which call, like the engine's errors
                 error = self.life.explain(exc, name, self.seq)
-            self.life.raised(error)
+            self.give_up(error, name)  # the other nodes learn it from this rank's notice
             if error is exc:
                 raise
             raise error from None
@@ -316,12 +321,13 @@ class CallPath:
             raise exc
         raise error from None
 
-    def _first_failure(self) -> PeerFailureError | None:
+    def _first_failure(self) -> GpuringError | None:
         """Across nodes, the failure that came first, where it is known: a rank's report to
-        the whole job naming the rank it blames, else a rank of this node that died or gave
-        up (a failure one level raised may only be a peer's giving up because of it)."""
+        the job (naming the rank it blames, where it knows one), else a rank of this node
+        that died or gave up (a failure one level raised may only be a peer's giving up
+        because of it)."""
         notice = self.control.failure_notice()
-        if notice is not None and notice.peer is not None:
+        if notice is not None:
             return notice
         return None if self.levels is None else self.levels.node_failure()
 
@@ -576,7 +582,8 @@ class CallPath:
             self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit)
         if culprit is None:
             self.control.report_failure(f"rank {self.rank}: {error!r}",
-                                        getattr(error, "peer", None))
+                                        getattr(error, "peer", None),
+                                        isinstance(error, CollectiveTimeoutError))
         for engine in list(self.engines.values()):
             engine.device.abort(f"rank {self.rank} gave up: {error!r}")
         if self.nccl is not None:

@@ -133,6 +133,8 @@ class Levels:
         # waits between nodes (this rank's job and the level between nodes) also end when
         # a rank of this node dies or gives up (its status board tells)
         control.watch(self.node_failure)
+        for level in (self.intra, self.inter):  # the job giving up ends both levels' waits
+            level.comm._control.follow(control)
         self.inter.comm._control.watch(lambda: self.node_failure(named=False))
 
     def node_failure(self, named: bool = True) -> PeerFailureError | None:
@@ -140,9 +142,16 @@ class Levels:
         named in the job's ranks (`named`: as the error's `peer` too); None if none did or
         the board is not made yet."""
         watchdog = self.intra.comm._path.watchdog
-        trouble = None if watchdog is None else watchdog.board.troubled_peer()
-        if trouble is None:
+        if watchdog is None:
             return None
+        trouble = watchdog.board.troubled_peer()
+        if trouble is None:
+            gone = watchdog.board.left_before(1 << 62)  # it closed: it will come no more
+            if not gone:
+                return None
+            rank = self.intra.ranks[gone[0]]
+            return PeerFailureError(f"rank {rank} closed its communicator (rank {gone[0]} "
+                                    "of its node)", peer=rank if named else None)
         peer, _state, reason, culprit = trouble
         blamed = culprit if 0 <= culprit < len(self.intra.ranks) else peer
         rank = self.intra.ranks[blamed]
@@ -292,13 +301,19 @@ def fold(arrays: list[Any], op: ReduceOp) -> Any:
 def _divide(a: Any, n: int) -> None:
     """a /= n in place (avg, after the sum); integers rounded toward zero, 16-bit floats
     divided in float32 and rounded once (NumPy or CuPy arrays)."""
-    xp = _arrays.array_module(a)
     if a.dtype.name in ("float16", "bfloat16"):
         a[...] = (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
     elif a.dtype.kind in "fc":
         a /= n
-    elif a.dtype.kind == "u":
-        a //= n
     else:
-        quotient = abs(a) // n
-        a[...] = xp.where(a < 0, -quotient, quotient)
+        divide_toward_zero(a, n)
+
+
+def divide_toward_zero(a: Any, n: int) -> None:
+    """Integer `a` //= n in place, rounded toward zero as C's division (the most negative
+    value too: no absolute value is taken), NumPy or CuPy arrays."""
+    quotient = a // n  # rounded down
+    if a.dtype.kind == "i":
+        remainder = a - quotient * n  # (may wrap where it is not 0: still not 0)
+        quotient += ((remainder != 0) & (a < 0)).astype(a.dtype)
+    a[...] = quotient

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import settings
 from ._communicator import Communicator
@@ -15,9 +14,6 @@ from ._errors import GpuringError
 from ._ops import ReduceOp
 from ._work import Work
 from .rendezvous.base import ControlPlane
-
-if TYPE_CHECKING:
-    from .rendezvous.store import StoreServer
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "gather", "scatter", "all_to_all", "all_gather_v", "all_to_all_v",
@@ -28,9 +24,8 @@ _lock = threading.Lock()
 _current: Communicator | None = None
 
 
-def _control_plane(timeout: float) -> tuple[ControlPlane, StoreServer | None]:
-    """The job's control plane, from the launcher that started this process, and the
-    server this process serves it with (rank 0 under torchrun or Slurm; else None)."""
+def _control_plane(timeout: float) -> ControlPlane:
+    """The job's control plane, from the launcher that started this process."""
     from .rendezvous.launchers import from_environment, job_key, meet
     from .rendezvous.mpi import launched_by_mpi
     from .rendezvous.store import ENV_ADDR
@@ -38,22 +33,27 @@ def _control_plane(timeout: float) -> tuple[ControlPlane, StoreServer | None]:
     if os.environ.get(ENV_ADDR):
         from .rendezvous.store_client import StoreClient
 
-        return StoreClient.from_env(), None
+        return StoreClient.from_env()
     if launched_by_mpi():
         from .rendezvous.mpi import MpiControl
 
-        return MpiControl(), None
+        return MpiControl()
     job = from_environment()
     if job is not None:
-        key = job_key(job.host, job.port, f"gpuring.init under {job.launcher}")
-        met = meet(job.rank, job.size, job.host, job.port, key, timeout,
-                   f"gpuring.init under {job.launcher}")
+        who = f"gpuring.init under {job.launcher}"
+        try:
+            control = meet(job.rank, job.size, job.host, job.port,
+                           job_key(job.host, job.port, who, job.salt), timeout, who)
+        except OSError as exc:
+            if "cannot serve" not in str(exc):
+                raise
+            raise GpuringError(f"{exc}; set GPURING_PORT to a free port") from None
         if job.local_rank is not None:  # the GPU the launcher gave this rank
-            met.control._device_slot = job.local_rank
-        return met.control, met.server
+            control._device_slot = job.local_rank
+        return control
     from .rendezvous.local import SingleProcess
 
-    return SingleProcess(), None
+    return SingleProcess()
 
 
 def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
@@ -74,23 +74,11 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None,
                                  buffer_bytes=buffer_bytes, algorithm=algorithm,
                                  deterministic=deterministic,
                                  tuning=None if tuning is None else os.fspath(tuning))
-        control, server = _control_plane(config.timeout)
-        _current = Communicator(control, config, on_close=functools.partial(
-            _closed, server, config.timeout))
+        _current = Communicator(_control_plane(config.timeout), config, on_close=forget)
         trace = settings.get("GPURING_TIMELINE")
         if trace:
             _current.start_timeline(trace)
         return _current
-
-
-def _closed(server: StoreServer | None, timeout: float, comm: Communicator) -> None:
-    """Called by Communicator.close(): forget it; where this process serves the control
-    plane, wait (at most `timeout`) for the other ranks to leave, and stop serving."""
-    forget(comm)
-    if server is not None:
-        from .rendezvous.store import leave_and_stop
-
-        leave_and_stop(lambda: None, server, timeout)
 
 
 def forget(comm: Communicator) -> None:

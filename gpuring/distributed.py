@@ -39,7 +39,6 @@ from ._config import Config
 from ._errors import GpuringError
 from .rendezvous.base import ControlPlane
 from .rendezvous.launchers import job_key, meet
-from .rendezvous.store import StoreServer, leave_and_stop
 
 __all__ = ["init_process_group", "GpuringBackend", "DEFAULT_HOST", "DEFAULT_PORT"]
 
@@ -65,7 +64,6 @@ def init_process_group(n_devices: int, rank: int, *, backend: str = "gpuring",
     if backend not in ("gpuring", "nccl"):
         raise ValueError(f"{backend} is not supported: use backend='gpuring'")
     config = Config.from_env(timeout=timeout)
-    server: StoreServer | None = None
     control: ControlPlane
     if use_mpi:
         from .rendezvous.mpi import MpiControl
@@ -80,17 +78,16 @@ def init_process_group(n_devices: int, rank: int, *, backend: str = "gpuring",
         port = int(port if port is not None else os.environ.get(ENV_PORT) or DEFAULT_PORT)
         who = "gpuring.distributed.init_process_group"
         try:
-            met = meet(rank, n_devices, host, port, job_key(host, port, who), config.timeout,
-                       who)
+            control = meet(rank, n_devices, host, port, job_key(host, port, who),
+                           config.timeout, who)
         except OSError as exc:
             if rank == 0 and "cannot serve" in str(exc):
                 raise GpuringError(f"{exc}; pass another port") from None
             raise
-        control, server = met.control, met.server
     cupy = sys.modules.get("cupy")
     if cupy is not None:  # CuPy arrays live on the device current now, as with cupyx
         control._device_slot = int(cupy.cuda.runtime.getDevice())
-    return GpuringBackend(Communicator(control, config), server)
+    return GpuringBackend(Communicator(control, config))
 
 
 class GpuringBackend:
@@ -98,11 +95,10 @@ class GpuringBackend:
     rest of gpuring's verbs). Arrays are CuPy (queued on `stream` or the current stream,
     as with cupyx) or NumPy (on the CPU; `stream` is then ignored)."""
 
-    def __init__(self, comm: Communicator, server: StoreServer | None = None):
+    def __init__(self, comm: Communicator):
         self.comm = comm
         self.rank = comm.rank
         self._n_devices = comm.size
-        self._server = server
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum",
@@ -172,10 +168,10 @@ class GpuringBackend:
 
     # -- lifetime --------------------------------------------------------------------------
     def stop(self) -> None:
-        """Leave the job (waits for this process's queued work). Rank 0, which serves the
-        rendezvous, then waits (at most the timeout) for the others to leave too."""
-        server, self._server = self._server, None
-        leave_and_stop(self.comm.close, server, self.comm.config.timeout)
+        """Leave the job (waits for this process's queued work). Rank 0's process serves the
+        rendezvous until it exits, when it waits (at most the timeout) for the others to
+        leave."""
+        self.comm.close()
 
 
 def _as(array: Any, shape: tuple[int, ...], name: str) -> Any:

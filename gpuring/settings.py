@@ -95,8 +95,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "overrides it"),
     Setting("GPURING_DETERMINISTIC", _flag, False, "0",
             "1: every element of every all_reduce, reduce_scatter and reduce result is the "
-            "fold of the ranks' values in rank order, the same bits whatever the size, "
-            "`chunk_bytes`, `channels` and fusion"),
+            "fold of the ranks' values in rank order (across nodes node-major), the same bits "
+            "whatever the size, `chunk_bytes`, `channels` and fusion"),
     Setting("GPURING_TUNING", str, None, "unset",
             "a tuning table from `gpuring tune` (JSON): all_reduce, reduce_scatter and reduce "
             "take the algorithm, `chunk_bytes` and `channels` it chose for their size where "

@@ -38,14 +38,21 @@ def gpus() -> dict[str, Any] | None:
 
             handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
                        for i in range(pynvml.nvmlDeviceGetCount())]
-            return {"driver": text(pynvml.nvmlSystemGetDriverVersion()),
-                    "names": [text(pynvml.nvmlDeviceGetName(h)) for h in handles],
-                    "memory_bytes": [int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
-                                     for h in handles]}
+            found = {"driver": text(pynvml.nvmlSystemGetDriverVersion()),
+                     "names": [text(pynvml.nvmlDeviceGetName(h)) for h in handles],
+                     "memory_bytes": [int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+                                      for h in handles]}
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # pynvml.NVMLError: no driver, no GPU
         return None
+    from ..devices._topology import read
+
+    topology = read(pynvml)  # pragma: no cover - needs a GPU
+    if topology is not None:
+        found["topology"] = topology.summary()
+        found["topology_matrix"] = topology.lines()
+    return found
 
 
 def memory_bytes() -> int | None:

@@ -150,6 +150,8 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
         memory = ", ".join(size_label(b) for b in g.get("memory_bytes", []))
         lines.append(f"# GPUs: {', '.join(g['names']) or 'none'} ({memory}); driver "
                      f"{g['driver']}")
+        if g.get("topology"):
+            lines.append(f"# topology: {g['topology']}")
     libs = ", ".join(f"{k} {val}" for k, val in v.items() if val)
     lines.append(f"# versions: {libs}; commit {machine.get('commit') or 'not a git checkout'}")
     in_force = settings.get("in_force", {})

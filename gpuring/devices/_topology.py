@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Gpu", "Topology", "read", "ring_order"]
+__all__ = ["Gpu", "Topology", "read"]
 
 #: NVML's nvmlGpuTopologyLevel_t, by the name nvidia-smi gives it
 _LEVELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -72,10 +72,10 @@ def _nvlinks(nvml: Any, handle: Any, bus_ids: Sequence[str]) -> dict[int, int]:
 
 def _same_bus(a: str, b: str) -> bool:
     """PCI bus ids compared without the domain's width (00000000:18:00.0 == 0000:18:00.0)."""
-    def norm(text: str) -> str:
-        domain, _, rest = text.lower().rpartition(":")[0].partition(":")
-        return f"{int(domain or '0', 16)}:{rest}:{text.lower().rpartition(':')[2]}"
-    return norm(a) == norm(b)
+    def key(text: str) -> tuple[int, str]:
+        domain, _, rest = text.lower().partition(":")
+        return (int(domain, 16), rest) if rest.count(":") == 1 else (0, text.lower())
+    return key(a) == key(b)
 
 
 def _text(value: Any) -> str:
@@ -87,9 +87,10 @@ def read(nvml: Any = None) -> Topology | None:
     NVML cannot tell."""
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return None
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception:
@@ -137,26 +138,3 @@ def read(nvml: Any = None) -> Topology | None:
             nvml.nvmlShutdown()
         except Exception:
             pass
-
-
-def ring_order(topology: Topology, gpu_of_rank: Sequence[int]) -> list[int]:
-    """An order of the ranks for a ring that follows NVLink where it can: greedily from rank
-    0, each next rank the one not yet placed whose GPU is best linked to the last one's (same
-    GPU, then most NVLinks, then the nearest PCIe level), ties in rank order."""
-    def closeness(a: int, b: int) -> tuple[int, int]:
-        if a == b:
-            return (0, 0)
-        link = topology.link[a][b]
-        if link.startswith("NV"):
-            return (1, -int(link[2:] or 1))
-        order = ["PIX", "PXB", "PHB", "NODE", "SYS"]
-        return (2, order.index(link) if link in order else len(order))
-
-    left = list(range(1, len(gpu_of_rank)))
-    order = [0] if gpu_of_rank else []
-    while left:
-        last = gpu_of_rank[order[-1]]
-        best = min(left, key=lambda r: (closeness(last, gpu_of_rank[r]), r))
-        order.append(best)
-        left.remove(best)
-    return order

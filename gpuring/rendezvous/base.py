@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import settings
-from .._errors import CollectiveMismatchError, PeerFailureError
+from .._errors import CollectiveMismatchError, GpuringError
 
 __all__ = ["ControlPlane", "host_name"]
 
@@ -100,9 +100,11 @@ class ControlPlane(abc.ABC):
         for callback in list(self._failure_callbacks):
             callback(rank, reason)
 
-    def report_failure(self, reason: str, peer: int | None = None) -> None:
-        """Tell the peers this rank gave up (`peer`: the rank it blames, where known), where
-        the control plane can (best effort)."""
+    def report_failure(self, reason: str, peer: int | None = None,
+                       timed_out: bool = False) -> None:
+        """Tell the peers this rank gave up (`peer`: the rank it blames, where known;
+        `timed_out`: it waited its whole timeout), where the control plane can (best
+        effort)."""
 
     def watch(self, check: Callable[[], BaseException | None]) -> None:
         """Poll `check` (every few tens of milliseconds) in this control plane's waits: what
@@ -110,7 +112,12 @@ class ControlPlane(abc.ABC):
         that learn of deaths themselves need none, and ignore it."""
         self._watches.append(check)
 
-    def failure_notice(self) -> PeerFailureError | None:
+    def follow(self, other: ControlPlane) -> None:
+        """Fail this control plane's waits on failures reported in `other` too (a group that
+        only lives as a part of `other`'s collectives). Control planes that tell every group
+        of a rank's failure by themselves need nothing."""
+
+    def failure_notice(self) -> GpuringError | None:
         """A failure another rank reported to the whole job, once one arrived (a control
         plane whose failures reach the ranks otherwise has none)."""
         return None

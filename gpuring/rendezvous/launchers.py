@@ -10,19 +10,24 @@ standard launchers (torchrun, Slurm's srun) and by hand (`gpuring.distributed`).
               29500 + SLURM_JOB_ID % 10000
 
 Every process proves the job's key (GPURING_JOB_KEY, a hex string, the same in every
-process) to the server, which refuses the others. Without a key one is derived from the port:
-any process that reaches the server can then join, which is said loudly when the server
-listens beyond loopback. After the meeting each rank knows every rank's node name
+process) to the server, which refuses the others. Without a key one is derived from the port
+and the launcher's job ids: any process that reaches the server and knows them can then join
+(and disturb the job; it cannot make a rank run code: the control plane decodes plain data
+only), which is said loudly when the server listens beyond loopback. Rank 0's process serves
+until it exits, as `gpuring run` serves its job: a communicator made again after a close
+meets on the same server. After the meeting each rank knows every rank's node name
 (`host_name()`), hence its local rank and local size.
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import re
 import secrets
 import socket
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ from .base import host_name
 from .store import ENV_KEY, StoreServer
 from .store_client import StoreClient
 
-__all__ = ["Job", "Meeting", "from_environment", "first_host", "job_key", "meet"]
+__all__ = ["Job", "from_environment", "first_host", "job_key", "meet", "serve"]
 
 
 @dataclass(frozen=True)
@@ -46,20 +51,35 @@ class Job:
     local_rank: int | None
     host: str
     port: int
+    #: what tells this job from another on the same port (for a key derived without
+    #: GPURING_JOB_KEY): the launcher's job and step ids, or its store's address
+    salt: str = ""
 
 
-@dataclass
-class Meeting:
-    """A rank's control plane after the meeting, and on rank 0 the server it serves (to
-    stop once every rank left: `store.leave_and_stop`)."""
-
-    control: StoreClient
-    server: StoreServer | None
+#: the servers this process runs, by address: one for the process's life, as `gpuring run`
+#: serves its job (a communicator made again after a close, and sub-communicators that
+#: outlive theirs, meet on it); stopped at exit once every rank has left
+_serving: dict[tuple[str, int], StoreServer] = {}
+_serving_lock = threading.Lock()
 
 
 def _int(environ: Mapping[str, str], name: str) -> int | None:
-    value = environ.get(name, "")
-    return int(value) if value.strip() else None
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _checked(job: Job) -> Job:
+    if job.size < 1 or not 0 <= job.rank < job.size:
+        raise ValueError(f"{job.launcher}: rank {job.rank} of {job.size} ranks is no rank")
+    if not 0 < job.port < 65536:
+        raise ValueError(f"{job.launcher}: port {job.port} for gpuring's control plane is "
+                         "out of range (set GPURING_PORT)")
+    return job
 
 
 def from_environment(environ: Mapping[str, str] | None = None) -> Job | None:
@@ -69,8 +89,9 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Job | None:
     master_port = _int(env, "MASTER_PORT")
     rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if rank is not None and size is not None and env.get("MASTER_ADDR") and master_port:
-        return Job("torchrun", rank, size, _int(env, "LOCAL_RANK"), env["MASTER_ADDR"],
-                   port or master_port + 1)
+        salt = f"torchrun {env['MASTER_ADDR']}:{master_port} {env.get('TORCHELASTIC_RUN_ID', '')}"
+        return _checked(Job("torchrun", rank, size, _int(env, "LOCAL_RANK"),
+                            env["MASTER_ADDR"], port or master_port + 1, salt))
     rank, size = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
     if rank is not None and size is not None:
         host = env.get("MASTER_ADDR") or first_host(
@@ -81,24 +102,28 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Job | None:
         if not port:
             port = master_port + 1 if master_port else 29500 + (_int(env, "SLURM_JOB_ID")
                                                                 or 0) % 10000
-        return Job("slurm", rank, size, _int(env, "SLURM_LOCALID"), host, port)
+        salt = f"slurm {env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+        return _checked(Job("slurm", rank, size, _int(env, "SLURM_LOCALID"), host, port,
+                            salt))
     return None
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm host list: `gpu[07-09,12],cpu1` -> `gpu07`."""
-    match = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?", nodelist)
+    """The first host of a Slurm host list: `gpu[07-09,12],cpu1` -> `gpu07`,
+    `n-[3-4]-ib` -> `n-3-ib`."""
+    match = re.match(r"\s*([^,\[\s]*)(?:\[([^\]]+)\]([^,\s]*))?", nodelist)
     if match is None:
         return ""
-    prefix, ranges = match.group(1), match.group(2)
+    prefix, ranges, suffix = match.group(1), match.group(2), match.group(3) or ""
     if ranges is None:
         return prefix
-    return prefix + re.split(r"[-,]", ranges, maxsplit=1)[0]
+    return prefix + re.split(r"[-,]", ranges, maxsplit=1)[0] + suffix
 
 
-def job_key(host: str, port: int, who: str) -> bytes:
-    """The job's key: GPURING_JOB_KEY, else one derived from the port (with a warning where
-    the server listens beyond loopback: any process that reaches it may join)."""
+def job_key(host: str, port: int, who: str, salt: str = "") -> bytes:
+    """The job's key: GPURING_JOB_KEY, else one derived from the port and `salt` (with a
+    warning where the server listens beyond loopback: any process that reaches it may
+    join)."""
     given = os.environ.get(ENV_KEY)
     if given:
         try:
@@ -109,7 +134,7 @@ def job_key(host: str, port: int, who: str) -> bytes:
         warnings.warn(f"{who}: the control plane on {host}:{port} has no job key: any process "
                       f"that reaches it can join the job; set {ENV_KEY} (the same hex string "
                       "in every process)", RuntimeWarning, stacklevel=3)
-    return f"gpuring:{port}".encode()
+    return f"gpuring:{port}:{salt}".encode()
 
 
 def loopback(host: str) -> bool:
@@ -119,29 +144,45 @@ def loopback(host: str) -> bool:
         return False
 
 
-def meet(rank: int, size: int, host: str, port: int, key: bytes, timeout: float,
-         who: str) -> Meeting:
-    """Rank 0 serves on host:port, every rank connects (retrying until `timeout`); then the
-    ranks exchange a job name (rank 0's) and their node names. `who` names the caller in
-    errors."""
-    server = None
-    if rank == 0:
+def serve(size: int, key: bytes, host: str, port: int, timeout: float, who: str) -> None:
+    """Serve the control plane of a job of `size` ranks on host:port from this process,
+    unless it does already; until exit, when it waits (at most `timeout` s) for the other
+    ranks to leave."""
+    with _serving_lock:
+        server = _serving.get((host, port))
+        if server is not None:
+            if server.size != size:
+                raise ValueError(f"{who}: this process serves a job of {server.size} ranks on "
+                                 f"{host}:{port}, not {size}")
+            return
         try:
             server = StoreServer(size, key, host, port)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:
             raise OSError(f"{who}: rank 0 cannot serve the control plane on {host}:{port} "
-                          f"({exc}); choose another port (GPURING_PORT)") from None
-    control = None
+                          f"({exc})") from None
+        _serving[host, port] = server
+        atexit.register(_stop, server, timeout)
+
+
+def _stop(server: StoreServer, timeout: float) -> None:
+    server.wait_until_alone(timeout)
+    server.close()
+
+
+def meet(rank: int, size: int, host: str, port: int, key: bytes, timeout: float,
+         who: str) -> StoreClient:
+    """Rank 0 serves on host:port (`serve`), every rank connects (retrying until
+    `timeout`); then the ranks exchange a job name (rank 0's) and their node names. `who`
+    names the caller in errors."""
+    if rank == 0:
+        serve(size, key, host, port, timeout, who)
+    control = StoreClient(rank, size, 0, 1, (host, port), key, "pending", timeout=timeout)
     try:
-        control = StoreClient(rank, size, 0, 1, (host, port), key, "pending", timeout=timeout)
         met = control.exchange("meeting", (secrets.token_hex(8) if rank == 0 else None,
                                            host_name()), timeout)
     except BaseException:
-        if control is not None:
-            control.close()
-        if server is not None:
-            server.close()
+        control.close()
         raise
     control.job_id = met[0][0]
     control._place([name for _, name in met])
-    return Meeting(control, server)
+    return control

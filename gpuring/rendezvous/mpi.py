@@ -10,7 +10,7 @@ import time
 import zlib
 from typing import Any, NamedTuple
 
-from .._errors import CollectiveTimeoutError, PeerFailureError
+from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
 from .base import ControlPlane, host_name
 
 __all__ = ["MpiControl", "MpiGroup", "launched_by_mpi"]
@@ -29,20 +29,25 @@ def launched_by_mpi() -> bool:
 
 
 class Notice(NamedTuple):
-    """A failure notice: rank `source` of the job gave up, blaming rank `peer` (None: no
-    rank in particular), for `reason`."""
+    """A failure notice: rank `source` of the job gave up in group `group` (a control plane's
+    `job_id`), blaming rank `peer` of the job (None: no rank in particular), for `reason`."""
 
     source: int
+    group: str
     peer: int | None
     reason: str
+    #: the rank gave up after waiting its whole timeout
+    timed_out: bool = False
 
 
 class _Alarm:
-    """Failure notices between the ranks of an MPI job: a rank that gives up tells every
-    other rank with a small message on a communicator of its own, which each rank's waits
-    poll (MPI itself tells nothing: a rank waiting for a dead peer's data would wait its
-    whole timeout). A rank's node peers learn of its death from the status board in shared
-    memory; the first of them to give up tells the rest of the job here."""
+    """Failure notices between the ranks of an MPI job: a rank that gives up in a group
+    tells every other rank with a small message on a communicator of its own, which each
+    rank's waits poll (MPI itself tells nothing: a rank waiting for a dead peer's data would
+    wait its whole timeout); a control plane heeds the notices of its own group and of the
+    groups it follows (`MpiControl.follow`). A rank's node peers learn of its death from the
+    status board in shared memory; the first of them to give up tells the rest of the job
+    here. One per process and job (its sub-groups share it)."""
 
     _TAG = 7
 
@@ -57,50 +62,64 @@ class _Alarm:
         self.name = name
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._inbox = np.zeros(4096, np.uint8)
-        self._receive: Any = None
-        self._listen()
-        self._sent: list[Any] = []
+        self._receive: Any = self._listen()
+        self._sent: list[Any] = []  # the messages and their requests, until they complete
+        self._told: set[str] = set()  # the groups this rank sent a notice of
         self._closed = False
-        #: the first notice heard, once one is
-        self.heard: Notice | None = None
+        self._lock = threading.Lock()
+        #: every notice heard so far
+        self.heard: list[Notice] = []
 
-    def check(self) -> Notice | None:
-        """The first notice another rank sent, once one arrived (else None)."""
-        if self.heard is None and self._receive is not None:
-            status = self._MPI.Status()
-            if self._receive.Test(status):
+    def _listen(self) -> Any:
+        return self.comm.Irecv(self._inbox, source=self._MPI.ANY_SOURCE, tag=self._TAG)
+
+    def check(self) -> list[Notice]:
+        """The notices other ranks sent so far (any thread)."""
+        with self._lock:
+            while self._receive is not None:
+                status = self._MPI.Status()
+                if not self._receive.Test(status):
+                    break
                 text = self._inbox[:status.Get_count(self._MPI.BYTE)].tobytes()
-                name, blamed, reason = text.decode(errors="replace").split("\n", 2)
-                if name != self.name:  # meant for an earlier communicator
-                    self._listen()
-                    return None
-                self.heard = Notice(status.Get_source(), int(blamed) if blamed else None,
-                                    reason)
-                self._receive = None
-        return self.heard
+                self._receive = self._listen()
+                parts = text.decode(errors="replace").split("\n", 4)
+                if len(parts) == 5 and parts[0] == self.name:  # (else an earlier job's)
+                    self.heard.append(Notice(status.Get_source(), parts[1],
+                                             int(parts[2]) if parts[2] else None, parts[4],
+                                             parts[3] == "timeout"))
+            return list(self.heard)
 
-    def _listen(self) -> None:
-        self._receive = self.comm.Irecv(self._inbox, source=self._MPI.ANY_SOURCE,
-                                        tag=self._TAG)
-
-    def send(self, reason: str, peer: int | None) -> None:
-        """Tell every other rank, once, without waiting for any of them."""
+    def send(self, group: str, reason: str, peer: int | None, timed_out: bool) -> None:
+        """Tell every other rank that this one gave up in `group`, once per group, without
+        waiting for any of them; nothing where a notice of that group was heard already."""
         import numpy as np
 
-        if self._sent or self.heard is not None or self._closed:  # told already, repeating
-            return  # a notice, or closed (a sub-group that outlived its parent)
-        text = f"{self.name}\n{'' if peer is None else peer}\n{reason}"
-        data = np.frombuffer(text.encode()[:4096], np.uint8).copy()
-        self._sent = [data] + [self.comm.Isend(data, dest=r, tag=self._TAG)
-                               for r in range(self.size) if r != self.rank]
+        with self._lock:
+            if self._closed or group in self._told or any(n.group == group
+                                                         for n in self.heard):
+                return
+            self._told.add(group)
+            kind = "timeout" if timed_out else "failure"
+            text = f"{self.name}\n{group}\n{'' if peer is None else peer}\n{kind}\n{reason}"
+            data = np.frombuffer(text.encode()[:4096], np.uint8).copy()
+            self._sent = [(d, r) for d, r in self._sent if not r.Test()]
+            self._sent += [(data, self.comm.Isend(data, dest=r, tag=self._TAG))
+                           for r in range(self.size) if r != self.rank]
 
     def close(self) -> None:
-        self._closed = True
-        if self._receive is not None:
-            self._receive.Cancel()
-            self._receive.Wait()
-            self._receive = None
-        self.comm.Free()
+        """Stop listening and free the communicator. Notices still on their way to a rank
+        that is gone are left to MPI (a send to a dead rank may never complete)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._receive is not None:
+                self._receive.Cancel()
+                self._receive.Wait()
+                self._receive = None
+            self._sent = [(d, r) for d, r in self._sent if not r.Test()]
+            if not self._sent:
+                self.comm.Free()
 
 
 class MpiControl(ControlPlane):
@@ -118,6 +137,8 @@ class MpiControl(ControlPlane):
         self.job_id = self.comm.bcast(secrets.token_hex(8) if self.rank == 0 else None)
         self._own_alarm = alarm is None
         self._alarm = _Alarm(self.comm, MPI, self.job_id) if alarm is None else alarm
+        #: the groups whose failure notices fail this control plane's waits
+        self.lineage: set[str] = {self.job_id}
         #: each rank's rank in the job (the failure notices' numbering)
         self.job_ranks: tuple[int, ...] = tuple(range(self.size))
         self._place(self.comm.allgather(host_name()))
@@ -149,10 +170,10 @@ class MpiControl(ControlPlane):
             if self._interrupted is not None:
                 self._abandoned.append((request, buffers))
                 raise PeerFailureError(self._interrupted)
-            heard = self._alarm.check()
+            heard = self.failure_notice()
             if heard is not None:
                 self._abandoned.append((request, buffers))
-                raise self._notice_error(heard)
+                raise heard
             if deadline is not None and time.monotonic() > deadline:
                 self._abandoned.append((request, buffers))
                 raise CollectiveTimeoutError(
@@ -176,26 +197,39 @@ class MpiControl(ControlPlane):
         return [pickle.loads(gathered[displs[r]:displs[r] + sizes[r]].tobytes())
                 for r in range(self.size)]
 
-    def _notice_error(self, notice: Notice) -> PeerFailureError:
-        """The error of a failure notice, naming ranks of this group where they are in it."""
-        ranks = self.job_ranks
-        peer = ranks.index(notice.peer) if notice.peer in ranks else None
+    def _notice_error(self, notice: Notice) -> GpuringError:
+        """The error of a failure notice, naming ranks of this group where they are in it:
+        a timeout where the rank that gave up timed out, else a peer's failure."""
+        ranks = self.job_ranks  # (a rank that blames nobody is the one to name)
+        blame = notice.source if notice.peer is None else notice.peer
+        peer = ranks.index(blame) if blame in ranks else None
+        if notice.timed_out:
+            return CollectiveTimeoutError(f"rank {notice.source} of the job timed out "
+                                          f"({notice.reason})", peer=peer)
         blamed = "" if notice.peer is None else f": rank {notice.peer} of the job failed"
         return PeerFailureError(f"rank {notice.source} of the job gave up{blamed} "
                                 f"({notice.reason})", peer=peer)
 
-    def failure_notice(self) -> PeerFailureError | None:
-        heard = self._alarm.check()
-        return None if heard is None else self._notice_error(heard)
+    def failure_notice(self) -> GpuringError | None:
+        for notice in self._alarm.check():
+            if notice.group in self.lineage:
+                return self._notice_error(notice)
+        return None
 
-    def report_failure(self, reason: str, peer: int | None = None) -> None:
+    def follow(self, other: ControlPlane) -> None:
+        if isinstance(other, MpiControl):
+            self.lineage |= other.lineage
+
+    def report_failure(self, reason: str, peer: int | None = None,
+                       timed_out: bool = False) -> None:
         """Tell every rank of the job (`peer`: a rank of this group)."""
-        self._alarm.send(reason, None if peer is None else self.job_ranks[peer])
+        self._alarm.send(self.job_id, reason, None if peer is None else self.job_ranks[peer],
+                         timed_out)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._own_alarm and not self._abandoned:  # (MPI may still hold a request)
+            if self._own_alarm:
                 self._alarm.close()
             self.comm.Free()
 
@@ -212,6 +246,7 @@ class MpiGroup(MpiControl):
         self._alarm = parent._alarm
         self._own_alarm = False
         self.job_ranks = tuple(parent.job_ranks[m] for m in members)
+        self.lineage = {name}
         self._parent = parent
         self._members = members
         self._inner: MpiControl | None = None
@@ -263,6 +298,7 @@ class MpiGroup(MpiControl):
                 group.Free()
                 inner = MpiControl(comm, parent._alarm)
                 inner.job_ranks = self.job_ranks
+                inner.lineage = self.lineage
                 inner._watches = self._watches
                 comm.Free()
                 inner.job_id = self.job_id

@@ -9,9 +9,14 @@ one of them disconnects without saying goodbye or is reported dead by the launch
 
 from __future__ import annotations
 
+import builtins
+import enum
+import io
 import logging
 import os
+import pickle
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +31,39 @@ from typing import Any, NamedTuple
 __all__ = ["StoreServer", "leave_and_stop", "ENV_ADDR", "ENV_KEY", "ENV_JOB"]
 
 log = logging.getLogger("gpuring.rendezvous")
+
+#: the built-in callables a message may name (plain data; no function that acts)
+_PLAIN = frozenset({"complex", "frozenset", "set", "slice", "range", "bytearray", "int",
+                    "float", "bool", "str", "bytes", "tuple", "list", "dict"})
+#: NumPy's names in a pickled array or scalar
+_NUMPY = frozenset({"ndarray", "dtype", "_reconstruct", "scalar"})
+
+
+class _DataOnly(pickle.Unpickler):
+    """An unpickler that makes data only: plain built-in types, NumPy arrays and scalars,
+    and gpuring's own named tuples and enums (its messages, signatures, handles). Anything
+    else a connection sends (a function to call, say) is refused: a process that reaches
+    the control plane without the job's key set (see `gpuring.rendezvous.launchers`) can
+    disturb the job, but cannot run code in it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _PLAIN:
+            return getattr(builtins, name)
+        if module in ("numpy", "numpy.core.multiarray", "numpy._core.multiarray") and \
+                name in _NUMPY:
+            return super().find_class(module, name)
+        loaded = sys.modules.get(module)
+        if (module == "gpuring" or module.startswith("gpuring.")) and loaded is not None:
+            found = getattr(loaded, name, None)
+            if isinstance(found, type) and issubclass(found, (tuple, enum.Enum)):
+                return found
+        raise pickle.UnpicklingError(f"the control plane takes plain data only, not "
+                                     f"{module}.{name}")
+
+
+def receive(conn: Connection) -> Any:
+    """The next message of `conn`, made by `_DataOnly`."""
+    return _DataOnly(io.BytesIO(conn.recv_bytes())).load()
 
 ENV_ADDR = "GPURING_STORE"
 ENV_KEY = "GPURING_JOB_KEY"
@@ -135,7 +173,7 @@ class StoreServer:
         try:
             deliver_challenge(conn, self._key)
             answer_challenge(conn, self._key)
-            hello = conn.recv()
+            hello = receive(conn)
             if not isinstance(hello, Hello) or not 0 <= hello.rank < self.size:
                 raise ValueError(f"bad greeting {hello!r}")
             rank, generation = hello
@@ -151,8 +189,14 @@ class StoreServer:
                 self._send(rank, Failure(*self.deaths[0]), generation)
         while True:
             try:
-                message = conn.recv()
+                message = receive(conn)
             except (EOFError, OSError, TypeError):  # TypeError: closed under our feet by close()
+                self._disconnected(rank, generation, conn)
+                return
+            except pickle.UnpicklingError as exc:
+                log.warning("gpuring: rank %d sent what the control plane refuses (%s)",
+                            rank, exc)
+                conn.close()
                 self._disconnected(rank, generation, conn)
                 return
             if isinstance(message, Post):

@@ -26,6 +26,7 @@ from .store import (
     Left,
     Lost,
     Post,
+    receive,
 )
 
 __all__ = ["StoreClient"]
@@ -95,7 +96,7 @@ class _Link:
     def _read_loop(self) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                message = receive(self.conn)
             except Exception:
                 if not self._closed:
                     self.lost = "the launcher's control connection closed"
@@ -229,7 +230,8 @@ class StoreClient(ControlPlane):
     def interrupt(self, reason: str) -> None:
         self._replies.put(Lost(reason))
 
-    def report_failure(self, reason: str, peer: int | None = None) -> None:
+    def report_failure(self, reason: str, peer: int | None = None,
+                       timed_out: bool = False) -> None:
         try:
             self._send(Abort(reason, self.group, self.members if self.group else ()))
         except OSError:

@@ -271,9 +271,7 @@ def _divide(cupy: Any, out: Any, size: int) -> None:
     """out /= size on the device; integers rounded toward zero."""
     if out.dtype.kind in "fc":
         out /= size
-    elif out.dtype.kind == "u":
-        out //= size
     else:
-        negative = out < 0
-        quotient = cupy.abs(out) // size
-        out[...] = cupy.where(negative, -quotient, quotient)
+        from .._hierarchy import divide_toward_zero
+
+        divide_toward_zero(out, size)

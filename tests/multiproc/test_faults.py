@@ -429,9 +429,10 @@ def test_mpi_transport_a_late_rank_times_out_every_rank(tmp_path):
     assert proc.returncode == 0, out
     got = dir_results(tmp_path)
     assert set(got) == {0, 1, 2}, out
-    for rank, line in got.items():
+    for rank, line in got.items():  # its own timeout, or a rank's that timed out first
         assert f"RESULT {rank} CollectiveTimeoutError " in line, out
-        assert f":: all_reduce #2 on rank {rank}: MPI all_reduce timed out" in line, out
+        assert f":: all_reduce #2 on rank {rank}: " in line, out
+        assert "MPI all_reduce timed out" in line, out
 
 
 @pytest.mark.mpi

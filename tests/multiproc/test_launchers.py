@@ -26,6 +26,12 @@ def test_torchrun_variables(tmp_path):
     assert len(lines) > 140
 
 
+def test_close_and_init_again_under_torchrun(tmp_path):
+    """Rank 0's process serves for its whole life: a communicator made again after a close
+    meets on it, and a sub-communicator outlives its parent."""
+    start(torchrun_env(3, free_port()), "close_and_again", tmp_path)
+
+
 def test_slurm_variables(tmp_path):
     """srun's variables; rank 0 serves on the step's first host, at GPURING_PORT."""
     port = str(free_port())
@@ -57,5 +63,18 @@ def test_where_rank_0_serves():
                             "MASTER_PORT": "100", "GPURING_PORT": "7000"})
     assert job is not None and (job.host, job.port) == ("m", 7000)
     assert from_environment({"RANK": "0"}) is None
+    assert first_host("n-[3-4]-ib,m1") == "n-3-ib"
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1000"}
+    for bad, match in [({"RANK": "2"}, "no rank"), ({"WORLD_SIZE": "0"}, "no rank"),
+                       ({"RANK": "x"}, "RANK='x'"), ({"MASTER_PORT": "65535"}, "out of range"),
+                       ({"GPURING_PORT": "zero"}, "GPURING_PORT")]:
+        with pytest.raises(ValueError, match=match):
+            from_environment({**torchrun, **bad})
+    one = from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "14242",
+                            "SLURM_JOB_NODELIST": "a"})
+    two = from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "24242",
+                            "SLURM_JOB_NODELIST": "a"})
+    assert one is not None and two is not None and one.port == two.port
+    assert one.salt != two.salt  # two jobs on one port: different keys, never one job

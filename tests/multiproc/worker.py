@@ -1121,23 +1121,46 @@ def case_module_api(c: Checker) -> None:
         assert comm.local_rank == comm.rank and comm.local_size == comm.size
 
 
+def case_close_and_again(c: Checker) -> None:
+    """A sub-communicator outlives the communicator it came from, which closes (rank 0 slow to
+    close: the others make theirs again first); gpuring.init() then makes a new one, and
+    both work."""
+    import time
+
+    comm, n = c.comm, c.comm.size
+    sub = comm.split(0, key=-comm.rank)  # every rank, in reverse order
+    x = np.arange(5, dtype=np.int64) + comm.rank
+    want = np.arange(5, dtype=np.int64) * n + sum(range(n))
+    if comm.rank == 0:
+        time.sleep(0.5)
+    comm.close()
+    c.expect(sub.all_reduce(x), want, "the sub-communicator after its parent closed")
+    again = gpuring.init()
+    assert again is not comm
+    c.expect(again.all_reduce(x), want, "a communicator made again")
+    again.close()
+    c.expect(sub.all_reduce(x), want, "the sub-communicator again")
+    sub.close()
+
+
 def case_nodes_without_mpi(c: Checker) -> None:
     """Simulated nodes whose ranks met without MPI (torchrun, Slurm): identity follows the
     node names; a NumPy collective across nodes raises a clear error on every rank, before
-    anything moves, and the communicator goes on (messages inside a node still run)."""
+    anything moves, and the communicator goes on (a barrier, messages inside a node)."""
     comm = c.comm
     here = os.environ["GPURING_HOSTNAME"]
     nodes = comm._control.nodes
     assert nodes[comm.rank] == here and len(set(nodes)) > 1, nodes
     assert (comm.local_rank, comm.local_size) == (nodes[:comm.rank].count(here),
                                                   nodes.count(here))
-    for attempt in (lambda: comm.all_reduce(np.ones(4, np.float32)), comm.barrier):
-        try:
-            attempt()
-        except gpuring.GpuringError as exc:
-            assert "need MPI between the nodes" in str(exc), str(exc)
-        else:
-            raise AssertionError("a NumPy collective across nodes ran without MPI")
+    try:
+        comm.all_reduce(np.ones(4, np.float32))
+    except gpuring.GpuringError as exc:
+        assert "need MPI between the nodes" in str(exc), str(exc)
+    else:
+        raise AssertionError("a NumPy collective across nodes ran without MPI")
+    comm.barrier()  # the control plane's own exchange: no MPI needed
+    assert comm.last_schedule == "agreement", comm.last_schedule
     peer = comm.rank ^ 1  # the neighbour on the same node
     if nodes[peer] == here:
         out = comm.sendrecv(np.full(3, comm.rank, np.int64), peer, np.empty(3, np.int64), peer)

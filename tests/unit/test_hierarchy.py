@@ -31,3 +31,17 @@ def test_the_fold_rounds_every_step() -> None:
     assert fold(a, ReduceOp.SUM)[0] == np.float16(0)  # (1e-3 + 2048) rounds to 2048 first
     assert fold(a[::-1], ReduceOp.SUM)[0] == np.float16(1e-3)
     assert fold([np.array([3, -5]), np.array([4, -9])], ReduceOp.MIN).tolist() == [3, -9]
+
+
+def test_integer_avg_rounds_toward_zero_without_overflow() -> None:
+    from gpuring._hierarchy import divide_toward_zero
+
+    for dtype in ("int8", "int64", "uint8"):
+        info = np.iinfo(dtype)
+        values = [v for v in (info.min, info.min + 1, -7, -6, -1, 0, 1, 6, 7, info.max)
+                  if info.min <= v <= info.max]
+        for n in (2, 3, 6):
+            got = np.array(values, dtype)
+            divide_toward_zero(got, n)
+            want = [abs(v) // n * (1 if v >= 0 else -1) for v in values]
+            assert got.tolist() == want, (dtype, n)

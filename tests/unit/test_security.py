@@ -68,3 +68,34 @@ def test_shared_memory_is_owner_only_and_unguessable():
     finally:
         a.close()
         b.close()
+
+
+def test_the_control_plane_decodes_data_only() -> None:
+    """A process that reaches the control plane (with the job's key, or with the key derived
+    from the port when none is set) cannot make a rank call anything: the control plane's
+    messages are decoded into plain data, NumPy arrays and gpuring's named tuples only."""
+    import os
+    import pickle
+    from multiprocessing import Pipe
+
+    import numpy as np
+
+    from gpuring._call import Signature
+    from gpuring._ops import ReduceOp
+    from gpuring.rendezvous.store import Post, receive
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo ran",))
+
+    ours, theirs = Pipe()
+    theirs.send(Evil())
+    with pytest.raises(pickle.UnpicklingError, match="plain data only"):
+        receive(ours)
+    fine = Post(3, ("a collective", Signature("all_reduce", "cpu", (4,), "float32", "sum", 0)),
+                "g", (0, 1))
+    theirs.send(fine)
+    assert receive(ours) == fine
+    theirs.send({"x": np.arange(3), "op": ReduceOp.SUM, "z": 1 + 2j, "s": frozenset({1})})
+    got = receive(ours)
+    assert got["x"].tolist() == [0, 1, 2] and got["op"] is ReduceOp.SUM and got["z"] == 1 + 2j
