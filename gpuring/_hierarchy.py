@@ -37,7 +37,7 @@ import numpy as np
 from . import _arrays
 from ._call import Call
 from ._errors import GpuringError, PeerFailureError, in_ranks
-from ._ops import ReduceOp
+from ._ops import ReduceOp, divide_toward_zero
 from .rendezvous.base import ControlPlane
 
 if TYPE_CHECKING:
@@ -307,13 +307,3 @@ def _divide(a: Any, n: int) -> None:
         a /= n
     else:
         divide_toward_zero(a, n)
-
-
-def divide_toward_zero(a: Any, n: int) -> None:
-    """Integer `a` //= n in place, rounded toward zero as C's division (the most negative
-    value too: no absolute value is taken), NumPy or CuPy arrays."""
-    quotient = a // n  # rounded down
-    if a.dtype.kind == "i":
-        remainder = a - quotient * n  # (may wrap where it is not 0: still not 0)
-        quotient += ((remainder != 0) & (a < 0)).astype(a.dtype)
-    a[...] = quotient

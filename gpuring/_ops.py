@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_op_dtype"]
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_op_dtype", "divide_toward_zero"]
 
 INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16: ml_dtypes
@@ -52,3 +53,13 @@ def check_op_dtype(op: ReduceOp, dtype_name: str) -> None:
         )
     if dtype_name in COMPLEX_DTYPES and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"op {op.value!r} is not defined for {dtype_name}; use sum, prod or avg")
+
+
+def divide_toward_zero(a: Any, n: int) -> None:
+    """Integer `a` //= n in place, rounded toward zero as C's division (the most negative
+    value too: no absolute value is taken), NumPy or CuPy arrays."""
+    quotient = a // n  # rounded down
+    if a.dtype.kind == "i":
+        remainder = a - quotient * n  # (may wrap where it is not 0: still not 0)
+        quotient += ((remainder != 0) & (a < 0)).astype(a.dtype)
+    a[...] = quotient

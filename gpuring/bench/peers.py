@@ -129,6 +129,8 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         else:
             if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
                 why = "CuPy could not load libnccl (pip install nvidia-nccl-cu13)"
+            elif getattr(nccl, "STAND_IN", False):
+                why = "cupy.cuda.nccl is the CUDA simulator's stand-in: no NCCL to measure"
         if not all_ranks_ok(comm, why is None):
             raise PeerUnavailable(why or "NCCL is unavailable on another rank")
         self.cupy, self.nccl, self.gcomm = cupy, nccl, comm

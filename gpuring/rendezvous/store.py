@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import builtins
 import enum
+import importlib
 import io
 import logging
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,9 +52,11 @@ class _DataOnly(pickle.Unpickler):
         if module in ("numpy", "numpy.core.multiarray", "numpy._core.multiarray") and \
                 name in _NUMPY:
             return super().find_class(module, name)
-        loaded = sys.modules.get(module)
-        if (module == "gpuring" or module.startswith("gpuring.")) and loaded is not None:
-            found = getattr(loaded, name, None)
+        if module == "gpuring" or module.startswith("gpuring."):
+            try:  # gpuring's own modules only (the process may not use that one yet)
+                found = getattr(importlib.import_module(module), name, None)
+            except ImportError:
+                found = None
             if isinstance(found, type) and issubclass(found, (tuple, enum.Enum)):
                 return found
         raise pickle.UnpicklingError(f"the control plane takes plain data only, not "
@@ -96,11 +98,13 @@ class Bye(NamedTuple):
 
 
 class Abort(NamedTuple):
-    """The rank failed in `group`: tell the group's other ranks."""
+    """The rank failed in `group`: tell the group's other ranks (`blamed`: the rank of the
+    job it blames, where it knows one)."""
 
     reason: str
     group: str = ""
     members: tuple[int, ...] = ()
+    blamed: int | None = None
 
 
 # ... and server to rank (`Lost` is the client's own note that the connection ended):
@@ -113,11 +117,13 @@ class Gathered(NamedTuple):
 
 
 class Failure(NamedTuple):
-    """Rank `rank` (of the job) failed in `group`; None: it died (every group with it)."""
+    """Rank `rank` (of the job) failed in `group`; None: it died (every group with it).
+    `blamed`: the rank of the job it blames, where it knows one."""
 
     rank: int
     reason: str
     group: str | None = None
+    blamed: int | None = None
 
 
 class Left(NamedTuple):
@@ -278,7 +284,8 @@ class StoreServer:
         with self._lock:
             for r in abort.members or {r for r, _ in self._conns}:
                 if r != rank:
-                    self._send(r, Failure(rank, abort.reason, abort.group), generation)
+                    self._send(r, Failure(rank, abort.reason, abort.group, abort.blamed),
+                               generation)
 
     def wait_until_alone(self, timeout: float) -> bool:
         """Wait (at most `timeout` s) until no rank is connected; whether none is."""

@@ -173,6 +173,9 @@ class StoreClient(ControlPlane):
             rank, reason = self.members.index(message.rank), message.reason
             if self.group:  # the server names ranks of the job
                 reason = f"{reason} (rank {message.rank} of the job is rank {rank} here)"
+            if message.blamed in self.members and message.blamed != message.rank:
+                rank = self.members.index(message.blamed)  # the rank it gave up because of
+                reason = f"rank {self.members.index(message.rank)} reports it: {reason}"
             if self.failure is None:
                 self.failure = (rank, reason)
             self._replies.put(Failure(rank, reason, message.group))
@@ -232,8 +235,9 @@ class StoreClient(ControlPlane):
 
     def report_failure(self, reason: str, peer: int | None = None,
                        timed_out: bool = False) -> None:
+        blamed = None if peer is None else self.members[peer]
         try:
-            self._send(Abort(reason, self.group, self.members if self.group else ()))
+            self._send(Abort(reason, self.group, self.members if self.group else (), blamed))
         except OSError:
             pass
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
-from .._ops import ReduceOp
+from .._ops import ReduceOp, divide_toward_zero
 from ..rendezvous.base import ControlPlane
 
 __all__ = ["NcclCollectives", "load_nccl", "nccl_id_argument", "nccl_id_bytes", "reduces"]
@@ -272,6 +272,4 @@ def _divide(cupy: Any, out: Any, size: int) -> None:
     if out.dtype.kind in "fc":
         out /= size
     else:
-        from .._hierarchy import divide_toward_zero
-
         divide_toward_zero(out, size)

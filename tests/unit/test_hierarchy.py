@@ -34,7 +34,7 @@ def test_the_fold_rounds_every_step() -> None:
 
 
 def test_integer_avg_rounds_toward_zero_without_overflow() -> None:
-    from gpuring._hierarchy import divide_toward_zero
+    from gpuring._ops import divide_toward_zero
 
     for dtype in ("int8", "int64", "uint8"):
         info = np.iinfo(dtype)
