@@ -298,6 +298,15 @@ class CallPath:
         except BaseException as exc:
             self._nodes_failed(exc, call.collective)
 
+    def sync_levels(self, name: str) -> None:
+        """Across nodes, wait for both levels' collectives; their failure is this
+        communicator's (`name`: the call that waits)."""
+        if self.levels is not None:
+            try:
+                self.levels.synchronize()
+            except BaseException as exc:
+                self._nodes_failed(exc, name)
+
     def _nodes_failed(self, exc: BaseException, name: str) -> NoReturn:
         """Raise the error of a failed call in two levels, after breaking this communicator
         and both levels and telling every peer (a mismatch of a level is found by every rank

@@ -461,12 +461,7 @@ class Communicator:
         self._drain_async()
         self._path.life.check("synchronize", self._path.seq)
         self._path.wait_engines("synchronize")
-        if self._path.levels is not None:  # across nodes
-            try:
-                self._path.levels.synchronize()
-            except BaseException as exc:
-                self._path.life.raised(exc)
-                raise
+        self._path.sync_levels("synchronize")
         if self._pairs:
             from ._groups import synchronize_channels
 

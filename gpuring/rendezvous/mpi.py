@@ -200,8 +200,9 @@ class MpiControl(ControlPlane):
     def _notice_error(self, notice: Notice) -> GpuringError:
         """The error of a failure notice, naming ranks of this group where they are in it:
         a timeout where the rank that gave up timed out, else a peer's failure."""
-        ranks = self.job_ranks  # (a rank that blames nobody is the one to name)
-        blame = notice.source if notice.peer is None else notice.peer
+        ranks = self.job_ranks  # (a rank that gave up blaming nobody is the one to name,
+        blame = notice.peer if notice.peer is not None or notice.timed_out else notice.source
+        # unless it timed out: then who is late is unknown)
         peer = ranks.index(blame) if blame in ranks else None
         if notice.timed_out:
             return CollectiveTimeoutError(f"rank {notice.source} of the job timed out "

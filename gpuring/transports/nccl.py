@@ -87,6 +87,7 @@ class NcclCollectives:
         import cupy
 
         self._cupy, self._control, self._timeout = cupy, control, timeout
+        self._device = device
         self._on_failure = on_failure
         why, unique = None, None
         try:
@@ -115,16 +116,16 @@ class NcclCollectives:
         control, cupy = self._control, self._cupy
 
         def make() -> None:
-            try:
-                with cupy.cuda.Device(device):
-                    try:
-                        made.append(self._nccl.NcclCommunicator(
-                            control.size, nccl_id_argument(unique, cupy.__version__),
-                            control.rank))
-                    except OverflowError:  # an old CuPy where C char is unsigned
-                        made.append(self._nccl.NcclCommunicator(
-                            control.size, nccl_id_argument(unique, cupy.__version__, False),
-                            control.rank))
+            try:  # (this thread's device for good: restoring another would make a context)
+                cupy.cuda.runtime.setDevice(device)
+                try:
+                    made.append(self._nccl.NcclCommunicator(
+                        control.size, nccl_id_argument(unique, cupy.__version__),
+                        control.rank))
+                except OverflowError:  # an old CuPy where C char is unsigned
+                    made.append(self._nccl.NcclCommunicator(
+                        control.size, nccl_id_argument(unique, cupy.__version__, False),
+                        control.rank))
             except BaseException as exc:
                 made.append(exc)
 
@@ -212,6 +213,9 @@ class NcclCollectives:
             raise self.failure
 
     def _watch(self) -> None:
+        # this thread's device for good (its first CUDA call would otherwise make a context
+        # on GPU 0, and so would restoring the device it had)
+        self._cupy.cuda.runtime.setDevice(self._device)
         while not self._stop.wait(_TICK):
             error = self._trouble()
             if error is not None:

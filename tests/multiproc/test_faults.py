@@ -446,6 +446,7 @@ def test_mpi_transport_a_dead_peer_times_out_the_others(tmp_path):
     out = proc.stdout + proc.stderr
     got = dir_results(tmp_path)
     assert set(got) == {0, 2}, out
-    for rank, line in got.items():
+    for rank, line in got.items():  # its own timeout, or the other's, told
         assert f"RESULT {rank} CollectiveTimeoutError " in line, out
-        assert re.search(rf":: all_reduce #\d+ on rank {rank}: MPI all_reduce timed out", line), out
+        assert re.search(rf":: all_reduce #\d+ on rank {rank}: ", line), out
+        assert "MPI all_reduce timed out" in line, out
