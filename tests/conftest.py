@@ -92,14 +92,18 @@ def start_by_hand(n: int, args: list[str], *, env: dict[str, str] | None = None,
                   timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
     """Start `python args... RANK N PORT` as n processes by hand (no launcher; they meet
     through gpuring.distributed's rendezvous on a free loopback port); wait for all."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     full_env = dict(os.environ, GPURING_JITTER="1")
     full_env.update(env or {})
     procs = [subprocess.Popen([sys.executable, args[0], str(r), str(n), str(port), *args[1:]],
                               env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(n)]
+    return _wait_all(procs, timeout)
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float
+              ) -> list[subprocess.CompletedProcess[str]]:
+    """Each process's end and output; all are killed if one outlives `timeout`."""
     done = []
     for proc in procs:
         try:
@@ -145,16 +149,7 @@ def start_as(envs: list[dict[str, str]], args: list[str], timeout: float = 300
     procs = [subprocess.Popen([sys.executable, *args], env={**base, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for env in envs]
-    done = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return done
+    return _wait_all(procs, timeout)
 
 
 def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,

@@ -64,15 +64,16 @@ def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> N
     collectives' cases check that form too (back-to-back on 2 ranks, mismatches on 2 and
     4). The odd sizes, the tests of the forms themselves, the training features (async,
     fusion, compression), calls that come again, deterministic mode, messages,
-    sub-communicators and the cupyx drop-in (nothing of them depends on the GPU count) ran
-    above."""
+    sub-communicators, the cupyx drop-in and simulated nodes (nothing of them depends on the
+    GPU count) ran above."""
     env = dict(sim_env, GPURING_CUDASIM_DEVICES="2", GPURING_CUDASIM_MEMOPS="0")
     _run_gpu_tests(env, str(GPU_TESTS / "test_multiproc_cuda.py"),
                    str(GPU_TESTS / "test_cuda_device.py"), "-k",
                    "(multiproc or spin or clear_error or legacy or fault) and not "
                    "one_operation and not cuda_graph and not dtypes_ops and not "
                    "training_features and not same_arrays and not deterministic and not "
-                   "sizes and not back_to_back-4 and not gather_scatter and not cupyx")
+                   "sizes and not back_to_back-4 and not gather_scatter and not cupyx and "
+                   "not simulated_node")
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])

@@ -1169,10 +1169,12 @@ def case_nodes_without_mpi(c: Checker) -> None:
 
 def case_nodes(c: Checker) -> None:
     """Simulated nodes (GPURING_HOSTNAME set per rank): each rank's node, local rank and local
-    size follow the names; all_reduce, reduce_scatter, all_gather, broadcast, reduce and
-    barrier run in two levels, the other verbs flat (MPI); then the cases of one node, alike
-    bit for bit on every rank; last, a rank that changes the op on the same arrays (every
-    rank raises the mismatch at once: across nodes the ranks agree at every call)."""
+    size follow the names; all_reduce, reduce_scatter, all_gather, broadcast and reduce run
+    in two levels (between nodes MPI for NumPy, NCCL for CuPy), a barrier is the agreement
+    every call across nodes begins with, the other verbs run flat (MPI; CuPy's are refused);
+    then the cases of one node, alike bit for bit on every rank; last, a rank that changes
+    the op on the same arrays (every rank raises the mismatch at once: across nodes the
+    ranks agree at every call)."""
     comm = c.comm
     here = os.environ["GPURING_HOSTNAME"]
     label = np.frombuffer(here.encode().ljust(32), np.uint8)
@@ -1197,8 +1199,10 @@ def case_nodes(c: Checker) -> None:
         else:
             raise AssertionError("a CuPy gather across nodes ran")
         cases = []
-    more = [case_split, case_mismatch, case_module_api] if c.xp is np else []
-    for case in (case_dtypes_ops, *cases, case_p2p, *more, case_again):
+    # CuPy: the collectives of two levels and those that come again (NCCL's messages, the
+    # verbs' mismatches and sub-communicators are the same code as NumPy's)
+    more = [case_p2p, case_split, case_mismatch, case_module_api] if c.xp is np else []
+    for case in (case_dtypes_ops, *cases, *more, case_again):
         case(c)
 
 
