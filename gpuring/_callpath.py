@@ -163,16 +163,20 @@ class CallPath:
         flat = "mpi" if x is None or kind == "cpu" else "nccl"
         if (flat == "mpi" and self._via_mpi()) or (flat == "nccl" and (
                 across or config.transport == "nccl")):
-            refused = config.deterministic and name in FOLDS
-            self._agree(plain, remember=not refused)
-            if refused:
-                raise GpuringError(
-                    f"{name}: deterministic mode has no {name} through {flat.upper()} "
-                    f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays across nodes, or "
-                    f"GPURING_TRANSPORT={flat}): its reduction order is its own")
-            if flat == "nccl" and name not in _NCCL_VERBS:
-                raise GpuringError(f"{name} of CuPy arrays across nodes is not supported yet "
-                                   f"(only {', '.join(sorted(_NCCL_VERBS))})")
+            refusal = None  # refused on every rank once agreed (the communicator goes on)
+            if config.deterministic and name in FOLDS:
+                refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
+                           f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays across nodes, or "
+                           f"GPURING_TRANSPORT={flat}): its reduction order is its own")
+            elif flat == "nccl" and name not in _NCCL_VERBS:
+                refusal = (f"{name} of CuPy arrays across nodes is not supported yet (only "
+                           f"{', '.join(sorted(_NCCL_VERBS))})")
+            elif flat == "nccl" and name in FOLDS and x is not None and \
+                    not _nccl_reduces(x.dtype, call.op):
+                refusal = f"{name}: NCCL has no {call.op.value} of {x.dtype}"
+            self._agree(plain, remember=refusal is None)
+            if refusal is not None:
+                raise GpuringError(refusal)
             return PreparedCall(Route.MPI if flat == "mpi" else Route.NCCL, schedule=flat)
         devices = device_class(kind)
         if x is not None:  # chunk None: the engine's default (the device's, for this job)
@@ -347,7 +351,7 @@ class CallPath:
                 from .transports.nccl import NcclCollectives
 
                 self.nccl = NcclCollectives(self.control, int(call.x.device.id),
-                                            self.config.timeout, weakly(self.fail))
+                                            self.config.timeout, weakly(self.nccl_failed))
             self.nccl.run(name, call.x, call.out, call.op, call.root, self.size)
         except BaseException as exc:
             error: BaseException = exc
@@ -358,6 +362,13 @@ class CallPath:
                 raise
             raise error from None
         return call.out
+
+    def nccl_failed(self, error: GpuringError) -> None:
+        """NCCL's watcher found a failure (after this rank's calls returned): the peers must
+        know too (those of other nodes wait in NCCL until told)."""
+        self.control.report_failure(f"rank {self.rank}: {error!r}", getattr(error, "peer", None),
+                                    isinstance(error, CollectiveTimeoutError))
+        self.fail(error)
 
     def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
         launch = prepared.launch
@@ -670,6 +681,12 @@ _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.NODES: CallPath._run_nodes,
     Route.NCCL: CallPath._run_via_nccl,
 }
+
+def _nccl_reduces(dtype: Any, op: Any) -> bool:
+    from .transports.nccl import reduces
+
+    return reduces(dtype, op)
+
 
 #: the verbs NCCL runs (CuPy arrays across nodes, flat)
 _NCCL_VERBS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})

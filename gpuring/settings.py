@@ -115,7 +115,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_HOSTNAME", str, None, "the host's name",
             "the node name this rank reports; ranks with the same name are one node (they map "
             "each other's memory): for tests and containers, e.g. two simulated nodes on one "
-            "machine"),
+            "machine (NCCL's NCCL_HOSTID follows it where unset)"),
     Setting("GPURING_PORT", int, None, "MASTER_PORT + 1",
             "under torchrun or Slurm (not `gpuring run` or `mpiexec`): the port rank 0 serves "
             "gpuring's control plane on (Slurm without MASTER_PORT: 29500 + job id % 10000)"),

@@ -52,6 +52,8 @@ class _DataOnly(pickle.Unpickler):
         if module in ("numpy", "numpy.core.multiarray", "numpy._core.multiarray") and \
                 name in _NUMPY:
             return super().find_class(module, name)
+        if module in ("numpy.core.numeric", "numpy._core.numeric") and name == "_frombuffer":
+            return super().find_class(module, name)  # (arrays pickled with protocol 5)
         if module == "gpuring" or module.startswith("gpuring."):
             try:  # gpuring's own modules only (the process may not use that one yet)
                 found = getattr(importlib.import_module(module), name, None)

@@ -3,12 +3,16 @@ cannot map a peer's memory. Each call is queued on the caller's stream and retur
 every CuPy collective of gpuring does.
 
 Bounded, with NCCL's own means. ncclCommInitRank waits for every rank without a limit, so the
-communicator is made on a thread and waited for within the timeout. Every call records an
-event after it, and a watcher thread (every 50 ms) fails the communicator when a call has not
-completed within the timeout, when NCCL reports an asynchronous error
-(ncclCommGetAsyncError), or when the control plane learns that a rank failed (a notice to
-the job, a watch of the node's status board); failing aborts the NCCL communicator
-(ncclCommAbort), which ends its calls still queued or running, so the caller's stream goes on.
+communicator is made on a thread and waited for within the timeout (a communicator that comes
+after that is aborted). Connections are made at init (NCCL_RUNTIME_CONNECT=0 unless set
+otherwise), so no later call waits on the host for its peers. Every call records an event
+before and after it, and a watcher thread (every 50 ms) fails the communicator when a call
+has not completed within the timeout of the moment the stream reached it, when NCCL reports
+an asynchronous error (ncclCommGetAsyncError), or when the control plane learns that a rank
+failed (a notice to the job, a watch of the node's status board); failing aborts the NCCL
+communicator (ncclCommAbort), which ends its calls still queued or running, so the caller's
+stream goes on. NCCL's calls on one communicator never overlap (a lock): the caller's enqueue
+and the watcher's query and abort take turns.
 
 Types: NCCL's own; bytes moved (all_gather, broadcast) as uint8 whatever the dtype; complex
 sums as pairs of reals. avg is a sum divided afterwards (integers rounded toward zero, as
@@ -18,13 +22,16 @@ gpuring's own avg).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
 from .._ops import ReduceOp, divide_toward_zero
 from ..rendezvous.base import ControlPlane
@@ -101,10 +108,16 @@ class NcclCollectives:
         if missing:
             raise GpuringError("; ".join(missing))
         self._nccl = nccl
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")  # (read by NCCL at its first init)
+        node = settings.get("GPURING_HOSTNAME")
+        if node:  # NCCL's nodes are gpuring's: NCCL refuses two ranks on one GPU of one node
+            os.environ.setdefault("NCCL_HOSTID", node)
         self.comm = self._make(met[0][1], device)
-        self._pending: collections.deque[tuple[Any, float, str]] = collections.deque()
-        self._lock = threading.Lock()
+        #: the calls not known complete: (started, done, name, when the stream reached it)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._lock = threading.Lock()  # the state below and every call of `comm`
         self.failure: GpuringError | None = None
+        self._closed = False
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="gpuring-nccl", daemon=True)
         self._watcher.start()
@@ -133,6 +146,12 @@ class NcclCollectives:
         thread.start()
         thread.join(self._timeout)
         if not made:
+            def abort_if_made() -> None:  # it may come yet: it must not stay connected
+                thread.join()
+                if made and not isinstance(made[0], BaseException):
+                    made[0].abort()
+            threading.Thread(target=abort_if_made, name="gpuring-nccl-init-abort",
+                             daemon=True).start()
             raise CollectiveTimeoutError(
                 f"the NCCL communicator of rank {control.rank} was not made within "
                 f"{self._timeout} s: some rank did not take part")
@@ -146,10 +165,20 @@ class NcclCollectives:
         (`out` as the MPI transport takes it: x itself in place, all_gather's out holding x
         as this rank's slot, reduce_scatter's out x's block of this rank, None off a
         reduce's root)."""
-        self._check()
-        cupy, nccl, c = self._cupy, self._nccl, self.comm
+        cupy = self._cupy
         stream = cupy.cuda.get_current_stream()
-        ptr = int(stream.ptr)
+        started = cupy.cuda.Event(block=False, disable_timing=True)
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        with self._lock:
+            self._check()
+            started.record(stream)
+            self._enqueue(name, x, out, op, root, size, int(stream.ptr))
+            done.record(stream)
+            self._pending.append(_Pending(started, done, name))
+
+    def _enqueue(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int,
+                 ptr: int) -> None:
+        cupy, nccl, c = self._cupy, self._nccl, self.comm
         if name in ("all_gather", "broadcast"):  # bytes
             count, t = x.nbytes, nccl.NCCL_UINT8
             if name == "all_gather":
@@ -169,10 +198,6 @@ class NcclCollectives:
                 out[...] = target.astype(out.dtype)
             if op is ReduceOp.AVG and out is not None:
                 _divide(cupy, out, size)
-        event = cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
-        with self._lock:
-            self._pending.append((event, time.monotonic() + self._timeout, name))
 
     def _typed(self, x: Any, out: Any, op: ReduceOp) -> tuple[Any, Any, int, int, bool]:
         """(input, output, NCCL type, NCCL op, widened) of a reduction: complex as pairs of reals; a
@@ -198,13 +223,17 @@ class NcclCollectives:
 
     # -- completion and failure ------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait until every queued call completed (bounded: the watcher fails a late one)."""
+        """Wait until every queued call completed (bounded: the watcher fails a late one; a
+        watcher that is gone is a failure too)."""
         delay = 1e-4
         while True:
-            self._check()
             with self._lock:
+                self._check()
                 if not self._pending:
                     return
+            if not self._watcher.is_alive():
+                raise GpuringError(f"the NCCL watcher of rank {self._control.rank} stopped "
+                                   "with calls pending")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
@@ -213,30 +242,40 @@ class NcclCollectives:
             raise self.failure
 
     def _watch(self) -> None:
-        # this thread's device for good (its first CUDA call would otherwise make a context
-        # on GPU 0, and so would restoring the device it had)
-        self._cupy.cuda.runtime.setDevice(self._device)
-        while not self._stop.wait(_TICK):
-            error = self._trouble()
-            if error is not None:
-                self.abort(str(error), error)
-                return
+        try:
+            # this thread's device for good (its first CUDA call would otherwise make a
+            # context on GPU 0, and so would restoring the device it had)
+            self._cupy.cuda.runtime.setDevice(self._device)
+            while not self._stop.wait(_TICK):
+                error = self._trouble()
+                if error is not None:
+                    self._fail(error)
+                    return
+        except BaseException as exc:  # never a silent end: synchronize() would spin
+            self._fail(GpuringError(f"the NCCL watcher of rank {self._control.rank} "
+                                    f"failed: {exc!r}"))
 
     def _trouble(self) -> GpuringError | None:
+        now = time.monotonic()
         with self._lock:
-            while self._pending and self._pending[0][0].done:
+            if self._closed:
+                return None
+            while self._pending and self._pending[0].done.done:
                 self._pending.popleft()
-            late = self._pending[0] if self._pending and \
-                time.monotonic() > self._pending[0][1] else None
-        if late is not None:
-            return CollectiveTimeoutError(
-                f"NCCL {late[2]} did not complete on rank {self._control.rank} within "
-                f"{self._timeout} s: some rank did not take part", collective=late[2])
-        try:
-            self.comm.check_async_error()
-        except Exception as exc:
-            return PeerFailureError(f"NCCL reported an error on rank {self._control.rank}: "
-                                    f"{exc}")
+            for call in self._pending:  # the clock starts when the stream reaches a call
+                if call.reached is None and call.started.done:
+                    call.reached = now
+            late = next((c for c in self._pending if c.reached is not None
+                         and now > c.reached + self._timeout), None)
+            if late is not None:
+                return CollectiveTimeoutError(
+                    f"NCCL {late.name} did not complete on rank {self._control.rank} within "
+                    f"{self._timeout} s: some rank did not take part", collective=late.name)
+            try:
+                self.comm.check_async_error()
+            except Exception as exc:
+                return PeerFailureError(f"NCCL reported an error on rank "
+                                        f"{self._control.rank}: {exc}")
         notice = self._control.failure_notice()
         if notice is not None:
             return notice
@@ -246,17 +285,25 @@ class NcclCollectives:
                 return found
         return None
 
-    def abort(self, reason: str, error: GpuringError | None = None) -> None:
-        """End every queued call (ncclCommAbort) and fail this transport. Any thread."""
-        with self._lock:
-            if self.failure is not None:
-                return
-            self.failure = error or PeerFailureError(reason)
-            self._pending.clear()
-        self._stop.set()
-        self.comm.abort()
-        if error is not None:
+    def _fail(self, error: GpuringError) -> None:
+        """The watcher's: abort, then tell the communicator (`on_failure`)."""
+        if self._abort(error):
             self._on_failure(error)
+
+    def abort(self, reason: str) -> None:
+        """End every queued call (ncclCommAbort) and fail this transport. Any thread."""
+        self._abort(PeerFailureError(reason))
+
+    def _abort(self, error: GpuringError) -> bool:
+        """Whether this call aborted (not an earlier one, nor after close)."""
+        with self._lock:
+            if self.failure is not None or self._closed:
+                return False
+            self.failure = error
+            self._pending.clear()
+            self._stop.set()
+            self.comm.abort()
+        return True
 
     def close(self) -> None:
         """Wait for the queued calls (bounded), then free the communicator."""
@@ -266,9 +313,22 @@ class NcclCollectives:
         finally:
             self._stop.set()
             if threading.current_thread() is not self._watcher:
-                self._watcher.join(timeout=1)
-            if self.failure is None:
-                self.comm.destroy()
+                self._watcher.join()  # (a tick is bounded: the watcher ends within one)
+            with self._lock:
+                if self.failure is None and not self._closed:
+                    self.comm.destroy()
+                self._closed = True
+
+
+@dataclass
+class _Pending:
+    """A call not known complete: events before and after it on the caller's stream, and
+    when the watcher saw the stream reach it (its timeout counts from then)."""
+
+    started: Any
+    done: Any
+    name: str
+    reached: float | None = None
 
 
 def _divide(cupy: Any, out: Any, size: int) -> None:

@@ -9,6 +9,9 @@ semantics where gpuring depends on them.
   something else) holds the stream, as NCCL's kernels do, until `abort()`.
 - `abort()` (ncclCommAbort) releases the waits of every queued call, which then write
   nothing; `check_async_error()` raises NcclError afterwards.
+- Two ranks of one host (NCCL_HOSTID, else the host name) on one GPU are refused at init
+  ("Duplicate GPU detected") unless NCCL_MULTI_RANK_GPU_ENABLE=1; buffers that overlap other
+  than in NCCL's in-place forms are refused at the call (NCCL leaves them undefined).
 
 Ranks meet through files under the system's temporary directory, named after the unique id.
 Reductions fold in rank order, each step rounded to the dtype.
@@ -20,6 +23,7 @@ import ctypes
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -88,10 +92,21 @@ class NcclCommunicator:
         self._aborted = threading.Event()
         self._error: str | None = None
         self._comm = 1
-        _publish(os.path.join(self._dir, f"join-{rank}"), b"")
-        while not all(os.path.exists(os.path.join(self._dir, f"join-{r}"))
-                      for r in range(ndev)):
+        sim = sys.modules["cupy"]
+        self._device = sim.cuda.runtime.getDevice()
+        where = f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}|" \
+                f"{sim.cuda.Device(self._device).pci_bus_id}"
+        _publish(os.path.join(self._dir, f"join-{rank}"), where.encode())
+        joins = [os.path.join(self._dir, f"join-{r}") for r in range(ndev)]
+        while not all(os.path.exists(p) for p in joins):
             time.sleep(_POLL)
+        for other, path in enumerate(joins):  # as ncclCommInitRank: one GPU per rank of a
+            with open(path, "rb") as f:  # host, unless NCCL_MULTI_RANK_GPU_ENABLE=1
+                theirs = f.read().decode()
+            if other != rank and theirs == where and \
+                    os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+                raise NcclError(5, f"Duplicate GPU detected : rank {rank} and rank {other} "
+                                   f"both on CUDA device {where.split('|')[1]}")
 
     @property
     def comm(self) -> int:
@@ -105,10 +120,15 @@ class NcclCommunicator:
 
     # -- the calls -----------------------------------------------------------------------
     def _queue(self, stream: int, sendbuf: int, nbytes: int,
-               finish: Any) -> None:
+               finish: Any, recvbuf: int = 0, recvbytes: int = 0, in_place: int = -1) -> None:
         """Queue one call: publish `nbytes` at `sendbuf`, wait for every rank's, then
-        `finish(inputs)` (each rank's bytes, in rank order)."""
+        `finish(inputs)` (each rank's bytes, in rank order). The output (`recvbytes` at
+        `recvbuf`) may only overlap the input as NCCL's in-place form has it: the input at
+        `in_place` (an address; -1: the output's own)."""
         sim = sys.modules["cupy"]  # the simulator
+        if recvbytes and nbytes and sendbuf < recvbuf + recvbytes and recvbuf < \
+                sendbuf + nbytes and sendbuf != (recvbuf if in_place < 0 else in_place):
+            raise NcclError(5, "invalid usage: the buffers overlap, but not in place")
         if not self._comm:
             raise NcclError(5, "communicator aborted or destroyed")
         seq, self._seq = self._seq, self._seq + 1
@@ -146,7 +166,8 @@ class NcclCommunicator:
                   stream: int) -> None:
         dtype = np.dtype(_DTYPES[datatype])
         self._queue(stream, sendbuf, count * dtype.itemsize, lambda inputs: _write(
-            recvbuf, _fold([np.frombuffer(b, dtype) for b in inputs], op)))
+            recvbuf, _fold([np.frombuffer(b, dtype) for b in inputs], op)),
+            recvbuf, count * dtype.itemsize)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
                root: int, stream: int) -> None:
@@ -155,13 +176,15 @@ class NcclCommunicator:
         def finish(inputs: list[bytes]) -> None:
             if self._rank == root:
                 _write(recvbuf, _fold([np.frombuffer(b, dtype) for b in inputs], op))
-        self._queue(stream, sendbuf, count * dtype.itemsize, finish)
+        self._queue(stream, sendbuf, count * dtype.itemsize, finish, recvbuf,
+                    count * dtype.itemsize if self._rank == root else 0)
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
                   stream: int) -> None:
         nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
         self._queue(stream, sendbuff, nbytes if self._rank == root else 0,
-                    lambda inputs: ctypes.memmove(recvbuff, inputs[root], nbytes))
+                    lambda inputs: ctypes.memmove(recvbuff, inputs[root], nbytes),
+                    recvbuff, nbytes)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
         self.broadcast(buff, buff, count, datatype, root, stream)
@@ -175,13 +198,16 @@ class NcclCommunicator:
             blocks = [np.frombuffer(b, dtype)[rank * recvcount:(rank + 1) * recvcount]
                       for b in inputs]
             _write(recvbuf, _fold(blocks, op))
-        self._queue(stream, sendbuf, recvcount * self._ndev * dtype.itemsize, finish)
+        block = recvcount * dtype.itemsize
+        self._queue(stream, sendbuf, block * self._ndev, finish, recvbuf, block,
+                    recvbuf - rank * block)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
                   stream: int) -> None:
         nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
         self._queue(stream, sendbuf, nbytes, lambda inputs: ctypes.memmove(
-            recvbuf, b"".join(inputs), nbytes * len(inputs)))
+            recvbuf, b"".join(inputs), nbytes * len(inputs)), recvbuf,
+            nbytes * self._ndev, recvbuf + self._rank * nbytes)
 
     # -- lifetime and errors -------------------------------------------------------------
     def check_async_error(self) -> None:

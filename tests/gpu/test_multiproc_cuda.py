@@ -194,11 +194,13 @@ def test_survivors_of_a_killed_rank_keep_their_gpu():
 @pytest.mark.mpi
 def test_simulated_nodes(tmp_path):
     """2 simulated nodes of 2 ranks (GPURING_HOSTNAME): CuPy collectives in two levels (CUDA
-    IPC in each node, NCCL between nodes), messages, sub-communicators, mismatches, bit for
-    bit alike on every rank."""
+    IPC in each node, NCCL between nodes), bit for bit alike on every rank. The ranks of an
+    NCCL communicator share the one GPU: NCCL takes them as ranks of different hosts because
+    gpuring sets NCCL_HOSTID from GPURING_HOSTNAME (else it would refuse them, as NCCL's
+    stand-in in the simulator does)."""
     proc = launch("mpiexec", 4, [str(WORKER), "nodes", str(tmp_path), "cuda"],
                   nodes=["a", "a", "b", "b"], timeout=600,
-                  env={"GPURING_JITTER": "0", "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+                  env={"GPURING_JITTER": "0"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"nodes-{r}.txt").read_text() for r in range(4)]
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
@@ -211,7 +213,7 @@ def test_a_killed_rank_on_a_simulated_node(tmp_path):
     waiting for it are aborted), and goes on using its GPU."""
     envs = torchrun_env(4, free_port(), ["a", "a", "b", "b"])
     for env in envs:
-        env.update(GPURING_TIMEOUT="120", GPURING_JITTER="0", NCCL_MULTI_RANK_GPU_ENABLE="1")
+        env.update(GPURING_TIMEOUT="120", GPURING_JITTER="0")
     done = start_as(envs, [str(FAULTS), "kill_cuda"], timeout=300)
     out = "".join(p.stdout + p.stderr for p in done)
     for rank in (0, 2, 3):
