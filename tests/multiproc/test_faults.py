@@ -134,10 +134,10 @@ def test_verify_mode_catches_results_that_differ():
 @pytest.mark.slow
 def test_soak_4_ranks():
     proc = launch("gpuring", 4, [WORKER, "soak"], env={"GPURING_JITTER": "0",
-                                                      "SOAK_COUNT": "2000"}, timeout=900)
+                                                      "SOAK_COUNT": "1500"}, timeout=900)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
-    assert proc.stdout.count("ok soak 2000") == 4, out
+    assert proc.stdout.count("ok soak 1500") == 4, out
 
 
 def test_sigterm_to_launcher_reaches_every_rank(tmp_path):
