@@ -61,19 +61,16 @@ def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> N
     local_rank % 2, its arrays live there, IPC maps buffers across devices (with peer
     access), waits spin in kernels, and the device says why it fell back. Small collectives
     run as one kernel here (GPURING_CUDA_FUSED=auto without stream memory operations), so the
-    collectives' cases check that form too (mismatches on 2 ranks). The odd sizes, the tests
-    of the forms themselves, the training features (async, fusion, compression), calls that
+    collectives' case checks that form too (mismatches on 2 ranks). The other multi-process
+    cases (odd sizes, the tests of the forms themselves, the training features, calls that
     come again, back-to-back collectives, deterministic mode, messages,
-    sub-communicators, the cupyx drop-in and simulated nodes (nothing of them depends on the
+    sub-communicators, the cupyx drop-in, simulated nodes: nothing of them depends on the
     GPU count) ran above."""
     env = dict(sim_env, GPURING_CUDASIM_DEVICES="2", GPURING_CUDASIM_MEMOPS="0")
     _run_gpu_tests(env, str(GPU_TESTS / "test_multiproc_cuda.py"),
                    str(GPU_TESTS / "test_cuda_device.py"), "-k",
-                   "(multiproc or spin or clear_error or legacy or fault) and not "
-                   "one_operation and not cuda_graph and not dtypes_ops and not "
-                   "training_features and not same_arrays and not deterministic and not "
-                   "sizes and not back_to_back and not mismatch-4 and not gather_scatter and "
-                   "not cupyx and not simulated_node")
+                   "spin or clear_error or legacy or fault or (cuda_collectives and "
+                   "mismatch-2)")
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "broadcast"])
