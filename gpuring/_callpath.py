@@ -5,6 +5,7 @@ path when something fails (the lifecycle's transitions, telling the peers, relea
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import weakref
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from .transports.nccl import NcclCollectives
 
 __all__ = ["CallPath", "weakly"]
+
+log = logging.getLogger("gpuring")
 
 #: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
 _VERIFIED = ("all_reduce", "all_gather", "broadcast")
@@ -92,6 +95,9 @@ class CallPath:
         self.layout = None if control.single_node else Layout.of(control.nodes, control.rank)
         self.levels: Levels | None = None  #: those two levels' communicators, made on first use
         self.nccl: NcclCollectives | None = None  #: CuPy collectives on NCCL, made on first use
+        #: per kind of device that may lack it: whether the ranks map each other's memory
+        #: (decided with the first collective of that kind; else the collectives run on NCCL)
+        self.mappable: dict[str, bool] = {}
 
     def run(self, call: Call) -> Any:
         """Run a checked call: prepare it once per key, then run it by its route."""
@@ -152,6 +158,10 @@ class CallPath:
             self._agree(plain)
             return PreparedCall(Route.ALONE, schedule="alone")
         across = not self.control.single_node
+        if x is not None and not across and config.transport == "auto" and \
+                kind not in self.mappable and device_class(kind).may_be_unreachable:
+            self._agree(plain, remember=False)  # (every rank asks on the same call)
+            self.mappable[kind] = self._peers_reachable(kind, name)
         if x is None and across and config.transport == "auto":  # every call agrees first:
             return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
         if x is not None and self._nodes_route(name) and (kind != "cpu" or self._via_mpi()):
@@ -162,18 +172,14 @@ class CallPath:
             return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
         flat = "mpi" if x is None or kind == "cpu" else "nccl"
         if (flat == "mpi" and self._via_mpi()) or (flat == "nccl" and (
-                across or config.transport == "nccl")):
+                across or config.transport == "nccl" or not self.mappable.get(kind, True))):
             refusal = None  # refused on every rank once agreed (the communicator goes on)
             if config.deterministic and name in FOLDS:
+                where = "across nodes" if flat == "mpi" else \
+                    "across nodes or between GPUs without peer access"
                 refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
-                           f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays across nodes, or "
+                           f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {where}, or "
                            f"GPURING_TRANSPORT={flat}): its reduction order is its own")
-            elif flat == "nccl" and name not in _NCCL_VERBS:
-                refusal = (f"{name} of CuPy arrays across nodes is not supported yet (only "
-                           f"{', '.join(sorted(_NCCL_VERBS))})")
-            elif flat == "nccl" and name in FOLDS and x is not None and \
-                    not _nccl_reduces(x.dtype, call.op):
-                refusal = f"{name}: NCCL has no {call.op.value} of {x.dtype}"
             self._agree(plain, remember=refusal is None)
             if refusal is not None:
                 raise GpuringError(refusal)
@@ -487,6 +493,27 @@ class CallPath:
         return (self.layout is not None and self.config.transport == "auto"
                 and self._make_communicator is not None and name in HIERARCHICAL)
 
+    def _peers_reachable(self, kind: str, name: str) -> bool:
+        """Whether every rank of this node can map every other's memory of `kind` (CUDA IPC
+        needs peer access between different GPUs), decided by all ranks at once with call
+        `name`; where one cannot, their collectives of `kind` run on NCCL."""
+        devices = device_class(kind)
+        try:
+            place = devices.place(self.control)
+        except Exception:  # the device says why once made
+            place = ""
+        places = self.exchange("where each rank's memory lies", place, name, name)
+        try:
+            why = devices.unreachable(self.control, places)
+        except Exception as exc:
+            why = f"peer access unknown ({exc!r})"
+        whys = self.exchange("peer access", why, name, name)
+        refused = [f"rank {r}: {w}" for r, w in enumerate(whys) if w]
+        if refused:
+            log.info("%s arrays: no peer access between these ranks' memory (%s); their "
+                     "collectives run on NCCL", devices.arrays, "; ".join(refused))
+        return not refused
+
     def _via_mpi(self) -> bool:
         """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
         if self.control.single_node and self.config.transport != "mpi":
@@ -514,10 +541,15 @@ class CallPath:
         with self.lock:
             if self.life.state is not State.OPEN:
                 self.life.check(name, self.seq + 1)
-            if self.size == 1 or (kind == "cpu" and self._via_mpi()):
+            if self.size == 1 or (kind == "cpu" and self._via_mpi()) or (
+                    kind != "cpu" and not self.control.single_node):
                 return None
             self._ensure_watchdog()
             self._agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
+            if kind not in self.mappable and device_class(kind).may_be_unreachable:
+                self.mappable[kind] = self._peers_reachable(kind, name)
+            if not self.mappable.get(kind, True):
+                return None
             try:
                 engine = self._engine(kind, self._capacity(kind))
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -681,12 +713,3 @@ _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.NODES: CallPath._run_nodes,
     Route.NCCL: CallPath._run_via_nccl,
 }
-
-def _nccl_reduces(dtype: Any, op: Any) -> bool:
-    from .transports.nccl import reduces
-
-    return reduces(dtype, op)
-
-
-#: the verbs NCCL runs (CuPy arrays across nodes, flat)
-_NCCL_VERBS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})

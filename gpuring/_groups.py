@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _arrays, interop
-from ._errors import GpuringError, in_ranks
+from ._errors import GpuringError, PeerLeft, in_ranks
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -150,6 +150,16 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             _message(receiving, out, theirs)
+    except PeerLeft:
+        # the receive's peer only left (after a failure elsewhere): the send's failure, where
+        # it has one of its own, is closer to the cause (a peer that died, say)
+        try:
+            with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
+                work.wait()
+        except GpuringError as sent:
+            if not isinstance(sent, PeerLeft):
+                raise
+        raise
     except BaseException:
         # the send is bounded by its channel's timeout; when both halves fail, the receive's
         # error is the one raised (a peer that gave up because of it fails the send)

@@ -37,7 +37,7 @@ import numpy as np
 from . import _arrays
 from ._call import Call
 from ._errors import GpuringError, PeerFailureError, in_ranks
-from ._ops import ReduceOp, divide_toward_zero
+from ._ops import ReduceOp, divide_toward_zero, fold
 from .rendezvous.base import ControlPlane
 
 if TYPE_CHECKING:
@@ -282,20 +282,6 @@ def _where(layout: Layout, rank: int) -> tuple[int, int]:
         if rank in members:
             return node, members.index(rank)
     raise ValueError(f"rank {rank} is on no node")
-
-
-def fold(arrays: list[Any], op: ReduceOp) -> Any:
-    """arrays[0] op arrays[1] op ... in order, each step rounded to the dtype (16-bit floats
-    computed in float32), as the engines' folds (NumPy or CuPy arrays)."""
-    xp = _arrays.array_module(arrays[0])
-    dtype = arrays[0].dtype
-    wide = np.float32 if dtype.name in ("float16", "bfloat16") else dtype
-    ufunc = {ReduceOp.SUM: xp.add, ReduceOp.PROD: xp.multiply, ReduceOp.MIN: xp.minimum,
-             ReduceOp.MAX: xp.maximum}[op]
-    acc = arrays[0].copy()
-    for a in arrays[1:]:
-        acc = ufunc(acc.astype(wide), a.astype(wide)).astype(dtype)
-    return acc
 
 
 def _divide(a: Any, n: int) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_op_dtype", "divide_toward_zero"]
+import numpy as np
+
+from ._arrays import array_module
+
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_op_dtype", "divide_toward_zero", "fold"]
 
 INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # bfloat16: ml_dtypes
@@ -63,3 +67,17 @@ def divide_toward_zero(a: Any, n: int) -> None:
         remainder = a - quotient * n  # (may wrap where it is not 0: still not 0)
         quotient += ((remainder != 0) & (a < 0)).astype(a.dtype)
     a[...] = quotient
+
+
+def fold(arrays: list[Any], op: ReduceOp) -> Any:
+    """arrays[0] op arrays[1] op ... in order, each step rounded to the dtype (16-bit floats
+    computed in float32), as the engines' folds (NumPy or CuPy arrays)."""
+    xp = array_module(arrays[0])
+    dtype = arrays[0].dtype
+    wide = np.float32 if dtype.name in ("float16", "bfloat16") else dtype
+    ufunc = {ReduceOp.SUM: xp.add, ReduceOp.PROD: xp.multiply, ReduceOp.MIN: xp.minimum,
+             ReduceOp.MAX: xp.maximum}[op]
+    acc = arrays[0].copy()
+    for a in arrays[1:]:
+        acc = ufunc(acc.astype(wide), a.astype(wide)).astype(dtype)
+    return acc

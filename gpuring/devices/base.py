@@ -295,6 +295,22 @@ class Device(abc.ABC):
         same stream): where a prepared `Direct` runs."""
         raise NotImplementedError(f"{type(self).__name__} has no caller's stream")
 
+    #: whether the ranks of one node may be unable to map each other's memory (GPUs without
+    #: peer access): then the ranks ask `unreachable` before the engine is made
+    may_be_unreachable: bool = False
+
+    @classmethod
+    def place(cls, control: ControlPlane) -> str:
+        """Where this rank's device memory lies, in terms `unreachable` compares (a GPU's PCI
+        bus id); "" where every rank reaches every other."""
+        return ""
+
+    @classmethod
+    def unreachable(cls, control: ControlPlane, places: Sequence[str]) -> str | None:
+        """Why this rank cannot map the memory of some rank of this node (`places`: every
+        rank's `place`); None where it maps every one."""
+        return None
+
     @classmethod
     def for_job(cls, control: ControlPlane, timeout: float) -> Device:
         """This rank's device for collectives of the job `control` describes (flag waits

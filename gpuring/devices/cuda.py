@@ -185,9 +185,32 @@ class CudaDevice(Device):
     #: a fold of more sources takes several launches, each after the first starting from dst
     in_place_fold_sources = _kernels.MAX_SOURCES
 
+    may_be_unreachable = True
+
     @classmethod
     def _for_rank(cls, control: ControlPlane, timeout: float) -> CudaDevice:
         return cls(local_rank=control.device_slot, timeout=timeout)
+
+    @classmethod
+    def place(cls, control: ControlPlane) -> str:
+        """The PCI bus id of the GPU this rank uses (as `__init__` picks it)."""
+        cupy = _cupy()
+        count = cupy.cuda.runtime.getDeviceCount()
+        return str(cupy.cuda.Device(control.device_slot % count).pci_bus_id) if count else ""
+
+    @classmethod
+    def unreachable(cls, control: ControlPlane, places: Sequence[str]) -> str | None:
+        """CUDA IPC maps a peer's memory on another GPU only with peer-to-peer access."""
+        mine = places[control.rank]
+        runtime = _cupy().cuda.runtime
+        count = runtime.getDeviceCount()
+        if not mine or not count:
+            return None  # (the device says why when it is made)
+        for bus in sorted(set(places) - {mine}):
+            why = _unreachable(control.device_slot % count, mine, bus)
+            if why is not None:
+                return why
+        return None
 
     def __init__(self, device_id: int | None = None, *, local_rank: int | None = None,
                  timeout: float = 300.0, flags: str | None = None, copy: str | None = None):
@@ -509,7 +532,7 @@ class CudaDevice(Device):
                 f"shares a node with this one on {here!r} (ranks that report one node name, "
                 "GPURING_HOSTNAME or the host's, must run on one host)")
         if handle.gpu != self._pci_bus_id:
-            why = self._unreachable(handle.gpu)
+            why = _unreachable(self.device_id, self._pci_bus_id, handle.gpu)
             if why is not None:
                 raise GpuringError(
                     f"CUDA IPC between GPUs needs peer-to-peer access, and {why}: run these "
@@ -522,18 +545,6 @@ class CudaDevice(Device):
             mem = CudaMemory(int(ptr), handle.nbytes, "peer")
             self._opened[handle.ipc] = mem
         return mem
-
-    def _unreachable(self, bus_id: str) -> str | None:
-        """Why this GPU cannot read the GPU at PCI bus `bus_id` directly (None: it can)."""
-        runtime = _cupy().cuda.runtime
-        try:
-            peer = int(runtime.deviceGetByPCIBusId(bus_id))
-        except Exception:
-            return f"GPU {bus_id} is not visible to this process (CUDA_VISIBLE_DEVICES)"
-        if peer != self.device_id and not runtime.deviceCanAccessPeer(self.device_id, peer):
-            return (f"GPU {self.device_id} ({self._pci_bus_id}) cannot access GPU {peer} "
-                    f"({bus_id}) peer to peer")
-        return None
 
     def array(self, mem: Memory, shape: tuple[int, ...], dtype: Any) -> Any:
         if not isinstance(mem, CudaMemory) or mem.kind != "local" or mem._owner is None:
@@ -690,3 +701,16 @@ class CudaDevice(Device):
             runtime.freeHost(self._released_ptr)
             runtime.freeHost(self._readback_ptr)
             self.status_ptr = self._released_ptr = self._readback_ptr = 0
+
+
+def _unreachable(device_id: int, own_bus: str, bus_id: str) -> str | None:
+    """Why GPU `device_id` (at PCI bus `own_bus`) cannot read the GPU at PCI bus `bus_id`
+    directly (None: it can)."""
+    runtime = _cupy().cuda.runtime
+    try:
+        peer = int(runtime.deviceGetByPCIBusId(bus_id))
+    except Exception:
+        return f"GPU {bus_id} is not visible to this process (CUDA_VISIBLE_DEVICES)"
+    if peer != device_id and not runtime.deviceCanAccessPeer(device_id, peer):
+        return f"GPU {device_id} ({own_bus}) cannot access GPU {peer} ({bus_id}) peer to peer"
+    return None

@@ -14,8 +14,11 @@ communicator (ncclCommAbort), which ends its calls still queued or running, so t
 stream goes on. NCCL's calls on one communicator never overlap (a lock): the caller's enqueue
 and the watcher's query and abort take turns.
 
-Types: NCCL's own; bytes moved (all_gather, broadcast) as uint8 whatever the dtype; complex
-sums as pairs of reals. avg is a sum divided afterwards (integers rounded toward zero, as
+gather, scatter and all_to_all are NCCL's point-to-point calls, grouped.
+
+Types: NCCL's own; bytes moved (all_gather, broadcast, the point-to-point verbs) as uint8
+whatever the dtype; complex sums as pairs of reals, complex products as an all_gather and a
+fold in rank order. avg is a sum divided afterwards (integers rounded toward zero, as
 gpuring's own avg).
 """
 
@@ -33,7 +36,7 @@ import numpy as np
 
 from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
-from .._ops import ReduceOp, divide_toward_zero
+from .._ops import ReduceOp, divide_toward_zero, fold
 from ..rendezvous.base import ControlPlane
 
 __all__ = ["NcclCollectives", "load_nccl", "nccl_id_argument", "nccl_id_bytes", "reduces"]
@@ -45,6 +48,10 @@ _TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
 _OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD",
         ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
 _TICK = 0.05
+#: the reductions
+_FOLDS = ("all_reduce", "reduce_scatter", "reduce")
+#: the verbs made of point-to-point calls
+_EXCHANGES = ("gather", "scatter", "all_to_all")
 #: where NCCL lacks a type: the one reduced instead
 _WIDER = {"int16": "int32", "uint16": "uint32", "bfloat16": "float32", "bool": "uint8"}
 
@@ -156,7 +163,9 @@ class NcclCollectives:
                 f"the NCCL communicator of rank {control.rank} was not made within "
                 f"{self._timeout} s: some rank did not take part")
         if isinstance(made[0], BaseException):
-            raise GpuringError(f"NCCL communicator: {made[0]!r}") from None
+            hint = ("; ranks of one node share a GPU here, which NCCL takes only with "
+                    "NCCL_MULTI_RANK_GPU_ENABLE=1" if "Duplicate GPU" in str(made[0]) else "")
+            raise GpuringError(f"NCCL communicator: {made[0]!r}{hint}") from None
         return made[0]
 
     # -- the collectives -------------------------------------------------------------------
@@ -179,6 +188,12 @@ class NcclCollectives:
     def _enqueue(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int,
                  ptr: int) -> None:
         cupy, nccl, c = self._cupy, self._nccl, self.comm
+        if name in _EXCHANGES:
+            self._exchange(name, x, out, root, size, ptr)
+            return
+        if name in _FOLDS and not reduces(x.dtype, op):
+            self._gathered_fold(name, x, out, op, root, size, ptr)
+            return
         if name in ("all_gather", "broadcast"):  # bytes
             count, t = x.nbytes, nccl.NCCL_UINT8
             if name == "all_gather":
@@ -198,6 +213,57 @@ class NcclCollectives:
                 out[...] = target.astype(out.dtype)
             if op is ReduceOp.AVG and out is not None:
                 _divide(cupy, out, size)
+
+    def _gathered_fold(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int,
+                       ptr: int) -> None:
+        """A reduction NCCL lacks (a complex product): every rank's input gathered, then
+        folded in rank order (this rank's block of a reduce_scatter; on root of a reduce)."""
+        rank = self._control.rank
+        everyone = self._cupy.empty((size, x.size), x.dtype)
+        self.comm.allGather(x.data.ptr, everyone.data.ptr, x.nbytes, self._nccl.NCCL_UINT8, ptr)
+        if name == "reduce" and rank != root:
+            return
+        if name == "reduce_scatter":
+            block = x.size // size
+            everyone = everyone[:, rank * block:(rank + 1) * block]
+        out[...] = fold(list(everyone), op).reshape(out.shape)
+
+    def _exchange(self, name: str, x: Any, out: Any, root: int, size: int, ptr: int) -> None:
+        """gather, scatter and all_to_all as NCCL's point-to-point calls in one group (as
+        NCCL's own examples build them), bytes whatever the dtype; this rank's own block is a
+        copy on the same stream."""
+        nccl, c, rank = self._nccl, self.comm, self._control.rank
+        t = nccl.NCCL_UINT8
+        block = x.nbytes // size if name != "gather" else x.nbytes
+        sends: list[tuple[int, int]] = []  # (address, peer)
+        recvs: list[tuple[int, int]] = []
+        if name == "gather":
+            if rank == root:
+                recvs = [(out.data.ptr + r * block, r) for r in range(size) if r != rank]
+            else:
+                sends = [(x.data.ptr, root)]
+        elif name == "scatter":
+            if rank == root:
+                sends = [(x.data.ptr + r * block, r) for r in range(size) if r != rank]
+            else:
+                recvs = [(out.data.ptr, root)]
+        else:
+            sends = [(x.data.ptr + r * block, r) for r in range(size) if r != rank]
+            recvs = [(out.data.ptr + r * block, r) for r in range(size) if r != rank]
+        nccl.groupStart()
+        try:
+            for address, peer in sends:
+                c.send(address, block, t, peer, ptr)
+            for address, peer in recvs:
+                c.recv(address, block, t, peer, ptr)
+        finally:
+            nccl.groupEnd()
+        if name == "gather" and rank == root:
+            out[rank] = x
+        elif name == "scatter" and rank == root:
+            out[...] = x[rank]
+        elif name == "all_to_all":
+            out[rank] = x[rank]
 
     def _typed(self, x: Any, out: Any, op: ReduceOp) -> tuple[Any, Any, int, int, bool]:
         """(input, output, NCCL type, NCCL op, widened) of a reduction: complex as pairs of reals; a

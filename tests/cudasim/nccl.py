@@ -13,6 +13,10 @@ semantics where gpuring depends on them.
   ("Duplicate GPU detected") unless NCCL_MULTI_RANK_GPU_ENABLE=1; buffers that overlap other
   than in NCCL's in-place forms are refused at the call (NCCL leaves them undefined).
 
+- Point-to-point calls (`send`, `recv`) run only between `groupStart()` and `groupEnd()`:
+  the group is one call of every rank of the communicator (gpuring groups them only in
+  collectives where every rank takes part), each rank publishing what it sends to each peer.
+
 Ranks meet through files under the system's temporary directory, named after the unique id.
 Reductions fold in rank order, each step rounded to the dtype.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import secrets
 import shutil
 import socket
@@ -81,6 +86,30 @@ def _publish(path: str, data: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
+_groups = threading.local()  # the point-to-point calls of this thread's open group
+
+
+def groupStart() -> None:
+    depth = getattr(_groups, "depth", 0)
+    if depth == 0:
+        _groups.calls = []
+    _groups.depth = depth + 1
+
+
+def groupEnd() -> None:
+    depth = getattr(_groups, "depth", 0)
+    if depth == 0:
+        raise NcclError(5, "groupEnd without groupStart")
+    _groups.depth = depth - 1
+    if depth == 1:
+        calls, _groups.calls = _groups.calls, []
+        comms: dict[int, NcclCommunicator] = {}
+        for call in calls:
+            comms.setdefault(id(call[0]), call[0])
+        for comm in comms.values():
+            comm._group([call[1:] for call in calls if call[0] is comm])
+
+
 class NcclCommunicator:
     def __init__(self, ndev: int, commId: Any, rank: int):
         if not 0 <= rank < ndev:
@@ -119,12 +148,12 @@ class NcclCommunicator:
         return self._ndev
 
     # -- the calls -----------------------------------------------------------------------
-    def _queue(self, stream: int, sendbuf: int, nbytes: int,
-               finish: Any, recvbuf: int = 0, recvbytes: int = 0, in_place: int = -1) -> None:
-        """Queue one call: publish `nbytes` at `sendbuf`, wait for every rank's, then
-        `finish(inputs)` (each rank's bytes, in rank order). The output (`recvbytes` at
-        `recvbuf`) may only overlap the input as NCCL's in-place form has it: the input at
-        `in_place` (an address; -1: the output's own)."""
+    def _queue(self, stream: int, sendbuf: int, nbytes: int, finish: Any, recvbuf: int = 0,
+               recvbytes: int = 0, in_place: int = -1, payload: Any = None) -> None:
+        """Queue one call: publish `nbytes` at `sendbuf` (or what `payload()` returns), wait
+        for every rank's, then `finish(inputs)` (each rank's bytes, in rank order). The
+        output (`recvbytes` at `recvbuf`) may only overlap the input as NCCL's in-place form
+        has it: the input at `in_place` (an address; -1: the output's own)."""
         sim = sys.modules["cupy"]  # the simulator
         if recvbytes and nbytes and sendbuf < recvbuf + recvbytes and recvbuf < \
                 sendbuf + nbytes and sendbuf != (recvbuf if in_place < 0 else in_place):
@@ -144,7 +173,8 @@ class NcclCommunicator:
         def call() -> None:
             if self._aborted.is_set():
                 return
-            _publish(me, ctypes.string_at(sendbuf, nbytes) if nbytes else b"")
+            _publish(me, payload() if payload is not None else
+                     ctypes.string_at(sendbuf, nbytes) if nbytes else b"")
             paths = [os.path.join(self._dir, f"s{seq}-r{r}") for r in range(self._ndev)]
             while not all(os.path.exists(p) for p in paths):
                 if self._aborted.wait(_POLL):
@@ -208,6 +238,51 @@ class NcclCommunicator:
         self._queue(stream, sendbuf, nbytes, lambda inputs: ctypes.memmove(
             recvbuf, b"".join(inputs), nbytes * len(inputs)), recvbuf,
             nbytes * self._ndev, recvbuf + self._rank * nbytes)
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._point("send", sendbuf, count, datatype, peer, stream)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._point("recv", recvbuf, count, datatype, peer, stream)
+
+    def _point(self, kind: str, buf: int, count: int, datatype: int, peer: int,
+               stream: int) -> None:
+        if not getattr(_groups, "depth", 0):
+            raise NcclError(5, "the stand-in runs send and recv only inside a group")
+        if not 0 <= peer < self._ndev:
+            raise NcclError(4, f"invalid peer {peer}")
+        nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
+        _groups.calls.append((self, kind, buf, nbytes, peer, stream))
+
+    def _group(self, calls: list[tuple[str, int, int, int, int]]) -> None:
+        """One group's sends and receives: one call of every rank, on one stream."""
+        streams = {call[4] for call in calls}
+        if len(streams) != 1:
+            raise NcclError(5, "a group's calls on one communicator use one stream")
+        sends = [(buf, nbytes, peer) for kind, buf, nbytes, peer, _ in calls if kind == "send"]
+        recvs = [(buf, nbytes, peer) for kind, buf, nbytes, peer, _ in calls if kind == "recv"]
+        for a, m, _ in sends:
+            for b, k, _ in recvs:
+                if m and k and a < b + k and b < a + m:
+                    raise NcclError(5, "invalid usage: a send's buffer overlaps a recv's")
+        rank = self._rank
+
+        def payload() -> bytes:
+            return pickle.dumps([(peer, ctypes.string_at(buf, nbytes) if nbytes else b"")
+                                 for buf, nbytes, peer in sends])
+
+        def finish(inputs: list[bytes]) -> None:
+            sent = [[data for to, data in pickle.loads(raw) if to == rank] for raw in inputs]
+            for buf, nbytes, peer in recvs:  # in the order each peer sent them
+                if not sent[peer]:
+                    raise NcclError(5, f"rank {rank} receives from rank {peer}, which sent "
+                                       "it nothing in this group")
+                data = sent[peer].pop(0)
+                if len(data) != nbytes:
+                    raise NcclError(5, f"rank {peer} sent {len(data)} bytes, rank {rank} "
+                                       f"receives {nbytes}")
+                ctypes.memmove(buf, data, nbytes)
+        self._queue(streams.pop(), 0, 0, finish, payload=payload)
 
     # -- lifetime and errors -------------------------------------------------------------
     def check_async_error(self) -> None:

@@ -193,16 +193,32 @@ def test_survivors_of_a_killed_rank_keep_their_gpu():
     assert took < grace, f"the survivors were stopped by the launcher after {took:.0f} s"
 
 
+def test_gpus_without_peer_access_run_on_nccl(tmp_path):
+    """2 ranks on 2 GPUs that cannot access each other peer to peer: CUDA IPC cannot map
+    their buffers, so their CuPy collectives run on NCCL, bit for bit alike on both ranks.
+    Simulator only: it alone can take peer access away (GPURING_CUDASIM_NO_P2P)."""
+    if not _on_simulator():
+        pytest.skip("needs GPUs without peer access: the simulator's GPURING_CUDASIM_NO_P2P")
+    proc = launch("gpuring", 2, [str(WORKER), "without_peer_access", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDASIM_DEVICES": "2",
+                       "GPURING_CUDASIM_NO_P2P": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"without_peer_access-{r}.txt").read_text() for r in range(2)]
+    assert digests[0] == digests[1], "ranks differ bitwise"
+
+
 @pytest.mark.mpi
 def test_simulated_nodes(tmp_path):
     """2 simulated nodes of 2 ranks (GPURING_HOSTNAME): CuPy collectives in two levels (CUDA
-    IPC in each node, NCCL between nodes), bit for bit alike on every rank. The ranks of an
-    NCCL communicator share the one GPU: NCCL takes them as ranks of different hosts because
-    gpuring sets NCCL_HOSTID from GPURING_HOSTNAME (else it would refuse them, as NCCL's
-    stand-in in the simulator does)."""
+    IPC in each node, NCCL between nodes) and flat on NCCL (gather, scatter, all_to_all),
+    bit for bit alike on every rank. The ranks of an NCCL communicator between nodes share
+    the one GPU: NCCL takes them as ranks of different hosts because gpuring sets NCCL_HOSTID
+    from GPURING_HOSTNAME; the flat one has two ranks of a node on it, which NCCL takes only
+    with NCCL_MULTI_RANK_GPU_ENABLE=1 (else it refuses them, as its stand-in in the
+    simulator does)."""
     proc = launch("mpiexec", 4, [str(WORKER), "nodes", str(tmp_path), "cuda"],
                   nodes=["a", "a", "b", "b"], timeout=600,
-                  env={"GPURING_JITTER": "0"})
+                  env={"GPURING_JITTER": "0", "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"nodes-{r}.txt").read_text() for r in range(4)]
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"

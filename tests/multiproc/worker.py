@@ -843,14 +843,15 @@ def moved_blocks() -> list[tuple[str, tuple[int, ...]]]:
     return [(dtypes[i % len(dtypes)], shape) for i, shape in enumerate(shapes)]
 
 
-def case_exchange(c: Checker) -> None:
+def case_exchange(c: Checker, blocks: int | None = None) -> None:
     """gather, scatter and all_to_all: every block where it belongs, bit for bit, every dtype,
-    shapes from empty blocks to several buffer rounds, every root, given outputs, registered
-    arrays; a mismatched root or block shape raises CollectiveMismatchError on every rank, a
-    wrong first dimension ValueError before the ranks meet, and the communicator goes on."""
+    shapes from empty blocks to several buffer rounds (or the first `blocks` of them), every
+    root, given outputs, registered arrays; a mismatched root or block shape raises
+    CollectiveMismatchError on every rank, a wrong first dimension ValueError before the
+    ranks meet, and the communicator goes on."""
     comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
     seed = 19000
-    for i, (dtype, block) in enumerate(moved_blocks()):
+    for i, (dtype, block) in enumerate(moved_blocks()[:blocks]):
         seed += 1
         ins = c.inputs(dtype, (n, *block), seed)
         for root in range(n) if n <= 3 or i < 3 else (0, n - 1):
@@ -1188,25 +1189,31 @@ def case_nodes(c: Checker) -> None:
     assert comm.last_schedule == "agreement", comm.last_schedule
     comm.all_reduce(dev(c, np.ones(3, np.float32)))
     assert comm.last_schedule == "nodes", comm.last_schedule
-    if c.xp is np:
-        comm.gather(np.ones(3, np.float32), root=0)
-        assert comm.last_schedule == "mpi", comm.last_schedule
-    else:  # NCCL has no gather: refused on every rank, before anything moves
-        try:
-            comm.gather(dev(c, np.ones(3, np.float32)), root=0)
-        except gpuring.GpuringError as exc:
-            assert "not supported yet" in str(exc), str(exc)
-        else:
-            raise AssertionError("a CuPy gather across nodes ran")
+    comm.gather(dev(c, np.ones(3, np.float32)), root=0)
+    assert comm.last_schedule == ("mpi" if c.xp is np else "nccl"), comm.last_schedule
     # NumPy: every case of the verbs of two levels and the flat ones; CuPy: the verbs of two
     # levels on the types NCCL reduces as they are, wider (int16) and as reals (complex),
-    # and calls that come again (the rest is the same code as NumPy's)
+    # NCCL's point-to-point verbs, and calls that come again (the rest is the same code as
+    # NumPy's)
     if c.xp is np:
         for case in (case_dtypes_ops, case_exchange, case_p2p, case_mismatch, case_again):
             case(c)
         return
     case_dtypes_ops(c, ("float32", "int16", "float16", "complex64"))
+    case_exchange(c, blocks=3)
     case_again(c)
+
+
+def case_without_peer_access(c: Checker) -> None:
+    """CuPy arrays on GPUs that cannot access each other peer to peer: CUDA IPC cannot map a
+    peer's buffers, so every collective runs on NCCL (the ranks find it out together, at
+    their first CuPy collective); registered arrays are ordinary ones."""
+    comm = c.comm
+    comm.all_reduce(dev(c, np.ones(3, np.float32)))
+    assert comm.last_schedule == "nccl", comm.last_schedule
+    assert comm._path.mappable == {"cuda": False}, comm._path.mappable
+    case_dtypes_ops(c, ("float32", "int16", "complex64"))
+    case_exchange(c, blocks=3)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
