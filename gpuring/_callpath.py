@@ -175,10 +175,10 @@ class CallPath:
                 across or config.transport == "nccl" or not self.mappable.get(kind, True))):
             refusal = None  # refused on every rank once agreed (the communicator goes on)
             if config.deterministic and name in FOLDS:
-                where = "across nodes" if flat == "mpi" else \
+                reach = "across nodes" if flat == "mpi" else \
                     "across nodes or between GPUs without peer access"
                 refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
-                           f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {where}, or "
+                           f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {reach}, or "
                            f"GPURING_TRANSPORT={flat}): its reduction order is its own")
             self._agree(plain, remember=refusal is None)
             if refusal is not None:
@@ -218,7 +218,7 @@ class CallPath:
                 name, self.size, self.rank, count, itemsize=itemsize,
                 capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
                 root=call.root, one_shot_bytes=config.one_shot_bytes, in_place=in_place,
-                algorithm=algorithm, peer_in=peer_in, peer_out=peer_out)
+                algorithm=algorithm, peer_in=peer_in, peer_out=peer_out, order=engine.ring)
             registered = any(plan.registered for plan in rounds)
             peers = self.registry.peer_arrays(where, self.size, count * itemsize) \
                 if registered else ()

@@ -114,6 +114,8 @@ class Engine:
         #: into a CUDA graph
         self.fused_kinds = schedule.fused_kinds
         self.fused_capturable = schedule.fused_capturable
+        #: the ranks in the order the ring and the chains visit them (empty: rank order)
+        self.ring = schedule.ring
         #: the piece size where the user set none
         self.default_chunk_bytes = (capacity_bytes if schedule.whole_pieces
                                     else device.default_chunk_bytes)

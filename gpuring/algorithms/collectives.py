@@ -8,7 +8,7 @@ import functools
 from .direct import DIRECT_KINDS, direct_round
 from .exchange import EXCHANGE_KINDS, exchange_rounds
 from .oneshot import barrier_round, one_shot_all_reduce
-from .plan import RoundPlan, split_even
+from .plan import RoundPlan, relabel, split_even
 from .registered import registered_form, registered_round
 from .ring import (
     ALL_GATHER,
@@ -35,7 +35,8 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
                     capacity_bytes: int, chunk_bytes: int, channels: int, root: int = 0,
                     one_shot_bytes: int = 0, in_place: bool = False,
                     algorithm: str = "auto", peer_in: bool = False,
-                    peer_out: bool = False) -> tuple[RoundPlan, ...]:
+                    peer_out: bool = False, order: tuple[int, ...] = ()
+                    ) -> tuple[RoundPlan, ...]:
     """The rounds `rank` runs for one collective.
 
     `count` is the element count of the input (all_reduce, reduce_scatter, scatter,
@@ -49,6 +50,9 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     input/output is registered memory its peers map: where a registered form applies
     (`registered_form`), the collective is its one round, whatever its size (a small
     all_reduce that "auto" runs one-shot stays one-shot: one flag hop).
+    `order`: the ranks in the order the ring and the chains visit them (a permutation of
+    range(n), the same on every rank); empty: rank order. The other schedules reach every
+    peer directly, in rank order.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, not {algorithm!r}")
@@ -59,6 +63,10 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         raise ValueError("collectives across one rank need no plan")
     if not 0 <= root < n:
         raise ValueError(f"root {root} is not a rank of {n}")
+    if order and sorted(order) != list(range(n)):
+        raise ValueError(f"order must be a permutation of the {n} ranks, got {order}")
+    if order == tuple(range(n)):
+        order = ()
     cap = capacity_bytes // itemsize
     chunk = max(1, chunk_bytes // itemsize)
     if cap < n:
@@ -88,7 +96,7 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
             segs = tuple(Segment(a + s, s, a + s, k) for s, k in split_even(length, n))
             rounds.append(direct_round(kind, n, rank, segs, chunk, channels)
                           if algorithm == "direct" else
-                          ring_round(kind, n, rank, segs, chunk, channels))
+                          _ring(kind, n, rank, segs, chunk, channels, order))
     elif kind == REDUCE_SCATTER:
         if count % n:
             raise ValueError(f"reduce_scatter needs a count divisible by {n}, got {count}")
@@ -99,7 +107,7 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
             segs = tuple(Segment(b * block + j, b * length, j, length) for b in range(n))
             rounds.append(direct_round(kind, n, rank, segs, chunk, channels)
                           if algorithm == "direct" else
-                          ring_round(kind, n, rank, segs, chunk, channels))
+                          _ring(kind, n, rank, segs, chunk, channels, order))
     elif kind == REDUCE and algorithm == "direct":
         for a in range(0, count, cap):
             length = min(cap, count - a)
@@ -110,13 +118,35 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         for j in range(0, count, step):
             length = min(step, count - j)
             segs = tuple(Segment(j, b * length, b * count + j, length) for b in range(n))
-            rounds.append(ring_round(kind, n, rank, segs, chunk, channels,
-                                     own_copy=not in_place))
+            rounds.append(_ring(kind, n, rank, segs, chunk, channels, order,
+                                own_copy=not in_place))
     elif kind in (BROADCAST, REDUCE):
         for a in range(0, count, cap):
             length = min(cap, count - a)
-            rounds.append(chain_round(kind, n, rank, root, a, length, chunk, channels,
-                                      root_copies=not in_place))
+            rounds.append(_chain(kind, n, rank, root, a, length, chunk, channels, order,
+                                 root_copies=not in_place))
     else:
         raise ValueError(f"unknown collective {kind!r}")
     return tuple(rounds)
+
+
+def _ring(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: int, channels: int,
+          order: tuple[int, ...], *, own_copy: bool = True) -> RoundPlan:
+    """`ring_round` around the ranks in `order`: planned for this rank's position in it, with
+    position g taking rank order[g]'s segment (its own block, where segments belong to
+    ranks), then said in ranks."""
+    if not order:
+        return ring_round(kind, n, rank, segs, chunk, channels, own_copy=own_copy)
+    moved = tuple(segs[order[g]] for g in range(n))
+    return relabel(ring_round(kind, n, order.index(rank), moved, chunk, channels,
+                              own_copy=own_copy), order)
+
+
+def _chain(kind: str, n: int, rank: int, root: int, in_off: int, count: int, chunk: int,
+           channels: int, order: tuple[int, ...], *, root_copies: bool) -> RoundPlan:
+    """`chain_round` along the ranks in `order` (from, or to, `root`)."""
+    if not order:
+        return chain_round(kind, n, rank, root, in_off, count, chunk, channels,
+                           root_copies=root_copies)
+    return relabel(chain_round(kind, n, order.index(rank), order.index(root), in_off, count,
+                               chunk, channels, root_copies=root_copies), order)

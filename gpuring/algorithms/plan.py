@@ -11,7 +11,7 @@ from typing import NamedTuple
 __all__ = [
     "IN", "OUT", "BUF", "RS", "AG",
     "Loc", "Copy", "Reduce", "ReduceN", "Wait", "Signal", "Op", "ChannelPlan", "RoundPlan",
-    "split_even",
+    "split_even", "relabel",
 ]
 
 # Where a location lives.
@@ -112,3 +112,23 @@ def split_even(count: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, length))
         start += length
     return out
+
+
+def relabel(plan: RoundPlan, order: tuple[int, ...]) -> RoundPlan:
+    """`plan`, made with positions for ranks, in ranks: position p is rank `order[p]` (every
+    peer a Loc, Wait or Signal names; this rank's own IN and OUT, rank -1, stay)."""
+    def loc(where: Loc) -> Loc:
+        return where if where.rank < 0 else where._replace(rank=order[where.rank])
+
+    def op(o: Op) -> Op:
+        if isinstance(o, Copy):
+            return Copy(loc(o.dst), loc(o.src), o.length)
+        if isinstance(o, Reduce):
+            return o._replace(dst=loc(o.dst), a=loc(o.a), b=loc(o.b))
+        if isinstance(o, ReduceN):
+            return o._replace(dst=loc(o.dst), srcs=tuple(loc(s) for s in o.srcs))
+        if isinstance(o, Wait):
+            return Wait(order[o.peer], o.value)
+        return Signal(o.value, tuple(order[r] for r in o.readers))
+
+    return plan._replace(channels=tuple(tuple(op(o) for o in ops) for ops in plan.channels))

@@ -1,12 +1,14 @@
 """The GPUs of this node and how they connect, read through NVML (nvidia-ml-py): NVLink
 between each pair, else the closest PCIe ancestor they share (as `nvidia-smi topo -m` and
 NCCL name it: PIX, PXB, PHB, NODE, SYS), whether peer-to-peer access works, and each GPU's
-NUMA node. None where NVML is unavailable (no driver, no GPU, no nvidia-ml-py).
+NUMA node. None where NVML is unavailable (no driver, no GPU, no nvidia-ml-py). And the order
+in which a ring should visit the ranks' GPUs (`Topology.ring`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,8 @@ __all__ = ["Gpu", "Topology", "read"]
 
 #: NVML's nvmlGpuTopologyLevel_t, by the name nvidia-smi gives it
 _LEVELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+#: how close a PCIe level is, for ordering a ring (any NVLink is closer)
+_PCIE = {"PIX": 5, "PXB": 4, "PHB": 3, "NODE": 2, "SYS": 1}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,45 @@ class Topology:
             out.append(f"{f'GPU{i}':<6}" + " ".join(f"{self.link[i][j]:>6}" for j in range(n))
                        + f"   {p2p:<4} {numa}")
         return out
+
+    def ring(self, bus_ids: Sequence[str]) -> tuple[int, ...]:
+        """The order in which a ring should visit ranks whose GPUs are at `bus_ids` (in rank
+        order): the order whose weakest link is strongest, then whose links are strongest in
+        all (two ranks on one GPU best, then more NVLinks, then the closer PCIe level), rank
+        order where it is as good; () for rank order, or where a GPU is not found. Every
+        order of up to 8 ranks is weighed; beyond, each next rank is the best linked one."""
+        index = [next((i for i, g in enumerate(self.gpus) if _same_bus(g.bus_id, b)), None)
+                 for b in bus_ids]
+        if any(i is None for i in index) or len(index) < 3:
+            return ()  # (two ranks: one ring whatever the order)
+        gpu = [int(i) for i in index if i is not None]
+        n = len(gpu)
+
+        def weight(a: int, b: int) -> int:
+            if gpu[a] == gpu[b]:
+                return 10_000
+            link = self.link[gpu[a]][gpu[b]]
+            return 100 + int(link[2:]) if link.startswith("NV") else _PCIE.get(link, 0)
+
+        def score(order: Sequence[int]) -> tuple[int, int]:
+            weights = [weight(order[k], order[(k + 1) % n]) for k in range(n)]
+            return min(weights), sum(weights)
+
+        best, best_score = tuple(range(n)), score(range(n))
+        if n <= 8:
+            candidates: Iterable[tuple[int, ...]] = (
+                (0, *rest) for rest in itertools.permutations(range(1, n)))
+        else:
+            path = [0]
+            while len(path) < n:
+                left = [r for r in range(n) if r not in path]
+                path.append(max(left, key=lambda r: (weight(path[-1], r), -r)))
+            candidates = (tuple(path),)
+        for order in candidates:
+            found = score(order)
+            if found > best_score:
+                best, best_score = order, found
+        return () if best == tuple(range(n)) else best
 
     def summary(self) -> str:
         """One line: each pair's link, e.g. `GPU0-GPU1 NV18, GPU0-GPU2 SYS (no P2P)`."""

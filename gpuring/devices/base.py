@@ -112,6 +112,10 @@ class Schedule(NamedTuple):
     #: those operations can be captured into a CUDA graph (nothing they enqueue changes
     #: from call to call)
     fused_capturable: bool = False
+    #: the ranks in the order the ring and the chains visit them (following the fastest
+    #: links between the ranks' processors); empty: rank order
+    ring: tuple[int, ...] = ()
+
 #: a compiled program: runner(input memory, output memory, seq)
 Runner = Callable[[Memory | None, Memory | None, int], None]
 

@@ -65,7 +65,7 @@ import numpy as np
 from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
-from . import _kernels
+from . import _kernels, _topology
 from ._cuda_direct import prepare_direct
 from ._cuda_driver import (
     FLAGS_ENV,
@@ -438,7 +438,8 @@ class CudaDevice(Device):
         kinds = {"kernel": frozenset(_kernels.DIRECT_KINDS), "memops": frozenset({"all_reduce"})}
         return Schedule(0 if self.fused_form == "off" else self.fused_max_bytes,
                         whole_pieces=shared, fused_kinds=kinds.get(self.fused_form, frozenset()),
-                        fused_capturable=self.fused_form == "kernel")
+                        fused_capturable=self.fused_form == "kernel",
+                        ring=_ring_order([h.gpu for h in found]))
 
     def _fused_fits(self) -> int:
         """Blocks of the one-kernel collective that fit on this GPU at once (0 where
@@ -714,3 +715,13 @@ def _unreachable(device_id: int, own_bus: str, bus_id: str) -> str | None:
     if peer != device_id and not runtime.deviceCanAccessPeer(device_id, peer):
         return f"GPU {device_id} ({own_bus}) cannot access GPU {peer} ({bus_id}) peer to peer"
     return None
+
+
+def _ring_order(bus_ids: list[str]) -> tuple[int, ...]:
+    """The ranks (on the GPUs at `bus_ids`, of this host) in the order the ring visits
+    them, along NVLink where NVML tells (`_topology`): the same on every rank, which reads
+    the same host's topology; () for rank order (one GPU, or no NVML)."""
+    if len(set(bus_ids)) < 2:
+        return ()
+    topology = _topology.read()
+    return () if topology is None else topology.ring(bus_ids)

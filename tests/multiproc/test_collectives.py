@@ -92,7 +92,8 @@ def test_many_rounds_with_small_buffers(n, tmp_path):
 @pytest.mark.parametrize("case", ["back_to_back"])
 def test_nonblocking_device_path(case, tmp_path):
     """The scheduler's GPU path (no host blocking, events, ordering by the engine) on the
-    host device, so that it is tested without a GPU."""
+    host device, so that it is tested without a GPU; its ring in another order than the
+    ranks' (as a topology orders it)."""
     run_case("gpuring", 3, case, tmp_path, env={"GPURING_TEST_NONBLOCKING": "1",
                                                 "GPURING_BUFFER_BYTES": "64K"})
 

@@ -1222,7 +1222,9 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 def use_nonblocking_host_device() -> None:
     """Run NumPy collectives through the scheduler's non-blocking path (the one GPUs take):
     threaded streams only, completion by events, each collective ordered after the previous
-    one by the engine; the caller waits for the final event, as a CUDA stream would."""
+    one by the engine; the caller waits for the final event, as a CUDA stream would. The
+    ring and the chains visit the even ranks first, then the odd ones (as a topology may
+    order them: `Schedule.ring`)."""
     from gpuring import devices
     from gpuring.devices.host import HostDevice
 
@@ -1232,6 +1234,10 @@ def use_nonblocking_host_device() -> None:
 
         def create_stream(self, *, inline: bool = False):
             return super().create_stream(inline=False)
+
+        def schedule(self, handles):
+            ring = tuple(sorted(range(len(handles)), key=lambda r: (r % 2, r)))
+            return super().schedule(handles)._replace(ring=ring)
 
         def order_caller_after(self, event) -> None:
             event.wait(self)

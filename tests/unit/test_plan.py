@@ -43,7 +43,7 @@ class Violation(AssertionError):
 def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, channels: int = 1,
              capacity: int = 1 << 20, one_shot: int = 0, seed: int = 0, algorithm: str = "auto",
              ordered: bool = False, in_place: bool = False, peer_in: bool = False,
-             peer_out: bool = False):
+             peer_out: bool = False, order: tuple[int, ...] = ()):
     """Run the plans of all ranks; return (inputs, outputs). `ordered`: each input element
     is ((rank, index),) and a reduction concatenates its operands in the order the plan
     names them, so an output element says which ranks' values were folded in which order.
@@ -83,7 +83,8 @@ def simulate(kind: str, n: int, count: int, *, root: int = 0, chunk: int = 1, ch
     plans = [plan_collective(kind, n, r, count, itemsize=1, capacity_bytes=capacity,
                              chunk_bytes=chunk, channels=channels, root=root,
                              one_shot_bytes=one_shot, algorithm=algorithm, in_place=in_place,
-                             peer_in=peer_in, peer_out=peer_out) for r in range(n)]
+                             peer_in=peer_in, peer_out=peer_out, order=order)
+             for r in range(n)]
     nrounds = {len(p) for p in plans}
     assert len(nrounds) == 1, "ranks disagree on the number of rounds"
     entered, left = [False] * n, [False] * n
@@ -233,6 +234,34 @@ def test_exhaustive_small(kind, n):
             for root in roots:
                 check(kind, n, count, chunk=chunk, channels=channels, root=root,
                       seed=count * 7 + chunk)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_a_ring_in_another_order(kind, n):
+    """The ring and the chains around the ranks in any order (as the topology asks): every
+    result where it belongs, in and out of place, every root; the direct schedules ignore
+    the order."""
+    rng = random.Random(n)
+    for _ in range(3):
+        order = tuple(rng.sample(range(n), n))
+        for count in (0, 1, n, 2 * n + 1):
+            if kind == "reduce_scatter" and count % n:
+                continue
+            for chunk, channels, in_place in ((1, 1, False), (2, 3, True)):
+                for root in range(n) if kind in ("broadcast", "reduce") else [0]:
+                    check(kind, n, count, chunk=chunk, channels=channels, root=root,
+                          in_place=in_place, order=order, seed=count)
+        plans = [plan_collective(kind, n, r, 4 * n, itemsize=1, capacity_bytes=1 << 20,
+                                 chunk_bytes=2, channels=2, root=1, order=order)
+                 for r in range(n)]
+        for r in range(n):  # the neighbours the plan waits on are the order's
+            position = order.index(r)
+            waits = {op.peer for ops in plans[r][0].channels for op in ops if type(op) is Wait}
+            assert waits <= {order[(position - 1) % n]}, (order, r, waits)
+    with pytest.raises(ValueError, match="permutation"):
+        plan_collective(kind, n, 0, 4, itemsize=1, capacity_bytes=1 << 20, chunk_bytes=2,
+                        channels=1, order=(0,) * n)
 
 
 @pytest.mark.parametrize("kind", DIRECT)
