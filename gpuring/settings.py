@@ -107,7 +107,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_VERIFY", _flag, False, "0",
             "1: compare result checksums across ranks after each collective"),
     Setting("GPURING_TRANSPORT", _choice("auto", "mpi", "nccl"), "auto", "auto",
-            "`auto`: on one node gpuring's own engines; across nodes two levels where every "
+            "`auto`: on one node gpuring's own engines (NCCL for CuPy arrays on GPUs without "
+            "peer access); across nodes two levels where every "
             "node runs as many ranks, more than one (in each node shared memory or CUDA IPC, "
             "between nodes MPI for NumPy arrays and NCCL for CuPy arrays), else MPI or NCCL "
             "flat; `mpi`: NumPy collectives flat on MPI always (needs `mpiexec`); `nccl`: CuPy "
