@@ -158,8 +158,8 @@ class CallPath:
             self._agree(plain)
             return PreparedCall(Route.ALONE, schedule="alone")
         across = not self.control.single_node
-        if x is not None and not across and config.transport == "auto" and \
-                kind not in self.mappable and device_class(kind).may_be_unreachable:
+        if x is not None and self._asks_reach(kind):
+            self._ensure_watchdog()  # (whichever route follows: the ranks share a node)
             self._agree(plain, remember=False)  # (every rank asks on the same call)
             self.mappable[kind] = self._peers_reachable(kind, name)
         if x is None and across and config.transport == "auto":  # every call agrees first:
@@ -493,6 +493,12 @@ class CallPath:
         return (self.layout is not None and self.config.transport == "auto"
                 and self._make_communicator is not None and name in HIERARCHICAL)
 
+    def _asks_reach(self, kind: str) -> bool:
+        """Whether the ranks have yet to find out whether they map each other's memory of
+        `kind` (once, on one node, where gpuring picks the route)."""
+        return (kind not in self.mappable and self.control.single_node
+                and self.config.transport == "auto" and device_class(kind).may_be_unreachable)
+
     def _peers_reachable(self, kind: str, name: str) -> bool:
         """Whether every rank of this node can map every other's memory of `kind` (CUDA IPC
         needs peer access between different GPUs), decided by all ranks at once with call
@@ -546,7 +552,7 @@ class CallPath:
                 return None
             self._ensure_watchdog()
             self._agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
-            if kind not in self.mappable and device_class(kind).may_be_unreachable:
+            if self._asks_reach(kind):
                 self.mappable[kind] = self._peers_reachable(kind, name)
             if not self.mappable.get(kind, True):
                 return None

@@ -140,18 +140,15 @@ class Levels:
     def node_failure(self, named: bool = True) -> PeerFailureError | None:
         """A rank of this node that died or gave up, as the node's status board shows it,
         named in the job's ranks (`named`: as the error's `peer` too); None if none did or
-        the board is not made yet."""
+        the board is not made yet. A rank that closed its communicator is no failure: it
+        took part in every collective (one that closed too early leaves its node's peers
+        failing in the node's level, which tells the job)."""
         watchdog = self.intra.comm._path.watchdog
         if watchdog is None:
             return None
         trouble = watchdog.board.troubled_peer()
         if trouble is None:
-            gone = watchdog.board.left_before(1 << 62)  # it closed: it will come no more
-            if not gone:
-                return None
-            rank = self.intra.ranks[gone[0]]
-            return PeerFailureError(f"rank {rank} closed its communicator (rank {gone[0]} "
-                                    "of its node)", peer=rank if named else None)
+            return None
         peer, _state, reason, culprit = trouble
         blamed = culprit if 0 <= culprit < len(self.intra.ranks) else peer
         rank = self.intra.ranks[blamed]

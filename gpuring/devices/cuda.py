@@ -206,7 +206,7 @@ class CudaDevice(Device):
         count = runtime.getDeviceCount()
         if not mine or not count:
             return None  # (the device says why when it is made)
-        for bus in sorted(set(places) - {mine}):
+        for bus in sorted(set(places) - {mine, ""}):  # ("": that rank says why itself)
             why = _unreachable(control.device_slot % count, mine, bus)
             if why is not None:
                 return why

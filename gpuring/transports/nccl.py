@@ -1,18 +1,19 @@
-"""CuPy collectives carried by NCCL (`cupy.cuda.nccl`): the path between nodes, where CUDA IPC
-cannot map a peer's memory. Each call is queued on the caller's stream and returns at once, as
-every CuPy collective of gpuring does.
+"""CuPy collectives carried by NCCL (`cupy.cuda.nccl`): the path where CUDA IPC cannot map a
+peer's memory (between nodes, between GPUs without peer access). Each call is queued on the
+caller's stream and returns at once, as every CuPy collective of gpuring does.
 
 Bounded, with NCCL's own means. ncclCommInitRank waits for every rank without a limit, so the
 communicator is made on a thread and waited for within the timeout (a communicator that comes
-after that is aborted). Connections are made at init (NCCL_RUNTIME_CONNECT=0 unless set
-otherwise), so no later call waits on the host for its peers. Every call records an event
-before and after it, and a watcher thread (every 50 ms) fails the communicator when a call
-has not completed within the timeout of the moment the stream reached it, when NCCL reports
-an asynchronous error (ncclCommGetAsyncError), or when the control plane learns that a rank
-failed (a notice to the job, a watch of the node's status board); failing aborts the NCCL
-communicator (ncclCommAbort), which ends its calls still queued or running, so the caller's
-stream goes on. NCCL's calls on one communicator never overlap (a lock): the caller's enqueue
-and the watcher's query and abort take turns.
+after that is aborted). Connections are made there too: the collectives' at init
+(NCCL_RUNTIME_CONNECT=0 unless set otherwise), the point-to-point channels' by a byte each way
+between every pair of ranks; so no later call waits on the host for its peers. Every call
+records an event before and after it, and a watcher thread (every 50 ms) fails the
+communicator when a call has not completed within the timeout of the moment the stream
+reached it, when NCCL reports an asynchronous error (ncclCommGetAsyncError), or when the
+control plane learns that a rank failed (a notice to the job, a watch of the node's status
+board); failing aborts the NCCL communicator (ncclCommAbort), which ends its calls still
+queued or running, so the caller's stream goes on. NCCL's calls on one communicator never
+overlap (a lock): the caller's enqueue and the watcher's query and abort take turns.
 
 gather, scatter and all_to_all are NCCL's point-to-point calls, grouped.
 
@@ -25,7 +26,9 @@ gpuring's own avg).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -103,22 +106,29 @@ class NcclCollectives:
         self._cupy, self._control, self._timeout = cupy, control, timeout
         self._device = device
         self._on_failure = on_failure
-        why, unique = None, None
+        node = settings.get("GPURING_HOSTNAME")
+        if node:  # NCCL's nodes are gpuring's: NCCL refuses two ranks on one GPU of one node
+            os.environ.setdefault("NCCL_HOSTID", node)
+        why, unique, gpu = None, None, ""
         try:
             nccl = load_nccl()
             if control.rank == 0:
                 unique = nccl_id_bytes(nccl.get_unique_id())
+            gpu = f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}|" \
+                  f"{cupy.cuda.Device(device).pci_bus_id}"
         except Exception as exc:
             why = str(exc)
-        met = control.exchange("NCCL communicator", (why, unique), timeout)
-        missing = [f"rank {r}: {w}" for r, (w, _) in enumerate(met) if w]
+        met = control.exchange("NCCL communicator", (why, unique, gpu), timeout)
+        missing = [f"rank {r}: {w}" for r, (w, _, _) in enumerate(met) if w]
         if missing:
             raise GpuringError("; ".join(missing))
+        shared = _shared_gpus([g for _, _, g in met])
+        if shared and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+            raise GpuringError(  # (NCCL would fail those ranks alone, the rest would wait)
+                f"ranks {shared} of one node share a GPU, which NCCL takes only with "
+                "NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30)")
         self._nccl = nccl
         os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")  # (read by NCCL at its first init)
-        node = settings.get("GPURING_HOSTNAME")
-        if node:  # NCCL's nodes are gpuring's: NCCL refuses two ranks on one GPU of one node
-            os.environ.setdefault("NCCL_HOSTID", node)
         self.comm = self._make(met[0][1], device)
         #: the calls not known complete: (started, done, name, when the stream reached it)
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -139,20 +149,23 @@ class NcclCollectives:
             try:  # (this thread's device for good: restoring another would make a context)
                 cupy.cuda.runtime.setDevice(device)
                 try:
-                    made.append(self._nccl.NcclCommunicator(
+                    comm = self._nccl.NcclCommunicator(
                         control.size, nccl_id_argument(unique, cupy.__version__),
-                        control.rank))
+                        control.rank)
                 except OverflowError:  # an old CuPy where C char is unsigned
-                    made.append(self._nccl.NcclCommunicator(
+                    comm = self._nccl.NcclCommunicator(
                         control.size, nccl_id_argument(unique, cupy.__version__, False),
-                        control.rank))
+                        control.rank)
+                made.append(comm)
+                self._connect_peers(comm)
+                made.append(None)
             except BaseException as exc:
                 made.append(exc)
 
         thread = threading.Thread(target=make, name="gpuring-nccl-init", daemon=True)
         thread.start()
         thread.join(self._timeout)
-        if not made:
+        if thread.is_alive():
             def abort_if_made() -> None:  # it may come yet: it must not stay connected
                 thread.join()
                 if made and not isinstance(made[0], BaseException):
@@ -160,13 +173,35 @@ class NcclCollectives:
             threading.Thread(target=abort_if_made, name="gpuring-nccl-init-abort",
                              daemon=True).start()
             raise CollectiveTimeoutError(
-                f"the NCCL communicator of rank {control.rank} was not made within "
-                f"{self._timeout} s: some rank did not take part")
+                f"the NCCL communicator of rank {control.rank} was not made and connected "
+                f"within {self._timeout} s: some rank did not take part")
+        if not isinstance(made[0], BaseException) and isinstance(made[-1], BaseException):
+            made[0].abort()  # made, but its peers could not be connected
+            made[0] = made[-1]
         if isinstance(made[0], BaseException):
-            hint = ("; ranks of one node share a GPU here, which NCCL takes only with "
-                    "NCCL_MULTI_RANK_GPU_ENABLE=1" if "Duplicate GPU" in str(made[0]) else "")
-            raise GpuringError(f"NCCL communicator: {made[0]!r}{hint}") from None
+            raise GpuringError(f"NCCL communicator: {made[0]!r}") from None
         return made[0]
+
+    def _connect_peers(self, comm: Any) -> None:
+        """Connect NCCL's point-to-point channels to every peer now, within init's bound: NCCL
+        connects them at a peer's first send or recv, and that groupEnd waits on the host
+        for the peer (NCCL_RUNTIME_CONNECT covers the collectives only). One byte each way
+        between every pair, in one group, on a stream of its own."""
+        cupy, nccl, size, rank = self._cupy, self._nccl, self._control.size, self._control.rank
+        if size < 2:
+            return
+        scratch = cupy.zeros(2 * size, cupy.uint8)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        nccl.groupStart()
+        try:
+            for peer in range(size):
+                if peer != rank:
+                    comm.send(scratch.data.ptr + peer, 1, nccl.NCCL_UINT8, peer, stream.ptr)
+                    comm.recv(scratch.data.ptr + size + peer, 1, nccl.NCCL_UINT8, peer,
+                              stream.ptr)
+        finally:
+            nccl.groupEnd()
+        stream.synchronize()
 
     # -- the collectives -------------------------------------------------------------------
     def run(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int) -> None:
@@ -250,13 +285,17 @@ class NcclCollectives:
         else:
             sends = [(x.data.ptr + r * block, r) for r in range(size) if r != rank]
             recvs = [(out.data.ptr + r * block, r) for r in range(size) if r != rank]
-        nccl.groupStart()
-        try:
-            for address, peer in sends:
-                c.send(address, block, t, peer, ptr)
-            for address, peer in recvs:
-                c.recv(address, block, t, peer, ptr)
-        finally:
+        if block:  # (every rank agreed on the shape; NCCL's empty sends vary by version)
+            nccl.groupStart()
+            try:
+                for address, peer in sends:
+                    c.send(address, block, t, peer, ptr)
+                for address, peer in recvs:
+                    c.recv(address, block, t, peer, ptr)
+            except BaseException:
+                with contextlib.suppress(Exception):  # (the first error is the one to tell)
+                    nccl.groupEnd()
+                raise
             nccl.groupEnd()
         if name == "gather" and rank == root:
             out[rank] = x
@@ -395,6 +434,11 @@ class _Pending:
     done: Any
     name: str
     reached: float | None = None
+
+
+def _shared_gpus(gpus: list[str]) -> list[int]:
+    """The ranks whose GPU (node|bus, one per rank) another rank uses too."""
+    return [r for r, g in enumerate(gpus) if g and gpus.count(g) > 1]
 
 
 def _divide(cupy: Any, out: Any, size: int) -> None:

@@ -16,6 +16,9 @@ semantics where gpuring depends on them.
 - Point-to-point calls (`send`, `recv`) run only between `groupStart()` and `groupEnd()`:
   the group is one call of every rank of the communicator (gpuring groups them only in
   collectives where every rank takes part), each rank publishing what it sends to each peer.
+  As in NCCL, the first group that reaches a peer connects to it: that `groupEnd` waits on
+  the host, without a timeout, until the peer's `groupEnd` connects back. A call that fails
+  inside a group makes `groupEnd` raise, and none of the group's calls runs.
 
 Ranks meet through files under the system's temporary directory, named after the unique id.
 Reductions fold in rank order, each step rounded to the dtype.
@@ -93,6 +96,7 @@ def groupStart() -> None:
     depth = getattr(_groups, "depth", 0)
     if depth == 0:
         _groups.calls = []
+        _groups.error = None
     _groups.depth = depth + 1
 
 
@@ -103,6 +107,8 @@ def groupEnd() -> None:
     _groups.depth = depth - 1
     if depth == 1:
         calls, _groups.calls = _groups.calls, []
+        if _groups.error is not None:
+            raise _groups.error
         comms: dict[int, NcclCommunicator] = {}
         for call in calls:
             comms.setdefault(id(call[0]), call[0])
@@ -121,6 +127,7 @@ class NcclCommunicator:
         self._aborted = threading.Event()
         self._error: str | None = None
         self._comm = 1
+        self._connected: set[int] = set()  # the peers point-to-point calls reached
         sim = sys.modules["cupy"]
         self._device = sim.cuda.runtime.getDevice()
         where = f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}|" \
@@ -249,10 +256,23 @@ class NcclCommunicator:
                stream: int) -> None:
         if not getattr(_groups, "depth", 0):
             raise NcclError(5, "the stand-in runs send and recv only inside a group")
-        if not 0 <= peer < self._ndev:
-            raise NcclError(4, f"invalid peer {peer}")
+        if not 0 <= peer < self._ndev or not self._comm:
+            _groups.error = NcclError(4, f"invalid peer {peer}" if self._comm else
+                                      "communicator aborted or destroyed")
+            raise _groups.error
         nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
         _groups.calls.append((self, kind, buf, nbytes, peer, stream))
+
+    def _connect(self, peers: set[int]) -> None:
+        """NCCL's connection to each peer not yet reached: on the host, until the peer's own
+        first group reaches this rank (or this communicator is aborted)."""
+        for peer in sorted(peers - self._connected - {self._rank}):
+            _publish(os.path.join(self._dir, f"connect-{self._rank}-{peer}"), b"")
+            theirs = os.path.join(self._dir, f"connect-{peer}-{self._rank}")
+            while not os.path.exists(theirs):
+                if self._aborted.wait(_POLL):
+                    raise NcclError(3, "communicator aborted")
+            self._connected.add(peer)
 
     def _group(self, calls: list[tuple[str, int, int, int, int]]) -> None:
         """One group's sends and receives: one call of every rank, on one stream."""
@@ -261,6 +281,7 @@ class NcclCommunicator:
             raise NcclError(5, "a group's calls on one communicator use one stream")
         sends = [(buf, nbytes, peer) for kind, buf, nbytes, peer, _ in calls if kind == "send"]
         recvs = [(buf, nbytes, peer) for kind, buf, nbytes, peer, _ in calls if kind == "recv"]
+        self._connect({peer for _, _, _, peer, _ in calls})
         for a, m, _ in sends:
             for b, k, _ in recvs:
                 if m and k and a < b + k and b < a + m:

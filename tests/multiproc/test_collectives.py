@@ -98,7 +98,7 @@ def test_nonblocking_device_path(case, tmp_path):
                                                 "GPURING_BUFFER_BYTES": "64K"})
 
 
-@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 3, 5], [2]))
+@pytest.mark.parametrize(("launcher", "n"), _under_both([1, 5], [2]))
 def test_gather_scatter_all_to_all(launcher, n, tmp_path):
     """Blocks moved, not reduced: every dtype, empty to multi-round blocks, every root,
     registered arrays, mismatches."""
@@ -106,7 +106,7 @@ def test_gather_scatter_all_to_all(launcher, n, tmp_path):
 
 
 @pytest.mark.parametrize(("launcher", "n", "env"), [
-    ("gpuring", 1, {}), ("gpuring", 5, {}),
+    ("gpuring", 1, {}), ("gpuring", 3, {}),
     pytest.param("mpiexec", 3, {"GPURING_DETERMINISTIC": "1"}, marks=pytest.mark.mpi)])
 def test_uneven_collectives(launcher, n, env, tmp_path):
     """all_gather_v, all_to_all_v and reduce_scatter_v against NumPy (in deterministic mode
