@@ -211,6 +211,14 @@ def test_gpus_without_peer_access_run_on_nccl(tmp_path):
     assert digests[0] == digests[1], "ranks differ bitwise"
 
 
+def test_nccl_refuses_ranks_that_share_a_gpu_alike(tmp_path):
+    """Flat NCCL on one GPU shared by 2 ranks, without NCCL_MULTI_RANK_GPU_ENABLE: a clear
+    error on both ranks, before NCCL's init."""
+    proc = launch("gpuring", 2, [str(WORKER), "nccl_on_a_shared_gpu", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_TRANSPORT": "nccl"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 @pytest.mark.mpi
 def test_simulated_nodes(tmp_path):
     """2 simulated nodes of 2 ranks (GPURING_HOSTNAME): CuPy collectives in two levels (CUDA

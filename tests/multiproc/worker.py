@@ -1204,6 +1204,19 @@ def case_nodes(c: Checker) -> None:
     case_again(c)
 
 
+def case_nccl_on_a_shared_gpu(c: Checker) -> None:
+    """CuPy collectives on NCCL (GPURING_TRANSPORT=nccl) from ranks that share one GPU,
+    without NCCL_MULTI_RANK_GPU_ENABLE: every rank raises the same clear error before NCCL's
+    init (NCCL would fail the ranks that share a GPU and leave the others waiting)."""
+    os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
+    try:
+        c.comm.all_reduce(dev(c, np.ones(3, np.float32)))
+    except gpuring.GpuringError as exc:
+        assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in str(exc), str(exc)
+    else:
+        raise AssertionError("NCCL ran ranks that share a GPU")
+
+
 def case_without_peer_access(c: Checker) -> None:
     """CuPy arrays on GPUs that cannot access each other peer to peer: CUDA IPC cannot map a
     peer's buffers, so every collective runs on NCCL (the ranks find it out together, at
