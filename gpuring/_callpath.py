@@ -5,28 +5,26 @@ path when something fails (the lifecycle's transitions, telling the peers, relea
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
-import weakref
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from . import _arrays
+from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import FOLDS, Choices
 from ._config import Config
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    CommunicatorClosedError,
     GpuringError,
     PeerFailureError,
 )
-from ._hierarchy import HIERARCHICAL, Layout, Levels
+from ._hierarchy import Layout, Levels
 from ._launch import Launch, RegistrationError
-from ._lifecycle import Lifecycle, State, in_context
+from ._lifecycle import Lifecycle, State, in_context, weakly
 from ._registry import Placement, Registry
 from ._scheduler import Engine
 from ._status import signature_hash
@@ -42,26 +40,10 @@ if TYPE_CHECKING:
     from .transports.mpi import MpiCollectives
     from .transports.nccl import NcclCollectives
 
-__all__ = ["CallPath", "weakly"]
-
-log = logging.getLogger("gpuring")
+__all__ = ["CallPath"]
 
 #: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
 _VERIFIED = ("all_reduce", "all_gather", "broadcast")
-
-
-def weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """A callback that calls `method` while its object lives. What the control plane and the
-    watchdog hold must not keep a communicator alive (its finalizer closes it when the user
-    drops it), and a failure the call path keeps holds frames of the communicator's calls."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any, **kwargs: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args, **kwargs)
-
-    return call
 
 
 class CallPath:
@@ -89,8 +71,8 @@ class CallPath:
         self.watchdog: Watchdog | None = None  #: made on the first collective across ranks
         self.watchdog_parts: list[Any] = []  #: the watchdog and its board's memory, to close
         self.timeline: Timeline | None = None  #: recording timeline; checked once per call
-        self._mpi: MpiCollectives | None = None  # made on first use
-        self._make_communicator = make_communicator
+        self.mpi: MpiCollectives | None = None  # made on first use
+        self.make_communicator = make_communicator  #: (for the levels across nodes)
         #: where the ranks run, where collectives across nodes go in two levels (else None)
         self.layout = None if control.single_node else Layout.of(control.nodes, control.rank)
         self.levels: Levels | None = None  #: those two levels' communicators, made on first use
@@ -158,20 +140,21 @@ class CallPath:
             self._agree(plain)
             return PreparedCall(Route.ALONE, schedule="alone")
         across = not self.control.single_node
-        if x is not None and self._asks_reach(kind):
+        if x is not None and _routes.asks_reach(self, kind):
             self._ensure_watchdog()  # (whichever route follows: the ranks share a node)
             self._agree(plain, remember=False)  # (every rank asks on the same call)
-            self.mappable[kind] = self._peers_reachable(kind, name)
+            self.mappable[kind] = _routes.peers_reachable(self, kind, name)
         if x is None and across and config.transport == "auto":  # every call agrees first:
             return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
-        if x is not None and self._nodes_route(name) and (kind != "cpu" or self._via_mpi()):
+        if x is not None and _routes.nodes_route(self, name) and (
+                kind != "cpu" or _routes.via_mpi(self)):
             plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
             if config.deterministic and algorithm == "ring":
                 self._agree(plain, remember=False)
                 raise GpuringError(_RING_REFUSED.format(name=name))
             return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
         flat = "mpi" if x is None or kind == "cpu" else "nccl"
-        if (flat == "mpi" and self._via_mpi()) or (flat == "nccl" and (
+        if (flat == "mpi" and _routes.via_mpi(self)) or (flat == "nccl" and (
                 across or config.transport == "nccl" or not self.mappable.get(kind, True))):
             refusal = None  # refused on every rank once agreed (the communicator goes on)
             if config.deterministic and name in FOLDS:
@@ -257,117 +240,6 @@ class CallPath:
         elif out is not x:
             out[...] = x.reshape(out.shape)
         return out
-
-    def _run_via_mpi(self, prepared: PreparedCall, call: Call) -> Any:
-        name = call.collective
-        if self._mpi is None:
-            from .rendezvous.mpi import MpiControl
-            from .transports.mpi import MpiCollectives
-
-            assert isinstance(self.control, MpiControl)
-            self._mpi = MpiCollectives(self.control, self.config.timeout)
-        try:
-            if call.x is None:
-                self._mpi.barrier()
-            else:
-                self._mpi.run(name, call.x, call.out, call.op, call.root)
-        except BaseException as exc:
-            error: BaseException = exc
-            known = self._first_failure() if isinstance(
-                exc, (PeerFailureError, CollectiveTimeoutError)) else None
-            if known is not None:
-                error = self.life.explain(known, name, self.seq)
-            elif isinstance(exc, GpuringError):  # which call, like the engine's errors
-                error = self.life.explain(exc, name, self.seq)
-            self.give_up(error, name)  # the other nodes learn it from this rank's notice
-            if error is exc:
-                raise
-            raise error from None
-        return call.out
-
-    def _run_nodes(self, prepared: PreparedCall, call: Call) -> Any:
-        """In two levels (`_hierarchy`), after the ranks agree on the call (at every call: a
-        rank that calls something else is a mismatch on every rank, not a wait for data that
-        never comes); a failure of either level breaks this communicator and both levels,
-        and is told to the peers of all three."""
-        assert prepared.signature is not None
-        try:
-            self._agree(prepared.signature, remember=False)
-        except CollectiveMismatchError:
-            raise  # found alike on every rank, before anything moved
-        except BaseException as exc:
-            self._nodes_failed(exc, call.collective)
-        if call.x is None:  # a barrier: the agreement was one
-            return None
-        try:
-            if self.levels is None:
-                assert self.layout is not None and self._make_communicator is not None
-                self.levels = Levels(self.control, self.layout, self.config.deterministic,
-                                     self._make_communicator)
-            return self.levels.run(call, self.size)
-        except BaseException as exc:
-            self._nodes_failed(exc, call.collective)
-
-    def sync_levels(self, name: str) -> None:
-        """Across nodes, wait for both levels' collectives; their failure is this
-        communicator's (`name`: the call that waits)."""
-        if self.levels is not None:
-            try:
-                self.levels.synchronize()
-            except BaseException as exc:
-                self._nodes_failed(exc, name)
-
-    def _nodes_failed(self, exc: BaseException, name: str) -> NoReturn:
-        """Raise the error of a failed call in two levels, after breaking this communicator
-        and both levels and telling every peer (a mismatch of a level is found by every rank
-        of that level: it only breaks them)."""
-        error: BaseException = exc
-        known = self._first_failure() if isinstance(
-            exc, (PeerFailureError, CommunicatorClosedError)) else None
-        if known is not None:
-            error = self.life.explain(known, name, self.seq)
-        elif isinstance(exc, CommunicatorClosedError) and self.life.cause is not None:
-            error = self.life.explain(self.life.cause, name, self.seq)
-        elif isinstance(exc, GpuringError):
-            error = self.life.explain(exc, name, self.seq)
-        if not isinstance(error, CollectiveMismatchError):
-            self.give_up(error, name)
-        else:
-            self.life.raised(error)
-        if self.levels is not None:
-            self.levels.abort(f"rank {self.rank}: {error!r}")
-        if error is exc:
-            raise exc
-        raise error from None
-
-    def _first_failure(self) -> GpuringError | None:
-        """Across nodes, the failure that came first, where it is known: a rank's report to
-        the job (naming the rank it blames, where it knows one), else a rank of this node
-        that died or gave up (a failure one level raised may only be a peer's giving up
-        because of it)."""
-        notice = self.control.failure_notice()
-        if notice is not None:
-            return notice
-        return None if self.levels is None else self.levels.node_failure()
-
-    def _run_via_nccl(self, prepared: PreparedCall, call: Call) -> Any:
-        name = call.collective
-        try:
-            if self.nccl is None:
-                from .transports.nccl import NcclCollectives
-
-                self.nccl = NcclCollectives(self.control, int(call.x.device.id),
-                                            self.config.timeout, weakly(self.nccl_failed))
-            self.nccl.run(name, call.x, call.out, call.op, call.root, self.size)
-        except BaseException as exc:
-            error: BaseException = exc
-            if isinstance(exc, GpuringError):
-                error = self.life.explain(exc, name, self.seq)
-            self.give_up(error, name)
-            if error is exc:
-                raise
-            raise error from None
-        return call.out
 
     def nccl_failed(self, error: GpuringError) -> None:
         """NCCL's watcher found a failure (after this rank's calls returned): the peers must
@@ -487,51 +359,6 @@ class CallPath:
             if watchdog is not None:
                 watchdog.expect(None)
 
-    def _nodes_route(self, name: str) -> bool:
-        """Whether collective `name` runs in two levels across nodes (NumPy arrays: between
-        nodes on MPI, which the ranks must then come from; CuPy arrays: on NCCL)."""
-        return (self.layout is not None and self.config.transport == "auto"
-                and self._make_communicator is not None and name in HIERARCHICAL)
-
-    def _asks_reach(self, kind: str) -> bool:
-        """Whether the ranks have yet to find out whether they map each other's memory of
-        `kind` (once, on one node, where gpuring picks the route)."""
-        return (kind not in self.mappable and self.control.single_node
-                and self.config.transport == "auto" and device_class(kind).may_be_unreachable)
-
-    def _peers_reachable(self, kind: str, name: str) -> bool:
-        """Whether every rank of this node can map every other's memory of `kind` (CUDA IPC
-        needs peer access between different GPUs), decided by all ranks at once with call
-        `name`; where one cannot, their collectives of `kind` run on NCCL."""
-        devices = device_class(kind)
-        try:
-            place = devices.place(self.control)
-        except Exception:  # the device says why once made
-            place = ""
-        places = self.exchange("where each rank's memory lies", place, name, name)
-        try:
-            why = devices.unreachable(self.control, places)
-        except Exception as exc:
-            why = f"peer access unknown ({exc!r})"
-        whys = self.exchange("peer access", why, name, name)
-        refused = [f"rank {r}: {w}" for r, w in enumerate(whys) if w]
-        if refused:
-            log.info("%s arrays: no peer access between these ranks' memory (%s); their "
-                     "collectives run on NCCL", devices.arrays, "; ".join(refused))
-        return not refused
-
-    def _via_mpi(self) -> bool:
-        """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
-        if self.control.single_node and self.config.transport != "mpi":
-            return False
-        from .rendezvous.mpi import MpiControl
-
-        if not isinstance(self.control, MpiControl):
-            raise GpuringError("NumPy collectives across nodes (or GPURING_TRANSPORT=mpi) "
-                               "need MPI between the nodes: start the ranks with mpiexec "
-                               "(mpi4py installed: pip install gpuring[mpi])")
-        return True
-
     def _capacity(self, kind: str) -> int:
         """The size of a buffer region of the engine for `kind` (the agreed setting, or the
         device's default, until the engine exists)."""
@@ -547,13 +374,13 @@ class CallPath:
         with self.lock:
             if self.life.state is not State.OPEN:
                 self.life.check(name, self.seq + 1)
-            if self.size == 1 or (kind == "cpu" and self._via_mpi()) or (
+            if self.size == 1 or (kind == "cpu" and _routes.via_mpi(self)) or (
                     kind != "cpu" and not self.control.single_node):
                 return None
             self._ensure_watchdog()
             self._agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
-            if self._asks_reach(kind):
-                self.mappable[kind] = self._peers_reachable(kind, name)
+            if _routes.asks_reach(self, kind):
+                self.mappable[kind] = _routes.peers_reachable(self, kind, name)
             if not self.mappable.get(kind, True):
                 return None
             try:
@@ -714,8 +541,8 @@ def _described(signature: Signature) -> str:
 #: who runs a prepared call, by its route
 _ROUTES: dict[Route, Callable[[CallPath, PreparedCall, Call], Any]] = {
     Route.ALONE: CallPath._run_alone,
-    Route.MPI: CallPath._run_via_mpi,
+    Route.MPI: _routes.run_via_mpi,
     Route.ENGINE: CallPath._run_engine,
-    Route.NODES: CallPath._run_nodes,
-    Route.NCCL: CallPath._run_via_nccl,
+    Route.NODES: _routes.run_nodes,
+    Route.NCCL: _routes.run_via_nccl,
 }

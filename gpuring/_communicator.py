@@ -18,16 +18,16 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from . import _argcheck, _arrays, interop
+from . import _argcheck, _arrays, _transport_routes, interop
 from ._call import Call
-from ._callpath import CallPath, weakly
+from ._callpath import CallPath
 from ._config import Config
 from ._errors import (
     CommunicatorClosedError,
     GpuringError,
 )
 from ._lastcalls import LastCalls
-from ._lifecycle import Outcome, State
+from ._lifecycle import Outcome, State, weakly
 from ._ops import ReduceOp, check_op_dtype
 from ._scheduler import Engine
 from ._timeline import Timeline, write_trace
@@ -461,7 +461,7 @@ class Communicator:
         self._drain_async()
         self._path.life.check("synchronize", self._path.seq)
         self._path.wait_engines("synchronize")
-        self._path.sync_levels("synchronize")
+        _transport_routes.sync_levels(self._path, "synchronize")
         if self._pairs:
             from ._groups import synchronize_channels
 

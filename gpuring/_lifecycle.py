@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 from ._errors import CollectiveTimeoutError, CommunicatorClosedError, GpuringError, PeerFailureError
 
-__all__ = ["State", "Lifecycle", "Outcome", "in_context"]
+__all__ = ["State", "Lifecycle", "Outcome", "in_context", "weakly"]
 
 
 class State(enum.Enum):
@@ -128,3 +131,17 @@ class Lifecycle:
     def close(self) -> None:
         with self._lock:
             self.state = State.CLOSED
+
+
+def weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A callback that calls `method` while its object lives. What the control plane and the
+    watchdog hold must not keep a communicator alive (its finalizer closes it when the user
+    drops it), and a failure the call path keeps holds frames of the communicator's calls."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, **kwargs)
+
+    return call
