@@ -375,7 +375,8 @@ class CallPath:
             if self.life.state is not State.OPEN:
                 self.life.check(name, self.seq + 1)
             if self.size == 1 or (kind == "cpu" and _routes.via_mpi(self)) or (
-                    kind != "cpu" and not self.control.single_node):
+                    kind != "cpu" and (not self.control.single_node
+                                       or self.config.transport == "nccl")):
                 return None
             self._ensure_watchdog()
             self._agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)

@@ -306,8 +306,8 @@ class Communicator:
         array (or a view of it) lives; once the communicator is closed, it is an ordinary
         array. The communicator keeps it (and its peers' mappings of it) until it closes:
         allocate registered arrays once and reuse them. Where there is no peer to map it (a
-        world of one, NumPy collectives through MPI) it is an ordinary array from the
-        start."""
+        world of one, NumPy collectives through MPI, CuPy collectives through NCCL) it is an
+        ordinary array from the start."""
         return self._registered("empty", shape, dtype, device)
 
     def zeros(self, shape: int | Sequence[int], dtype: Any = "float64", *,

@@ -49,11 +49,6 @@ class PeerFailureError(GpuringError):
         self.seq = seq
 
 
-class PeerLeft(PeerFailureError):
-    """A peer closed its communicator without entering the call this rank waits in: the
-    consequence of a failure elsewhere, the weakest of the causes a rank may name."""
-
-
 class CommunicatorClosedError(GpuringError):
     """The communicator was closed or aborted and can no longer be used."""
 

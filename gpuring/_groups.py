@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _arrays, interop
-from ._errors import GpuringError, PeerLeft, in_ranks
+from ._errors import GpuringError, in_ranks
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -150,15 +150,20 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             _message(receiving, out, theirs)
-    except PeerLeft:
-        # the receive's peer only left (after a failure elsewhere): the send's failure, where
-        # it has one of its own, is closer to the cause (a peer that died, say)
+    except GpuringError:
+        # the send is bounded by its channel's timeout; when both halves fail, the receive's
+        # error is the one raised, unless its peer only closed its channel (after a failure
+        # elsewhere) and the send has a failure of its own (closer to the cause: a peer that
+        # died, say)
+        only_left = _peer_only_left(receiving)
         try:
             with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
                 work.wait()
         except GpuringError as sent:
-            if not isinstance(sent, PeerLeft):
-                raise
+            if only_left and not _peer_only_left(sending):
+                raise sent from None
+        except BaseException:
+            pass
         raise
     except BaseException:
         # the send is bounded by its channel's timeout; when both halves fail, the receive's
@@ -169,6 +174,16 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
         work.wait()
     return given
+
+
+def _peer_only_left(channel: Communicator) -> bool:
+    """Whether the peer of a pair's channel closed it cleanly, neither dying nor giving up
+    (as the channel's status board shows)."""
+    watchdog = channel._path.watchdog
+    if watchdog is None:
+        return False
+    board = watchdog.board
+    return board.troubled_peer() is None and bool(board.left_before(1 << 62))
 
 
 #: fewest hardware queues per GPU with which the two halves of a CUDA sendrecv between two

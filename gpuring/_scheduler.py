@@ -105,9 +105,11 @@ class Engine:
         handles = control.exchange("setup (buffer handles)", device.export(local), timeout)
         self._mems: list[Memory] = [
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
-        control.barrier(timeout, "setup (buffers mapped)")
-        device.seal(local)
         schedule = device.schedule(handles)
+        # (the barrier after mapping, with rank 0's ring order for every rank: each rank's
+        # device chose one from what it sees, which need not be alike everywhere)
+        rings = control.exchange("setup (buffers mapped)", schedule.ring, timeout)
+        device.seal(local)
         #: the largest input (bytes) of a collective that runs as one operation (0: none)
         self.fused_bytes = min(schedule.fused_bytes, fused_limit) if region else 0
         #: the collectives that run as one operation, and whether those can be captured
@@ -115,7 +117,7 @@ class Engine:
         self.fused_kinds = schedule.fused_kinds
         self.fused_capturable = schedule.fused_capturable
         #: the ranks in the order the ring and the chains visit them (empty: rank order)
-        self.ring = schedule.ring
+        self.ring: tuple[int, ...] = tuple(rings[0])
         #: the piece size where the user set none
         self.default_chunk_bytes = (capacity_bytes if schedule.whole_pieces
                                     else device.default_chunk_bytes)

@@ -15,13 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GpuringError,
-    PeerFailureError,
-    PeerLeft,
-)
+from ._errors import CollectiveMismatchError, CollectiveTimeoutError, GpuringError, PeerFailureError
 from ._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard
 from .devices.base import Event, FlagWaitAborted
 from .devices.host import HostDevice
@@ -203,7 +197,7 @@ class Watchdog:
         if waiting is not None:
             gone = self.board.left_before(waiting[0])
             if gone:
-                self._fail(PeerLeft(
+                self._fail(PeerFailureError(
                     f"rank {gone[0]} closed its communicator without entering {waiting[1]} "
                     f"#{waiting[0]}", peer=gone[0]))
                 return

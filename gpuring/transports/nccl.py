@@ -4,16 +4,17 @@ caller's stream and returns at once, as every CuPy collective of gpuring does.
 
 Bounded, with NCCL's own means. ncclCommInitRank waits for every rank without a limit, so the
 communicator is made on a thread and waited for within the timeout (a communicator that comes
-after that is aborted). Connections are made there too: the collectives' at init
-(NCCL_RUNTIME_CONNECT=0 unless set otherwise), the point-to-point channels' by a byte each way
-between every pair of ranks; so no later call waits on the host for its peers. Every call
-records an event before and after it, and a watcher thread (every 50 ms) fails the
-communicator when a call has not completed within the timeout of the moment the stream
-reached it, when NCCL reports an asynchronous error (ncclCommGetAsyncError), or when the
-control plane learns that a rank failed (a notice to the job, a watch of the node's status
-board); failing aborts the NCCL communicator (ncclCommAbort), which ends its calls still
-queued or running, so the caller's stream goes on. NCCL's calls on one communicator never
-overlap (a lock): the caller's enqueue and the watcher's query and abort take turns.
+after that is aborted). Connections are made within the timeout too: the collectives' at init
+(NCCL_RUNTIME_CONNECT=0 unless set otherwise), the point-to-point channels' before the first
+point-to-point verb, by a byte each way between every pair of ranks, bounded alike; so no
+later call waits on the host for its peers. Every call records an event before and after it,
+and a watcher thread (every 50 ms) fails the communicator when a call has not completed within
+the timeout of the moment the stream reached it, when NCCL reports an asynchronous error
+(ncclCommGetAsyncError), or when the control plane learns that a rank failed (a notice to the
+job, a watch of the node's status board); failing aborts the NCCL communicator (ncclCommAbort),
+which ends its calls still queued or running, so the caller's stream goes on. NCCL's calls on
+one communicator never overlap (a lock): the caller's enqueue and the watcher's query and abort
+take turns.
 
 gather, scatter and all_to_all are NCCL's point-to-point calls, grouped.
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -110,23 +110,25 @@ class NcclCollectives:
         if node:  # NCCL's nodes are gpuring's: NCCL refuses two ranks on one GPU of one node
             os.environ.setdefault("NCCL_HOSTID", node)
         why, unique, gpu = None, None, ""
+        shares = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
         try:
             nccl = load_nccl()
             if control.rank == 0:
                 unique = nccl_id_bytes(nccl.get_unique_id())
-            gpu = f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}|" \
-                  f"{cupy.cuda.Device(device).pci_bus_id}"
+            gpu = _gpu_id(cupy, device)
         except Exception as exc:
             why = str(exc)
-        met = control.exchange("NCCL communicator", (why, unique, gpu), timeout)
-        missing = [f"rank {r}: {w}" for r, (w, _, _) in enumerate(met) if w]
+        met = control.exchange("NCCL communicator", (why, unique, gpu, shares), timeout)
+        missing = [f"rank {r}: {w}" for r, (w, _, _, _) in enumerate(met) if w]
         if missing:
             raise GpuringError("; ".join(missing))
-        shared = _shared_gpus([g for _, _, g in met])
-        if shared and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        nodes = control.nodes
+        shared = _shared_gpus([f"{nodes[r]}|{g}" if g else "" for r, (_, _, g, _) in
+                               enumerate(met)])
+        if shared and not all(met[r][3] for r in shared):
             raise GpuringError(  # (NCCL would fail those ranks alone, the rest would wait)
                 f"ranks {shared} of one node share a GPU, which NCCL takes only with "
-                "NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30)")
+                "NCCL_MULTI_RANK_GPU_ENABLE=1 on each of them")
         self._nccl = nccl
         os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")  # (read by NCCL at its first init)
         self.comm = self._make(met[0][1], device)
@@ -135,73 +137,113 @@ class NcclCollectives:
         self._lock = threading.Lock()  # the state below and every call of `comm`
         self.failure: GpuringError | None = None
         self._closed = False
+        self._peers_connected = False  #: point-to-point channels made (`_connect_peers`)
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="gpuring-nccl", daemon=True)
         self._watcher.start()
 
     def _make(self, unique: bytes, device: int) -> Any:
         """ncclCommInitRank on a thread of its own (it waits for every rank, unbounded),
-        waited for within the timeout; a thread that never returns is left behind."""
-        made: list[Any] = []
-        control, cupy = self._control, self._cupy
+        waited for within the timeout, or until the job learns that a rank failed; a
+        communicator that comes after that is aborted."""
+        control, cupy, nccl = self._control, self._cupy, self._nccl
 
-        def make() -> None:
-            try:  # (this thread's device for good: restoring another would make a context)
-                cupy.cuda.runtime.setDevice(device)
-                try:
-                    comm = self._nccl.NcclCommunicator(
-                        control.size, nccl_id_argument(unique, cupy.__version__),
-                        control.rank)
-                except OverflowError:  # an old CuPy where C char is unsigned
-                    comm = self._nccl.NcclCommunicator(
-                        control.size, nccl_id_argument(unique, cupy.__version__, False),
-                        control.rank)
-                made.append(comm)
-                self._connect_peers(comm)
-                made.append(None)
+        def make() -> Any:  # (this thread's device for good: restoring it makes a context)
+            cupy.cuda.runtime.setDevice(device)
+            try:
+                return nccl.NcclCommunicator(
+                    control.size, nccl_id_argument(unique, cupy.__version__), control.rank)
+            except OverflowError:  # an old CuPy where C char is unsigned
+                return nccl.NcclCommunicator(
+                    control.size, nccl_id_argument(unique, cupy.__version__, False),
+                    control.rank)
+
+        return self._bounded(make, "made", "NCCL communicator", abort_late=True)
+
+    def _bounded(self, work: Callable[[], Any], what: str, label: str, *,
+                 abort_late: bool = False,
+                 on_timeout: Callable[[GpuringError], None] | None = None) -> Any:
+        """`work()` on a thread of its own, waited for within the timeout or until the job
+        learns that a rank failed (that failure is raised); its exception as a GpuringError
+        (`label`: what failed). `abort_late`: what `work` returns after that is an NCCL
+        communicator to abort. `on_timeout(error)`: called before raising `error`, while
+        `work` may still run."""
+        done: list[Any] = []
+        lock = threading.Lock()
+        gave_up = False
+
+        def run() -> None:
+            try:
+                result: Any = work()
             except BaseException as exc:
-                made.append(exc)
+                result = _Failed(exc)
+            with lock:
+                done.append(result)
+                late = gave_up
+            if late and abort_late and not isinstance(result, _Failed):
+                result.abort()  # (it must not stay connected)
 
-        thread = threading.Thread(target=make, name="gpuring-nccl-init", daemon=True)
+        thread = threading.Thread(target=run, name=f"gpuring-nccl-{what}", daemon=True)
         thread.start()
-        thread.join(self._timeout)
-        if thread.is_alive():
-            def abort_if_made() -> None:  # it may come yet: it must not stay connected
-                thread.join()
-                if made and not isinstance(made[0], BaseException):
-                    made[0].abort()
-            threading.Thread(target=abort_if_made, name="gpuring-nccl-init-abort",
-                             daemon=True).start()
-            raise CollectiveTimeoutError(
-                f"the NCCL communicator of rank {control.rank} was not made and connected "
-                f"within {self._timeout} s: some rank did not take part")
-        if not isinstance(made[0], BaseException) and isinstance(made[-1], BaseException):
-            made[0].abort()  # made, but its peers could not be connected
-            made[0] = made[-1]
-        if isinstance(made[0], BaseException):
-            raise GpuringError(f"NCCL communicator: {made[0]!r}") from None
-        return made[0]
+        deadline = time.monotonic() + self._timeout
+        notice = None
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(min(_TICK, max(0.0, deadline - time.monotonic())))
+            notice = self._control.failure_notice()
+            if notice is not None:
+                break
+        with lock:
+            if not done:
+                gave_up = True
+        if gave_up:
+            error = notice or CollectiveTimeoutError(
+                f"the {label} of rank {self._control.rank} was not {what} within "
+                f"{self._timeout} s: some rank did not take part")
+            if on_timeout is not None:
+                on_timeout(error)
+            raise error
+        if isinstance(done[0], _Failed):
+            raise GpuringError(f"{label}: {done[0].error!r}") from None
+        return done[0]
 
-    def _connect_peers(self, comm: Any) -> None:
-        """Connect NCCL's point-to-point channels to every peer now, within init's bound: NCCL
-        connects them at a peer's first send or recv, and that groupEnd waits on the host
-        for the peer (NCCL_RUNTIME_CONNECT covers the collectives only). One byte each way
-        between every pair, in one group, on a stream of its own."""
+    def _connect_peers(self) -> None:
+        """(Under the lock, before the first point-to-point call.) Connect NCCL's
+        point-to-point channels to every peer, bounded: NCCL connects them at a peer's first
+        send or recv, in a groupEnd that waits on the host for the peer
+        (NCCL_RUNTIME_CONNECT covers the collectives only). One byte each way between every
+        pair, in one group, on a stream of its own; a connection that does not come within
+        the timeout aborts the communicator (which ends the wait) and fails the transport."""
         cupy, nccl, size, rank = self._cupy, self._nccl, self._control.size, self._control.rank
-        if size < 2:
-            return
-        scratch = cupy.zeros(2 * size, cupy.uint8)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        nccl.groupStart()
-        try:
-            for peer in range(size):
-                if peer != rank:
-                    comm.send(scratch.data.ptr + peer, 1, nccl.NCCL_UINT8, peer, stream.ptr)
-                    comm.recv(scratch.data.ptr + size + peer, 1, nccl.NCCL_UINT8, peer,
-                              stream.ptr)
-        finally:
+
+        def connect() -> None:
+            cupy.cuda.runtime.setDevice(self._device)
+            scratch = cupy.zeros(2 * size, cupy.uint8)
+            stream = cupy.cuda.Stream(non_blocking=True)
+            nccl.groupStart()
+            try:
+                for peer in range(size):
+                    if peer != rank:
+                        self.comm.send(scratch.data.ptr + peer, 1, nccl.NCCL_UINT8, peer,
+                                       stream.ptr)
+                        self.comm.recv(scratch.data.ptr + size + peer, 1, nccl.NCCL_UINT8,
+                                       peer, stream.ptr)
+            except BaseException:
+                with contextlib.suppress(Exception):  # (the first error is the one to tell)
+                    nccl.groupEnd()
+                raise
             nccl.groupEnd()
-        stream.synchronize()
+            stream.synchronize()
+
+        def give_up(error: GpuringError) -> None:  # (the lock is held)
+            self.failure = error
+            self._pending.clear()
+            self._stop.set()
+            self.comm.abort()
+
+        if size > 1 and not self._peers_connected:
+            self._bounded(connect, "connected to its peers", "NCCL communicator",
+                          on_timeout=give_up)
+            self._peers_connected = True
 
     # -- the collectives -------------------------------------------------------------------
     def run(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int) -> None:
@@ -286,6 +328,7 @@ class NcclCollectives:
             sends = [(x.data.ptr + r * block, r) for r in range(size) if r != rank]
             recvs = [(out.data.ptr + r * block, r) for r in range(size) if r != rank]
         if block:  # (every rank agreed on the shape; NCCL's empty sends vary by version)
+            self._connect_peers()
             nccl.groupStart()
             try:
                 for address, peer in sends:
@@ -426,6 +469,13 @@ class NcclCollectives:
 
 
 @dataclass
+class _Failed:
+    """What a bounded piece of work raised."""
+
+    error: BaseException
+
+
+@dataclass
 class _Pending:
     """A call not known complete: events before and after it on the caller's stream, and
     when the watcher saw the stream reach it (its timeout counts from then)."""
@@ -434,6 +484,15 @@ class _Pending:
     done: Any
     name: str
     reached: float | None = None
+
+
+def _gpu_id(cupy: Any, device: int) -> str:
+    """GPU `device`'s UUID as NCCL tells GPUs apart (a MIG slice has its own), else its PCI
+    bus id."""
+    uuid = cupy.cuda.runtime.getDeviceProperties(device).get("uuid")
+    if isinstance(uuid, (bytes, bytearray)) and any(uuid):
+        return bytes(uuid).hex()
+    return str(cupy.cuda.Device(device).pci_bus_id)
 
 
 def _shared_gpus(gpus: list[str]) -> list[int]:
