@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _arrays, interop
-from ._errors import GpuringError, in_ranks
+from ._errors import GpuringError, PeerFailureError, in_ranks
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -150,19 +150,19 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             _message(receiving, out, theirs)
-    except GpuringError:
+    except GpuringError as received:
         # the send is bounded by its channel's timeout; when both halves fail, the receive's
         # error is the one raised, unless its peer only closed its channel (after a failure
         # elsewhere) and the send has a failure of its own (closer to the cause: a peer that
         # died, say)
-        only_left = _peer_only_left(receiving)
+        only_left = isinstance(received, PeerFailureError) and _peer_only_left(receiving)
         try:
             with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
                 work.wait()
         except GpuringError as sent:
             if only_left and not _peer_only_left(sending):
                 raise sent from None
-        except BaseException:
+        except Exception:
             pass
         raise
     except BaseException:

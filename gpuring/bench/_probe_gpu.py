@@ -50,6 +50,9 @@ class Settings:
     ipc_bytes: int = 64 << 20
     #: enqueues timed per host-cost figure
     host_iters: int = 2000
+    #: seconds the abort parts wait for the release of blocked streams before they call it
+    #: a hang (a release that works takes milliseconds)
+    release_s: float = 10.0
     #: parts to run (empty: all)
     parts: tuple[str, ...] = ()
     #: every time box multiplied by this (slow machines, the CUDA simulator)
@@ -65,6 +68,7 @@ class Settings:
             "copy_bytes": ("GPURING_PROBE_COPY_BYTES", parse_size),
             "ipc_bytes": ("GPURING_PROBE_IPC_BYTES", parse_size),
             "host_iters": ("GPURING_PROBE_HOST_ITERS", int),
+            "release_s": ("GPURING_PROBE_RELEASE_S", float),
             "parts": ("GPURING_PROBE_PARTS",
                       lambda v: tuple(p.strip() for p in v.split(",") if p.strip())),
             "time_scale": ("GPURING_DEVICE_CHECK_TIME_SCALE", float),

@@ -541,9 +541,9 @@ def part_abort_release(rec: Recorder, s: Settings, budget: float) -> None:
     rec(blocked_before_abort=sum(not e.query() for e in blocked))
     start = time.perf_counter()
     dev.abort("probe: release every wait")
-    drained = dev._drain(min(10.0, budget / 2))
+    drained = dev._drain(min(s.release_s, budget / 2))
     rec(released=drained, release_ms=(time.perf_counter() - start) * 1e3)
-    rec(device_synchronize=gpu.finish(gpu.event(gpu.side), 5.0))
+    rec(device_synchronize=gpu.finish(gpu.event(gpu.side), min(5.0, s.release_s)))
     if drained:
         dev.close(peers_may_read=True)
 

@@ -29,7 +29,8 @@ finish), crashed, skipped, or unsupported (on the CUDA simulator: MPS).
 
 Settings (environment, for dry runs): GPURING_PROBE_BUDGET (seconds for all, 75),
 GPURING_PROBE_ROUND_TRIPS (1000), GPURING_PROBE_BATCH (100), GPURING_PROBE_COPY_BYTES (1G),
-GPURING_PROBE_IPC_BYTES (64M), GPURING_PROBE_HOST_ITERS (2000), GPURING_PROBE_PARTS (a
+GPURING_PROBE_IPC_BYTES (64M), GPURING_PROBE_HOST_ITERS (2000), GPURING_PROBE_RELEASE_S (how
+long the abort parts wait for a release before they call it a hang, 10), GPURING_PROBE_PARTS (a
 comma-separated subset), GPURING_PROBE_MPS_DIR (where MPS keeps its pipes and logs; default a
 temporary directory), GPURING_DEVICE_CHECK_TIME_SCALE (every time box times this, 1),
 GPURING_COMMIT (the commit, where the tree is not a git checkout).

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +52,8 @@ _TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
 _OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD",
         ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
 _TICK = 0.05
+#: ncclRemoteError: a peer's process failed
+_REMOTE_ERROR = 6
 #: the reductions
 _FOLDS = ("all_reduce", "reduce_scatter", "reduce")
 #: the verbs made of point-to-point calls
@@ -106,6 +109,8 @@ class NcclCollectives:
         self._cupy, self._control, self._timeout = cupy, control, timeout
         self._device = device
         self._on_failure = on_failure
+        #: an abort asked for (any thread), seen without the lock by bounded waits
+        self._aborting: GpuringError | None = None
         node = settings.get("GPURING_HOSTNAME")
         if node:  # NCCL's nodes are gpuring's: NCCL refuses two ranks on one GPU of one node
             os.environ.setdefault("NCCL_HOSTID", node)
@@ -115,16 +120,15 @@ class NcclCollectives:
             nccl = load_nccl()
             if control.rank == 0:
                 unique = nccl_id_bytes(nccl.get_unique_id())
-            gpu = _gpu_id(cupy, device)
+            gpu = f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}|" \
+                  f"{cupy.cuda.Device(device).pci_bus_id}"  # (as NCCL tells GPUs apart)
         except Exception as exc:
             why = str(exc)
         met = control.exchange("NCCL communicator", (why, unique, gpu, shares), timeout)
         missing = [f"rank {r}: {w}" for r, (w, _, _, _) in enumerate(met) if w]
         if missing:
             raise GpuringError("; ".join(missing))
-        nodes = control.nodes
-        shared = _shared_gpus([f"{nodes[r]}|{g}" if g else "" for r, (_, _, g, _) in
-                               enumerate(met)])
+        shared = _shared_gpus([g for _, _, g, _ in met])
         if shared and not all(met[r][3] for r in shared):
             raise GpuringError(  # (NCCL would fail those ranks alone, the rest would wait)
                 f"ranks {shared} of one node share a GPU, which NCCL takes only with "
@@ -138,6 +142,7 @@ class NcclCollectives:
         self.failure: GpuringError | None = None
         self._closed = False
         self._peers_connected = False  #: point-to-point channels made (`_connect_peers`)
+        self._scratch: Any = None  #: their first bytes' memory
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="gpuring-nccl", daemon=True)
         self._watcher.start()
@@ -189,7 +194,7 @@ class NcclCollectives:
         notice = None
         while thread.is_alive() and time.monotonic() < deadline:
             thread.join(min(_TICK, max(0.0, deadline - time.monotonic())))
-            notice = self._control.failure_notice()
+            notice = self._aborting or self._job_failure()
             if notice is not None:
                 break
         with lock:
@@ -203,36 +208,52 @@ class NcclCollectives:
                 on_timeout(error)
             raise error
         if isinstance(done[0], _Failed):
-            raise GpuringError(f"{label}: {done[0].error!r}") from None
+            failed = done[0].error
+            kind = PeerFailureError if getattr(failed, "status", None) == _REMOTE_ERROR \
+                else GpuringError
+            raise kind(f"{label}: {failed!r}") from failed
         return done[0]
 
-    def _connect_peers(self) -> None:
-        """(Under the lock, before the first point-to-point call.) Connect NCCL's
-        point-to-point channels to every peer, bounded: NCCL connects them at a peer's first
-        send or recv, in a groupEnd that waits on the host for the peer
+    def _job_failure(self) -> GpuringError | None:
+        """A failure the control plane learned: a notice to the job, or a watch's (the
+        node's status board)."""
+        notice = self._control.failure_notice()
+        if notice is not None:
+            return notice
+        for watch in list(self._control._watches):
+            found = watch()
+            if isinstance(found, GpuringError):
+                return found
+        return None
+
+    def _connect_peers(self, ptr: int) -> None:
+        """(Under the lock, before the first point-to-point call, queued on stream `ptr`.)
+        Connect NCCL's point-to-point channels to every peer, bounded: NCCL connects them at
+        a peer's first send or recv, in a groupEnd that waits on the host for the peer
         (NCCL_RUNTIME_CONNECT covers the collectives only). One byte each way between every
-        pair, in one group, on a stream of its own; a connection that does not come within
-        the timeout aborts the communicator (which ends the wait) and fails the transport."""
+        pair, in one group; its groupEnd (the host's part) is bounded here, its kernels as
+        the call's that follows them on the stream. A connection that does not come within
+        the timeout aborts the communicator (which ends the wait) and fails the transport.
+        (NCCL's abort is meant to end a wait of another thread in it.)"""
         cupy, nccl, size, rank = self._cupy, self._nccl, self._control.size, self._control.rank
+        if size < 2 or self._peers_connected:
+            return
+        self._scratch = scratch = cupy.zeros(2 * size, cupy.uint8)  # (kept: the kernels use it)
 
         def connect() -> None:
             cupy.cuda.runtime.setDevice(self._device)
-            scratch = cupy.zeros(2 * size, cupy.uint8)
-            stream = cupy.cuda.Stream(non_blocking=True)
             nccl.groupStart()
             try:
                 for peer in range(size):
                     if peer != rank:
-                        self.comm.send(scratch.data.ptr + peer, 1, nccl.NCCL_UINT8, peer,
-                                       stream.ptr)
+                        self.comm.send(scratch.data.ptr + peer, 1, nccl.NCCL_UINT8, peer, ptr)
                         self.comm.recv(scratch.data.ptr + size + peer, 1, nccl.NCCL_UINT8,
-                                       peer, stream.ptr)
+                                       peer, ptr)
             except BaseException:
                 with contextlib.suppress(Exception):  # (the first error is the one to tell)
                     nccl.groupEnd()
                 raise
             nccl.groupEnd()
-            stream.synchronize()
 
         def give_up(error: GpuringError) -> None:  # (the lock is held)
             self.failure = error
@@ -240,10 +261,9 @@ class NcclCollectives:
             self._stop.set()
             self.comm.abort()
 
-        if size > 1 and not self._peers_connected:
-            self._bounded(connect, "connected to its peers", "NCCL communicator",
-                          on_timeout=give_up)
-            self._peers_connected = True
+        self._bounded(connect, "connected to its peers", "NCCL communicator",
+                      on_timeout=give_up)
+        self._peers_connected = True
 
     # -- the collectives -------------------------------------------------------------------
     def run(self, name: str, x: Any, out: Any, op: ReduceOp, root: int, size: int) -> None:
@@ -328,7 +348,7 @@ class NcclCollectives:
             sends = [(x.data.ptr + r * block, r) for r in range(size) if r != rank]
             recvs = [(out.data.ptr + r * block, r) for r in range(size) if r != rank]
         if block:  # (every rank agreed on the shape; NCCL's empty sends vary by version)
-            self._connect_peers()
+            self._connect_peers(ptr)
             nccl.groupStart()
             try:
                 for address, peer in sends:
@@ -406,7 +426,7 @@ class NcclCollectives:
     def _trouble(self) -> GpuringError | None:
         now = time.monotonic()
         with self._lock:
-            if self._closed:
+            if self._closed or self.failure is not None:
                 return None
             while self._pending and self._pending[0].done.done:
                 self._pending.popleft()
@@ -424,14 +444,7 @@ class NcclCollectives:
             except Exception as exc:
                 return PeerFailureError(f"NCCL reported an error on rank "
                                         f"{self._control.rank}: {exc}")
-        notice = self._control.failure_notice()
-        if notice is not None:
-            return notice
-        for watch in list(self._control._watches):
-            found = watch()
-            if isinstance(found, GpuringError):
-                return found
-        return None
+        return self._job_failure()
 
     def _fail(self, error: GpuringError) -> None:
         """The watcher's: abort, then tell the communicator (`on_failure`)."""
@@ -439,8 +452,12 @@ class NcclCollectives:
             self._on_failure(error)
 
     def abort(self, reason: str) -> None:
-        """End every queued call (ncclCommAbort) and fail this transport. Any thread."""
-        self._abort(PeerFailureError(reason))
+        """End every queued call (ncclCommAbort) and fail this transport. Any thread (a
+        bounded wait that holds the lock sees the request and ends first)."""
+        error = PeerFailureError(reason)
+        if self._aborting is None:
+            self._aborting = error
+        self._abort(error)
 
     def _abort(self, error: GpuringError) -> bool:
         """Whether this call aborted (not an earlier one, nor after close)."""
@@ -484,15 +501,6 @@ class _Pending:
     done: Any
     name: str
     reached: float | None = None
-
-
-def _gpu_id(cupy: Any, device: int) -> str:
-    """GPU `device`'s UUID as NCCL tells GPUs apart (a MIG slice has its own), else its PCI
-    bus id."""
-    uuid = cupy.cuda.runtime.getDeviceProperties(device).get("uuid")
-    if isinstance(uuid, (bytes, bytearray)) and any(uuid):
-        return bytes(uuid).hex()
-    return str(cupy.cuda.Device(device).pci_bus_id)
 
 
 def _shared_gpus(gpus: list[str]) -> list[int]:

@@ -664,14 +664,6 @@ class _Runtime(types.ModuleType):
         _contexts.add(device)
 
     @staticmethod
-    def getDeviceProperties(device: int) -> dict[str, Any]:
-        """A few of cudaDeviceProp's fields, as CuPy names them."""
-        if not 0 <= device < _Runtime.getDeviceCount():
-            raise CUDARuntimeError("cudaErrorInvalidDevice")
-        return {"name": b"cudasim", "uuid": bytes([0x5A, device]) + bytes(14),
-                "pciBusID": 0x18 + device, "pciDeviceID": 0, "pciDomainID": 0}
-
-    @staticmethod
     def deviceCanAccessPeer(device: int, peer: int) -> int:
         """1, unless GPURING_CUDASIM_NO_P2P=1 (GPUs behind different CPU sockets without
         P2P, say): then 0 between different devices."""

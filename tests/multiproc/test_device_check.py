@@ -49,6 +49,7 @@ DRY_RUN = {
     "GPURING_PROBE_COPY_BYTES": "4M",
     "GPURING_PROBE_IPC_BYTES": "1M",
     "GPURING_PROBE_HOST_ITERS": "200",
+    "GPURING_PROBE_RELEASE_S": "2",  # (the simulator never releases one hardware queue)
     # time boxes x5: the simulator on a loaded 2-core machine may be slow; the run's own
     # time is checked against one generous bound instead
     "GPURING_DEVICE_CHECK_TIME_SCALE": "5",
