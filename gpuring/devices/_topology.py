@@ -61,20 +61,26 @@ class Topology:
         gpu = [int(i) for i in index if i is not None]
         n = len(gpu)
 
-        def weight(a: int, b: int) -> int:
+        def link_weight(a: int, b: int) -> int:
             if gpu[a] == gpu[b]:
                 return 10_000
             link = self.link[gpu[a]][gpu[b]]
             return 100 + int(link[2:]) if link.startswith("NV") else _PCIE.get(link, 0)
 
+        weights = [[link_weight(a, b) for b in range(n)] for a in range(n)]
+
+        def weight(a: int, b: int) -> int:
+            return weights[a][b]
+
         def score(order: Sequence[int]) -> tuple[int, int]:
-            weights = [weight(order[k], order[(k + 1) % n]) for k in range(n)]
-            return min(weights), sum(weights)
+            ring = [weights[order[k - 1]][order[k]] for k in range(n)]
+            return min(ring), sum(ring)
 
         best, best_score = tuple(range(n)), score(range(n))
-        if n <= 8:
+        if n <= 8:  # (rank 0 first, and each ring in one direction: the second rank lower
+            #         than the last)
             candidates: Iterable[tuple[int, ...]] = (
-                (0, *rest) for rest in itertools.permutations(range(1, n)))
+                (0, *rest) for rest in itertools.permutations(range(1, n)) if rest[0] < rest[-1])
         else:
             path = [0]
             while len(path) < n:
