@@ -186,7 +186,7 @@ class Levels:
 
     def _across(self, shard: Any, op: ReduceOp) -> Any:
         """The reduction of `shard` over the nodes, the same bits on every node."""
-        if not self.deterministic and _reduced_between(shard, op):
+        if not self.deterministic:
             return self.inter.run("all_reduce", shard, op=op)
         return fold(list(self.inter.run("all_gather", shard)), op)
 
@@ -207,7 +207,7 @@ class Levels:
         blocks = x.reshape(size, -1)[layout.node_major()]  # a copy, local rank major
         # every node's block of this local rank, reduced over this node:
         mine = self.intra.run("reduce_scatter", blocks.reshape(-1), op=op, **tune._asdict())
-        if not self.deterministic and _reduced_between(mine, op):
+        if not self.deterministic:
             return self.inter.run("reduce_scatter", mine, op=op)
         gathered = self.inter.run("all_gather", mine).reshape(layout.nodes, layout.nodes, -1)
         return fold(list(gathered[:, layout.node]), op)
@@ -237,9 +237,9 @@ class Levels:
         partial = self.intra.run("reduce", x, op=op, root=local, **tune._asdict())
         if layout.local != local:
             return None
-        if not self.deterministic and _reduced_between(partial, op):
+        if not self.deterministic:
             return self.inter.run("reduce", partial, op=op, root=node)
-        gathered = self.inter.run("all_gather", partial)  # (NCCL has no gather)
+        gathered = self.inter.run("all_gather", partial)
         return fold(list(gathered), op) if layout.node == node else None
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -261,16 +261,6 @@ class Levels:
             except BaseException as exc:
                 failure = failure or exc
         return failure
-
-
-def _reduced_between(x: Any, op: ReduceOp) -> bool:
-    """Whether the engine between nodes reduces `x` with `op` itself (else: an all_gather
-    and a fold): MPI reduces every NumPy dtype; NCCL no complex but sums."""
-    if _arrays.device_kind(x) == "cpu":
-        return True
-    from .transports.nccl import reduces
-
-    return reduces(x.dtype, op)
 
 
 def _where(layout: Layout, rank: int) -> tuple[int, int]:

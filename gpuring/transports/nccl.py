@@ -42,59 +42,25 @@ from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
 from .._ops import ReduceOp, divide_toward_zero, fold
 from ..rendezvous.base import ControlPlane
+from ._nccl_lib import (
+    OPS,
+    TYPES,
+    WIDER,
+    bounded,
+    load_nccl,
+    nccl_id_argument,
+    nccl_id_bytes,
+    reduces,
+    shared_gpus,
+)
 
 __all__ = ["NcclCollectives", "load_nccl", "nccl_id_argument", "nccl_id_bytes", "reduces"]
 
-_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
-          "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
-          "float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
-          "float64": "NCCL_FLOAT64"}
-_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD",
-        ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
 _TICK = 0.05
-#: ncclRemoteError: a peer's process failed
-_REMOTE_ERROR = 6
 #: the reductions
 _FOLDS = ("all_reduce", "reduce_scatter", "reduce")
 #: the verbs made of point-to-point calls
 _EXCHANGES = ("gather", "scatter", "all_to_all")
-#: where NCCL lacks a type: the one reduced instead
-_WIDER = {"int16": "int32", "uint16": "uint32", "bfloat16": "float32", "bool": "uint8"}
-
-
-def reduces(dtype: Any, op: ReduceOp) -> bool:
-    """Whether NCCL reduces `dtype` (a NumPy dtype) with `op` (complex: only sums)."""
-    return dtype.kind != "c" or op in (ReduceOp.SUM, ReduceOp.AVG)
-
-
-def load_nccl() -> Any:
-    """cupy.cuda.nccl, loaded; GpuringError saying what to install where it is not."""
-    try:
-        from cupy.cuda import nccl
-    except Exception as exc:  # ImportError, or a library that fails to load
-        raise GpuringError(f"CuPy collectives across nodes need NCCL, which CuPy could not "
-                           f"load ({type(exc).__name__}: {exc}): pip install "
-                           "nvidia-nccl-cu13 (or -cu12, as your CuPy)") from None
-    if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
-        raise GpuringError("CuPy collectives across nodes need NCCL, which CuPy could not "
-                           "load: pip install nvidia-nccl-cu13 (or -cu12, as your CuPy)")
-    return nccl
-
-
-def nccl_id_argument(nccl_id: bytes, cupy_version: str, char_signed: bool = True) -> Any:
-    """CuPy >= 14 takes the 128-byte ncclUniqueId as bytes, older CuPy as a tuple of C chars
-    (signed on x86-64, unsigned on ARM)."""
-    if int(cupy_version.split(".")[0]) >= 14:
-        return nccl_id
-    return tuple(int(v) for v in np.frombuffer(nccl_id, dtype=np.int8 if char_signed
-                                                else np.uint8))
-
-
-def nccl_id_bytes(value: Any) -> bytes:
-    """ncclGetUniqueId's result as 128 bytes (bytes in CuPy >= 14, a tuple of chars before)."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    return np.asarray(value, dtype=np.int64).astype(np.int8).tobytes()
 
 
 class NcclCollectives:
@@ -128,7 +94,7 @@ class NcclCollectives:
         missing = [f"rank {r}: {w}" for r, (w, _, _, _) in enumerate(met) if w]
         if missing:
             raise GpuringError("; ".join(missing))
-        shared = _shared_gpus([g for _, _, g, _ in met])
+        shared = shared_gpus([g for _, _, g, _ in met])
         if shared and not all(met[r][3] for r in shared):
             raise GpuringError(  # (NCCL would fail those ranks alone, the rest would wait)
                 f"ranks {shared} of one node share a GPU, which NCCL takes only with "
@@ -163,56 +129,12 @@ class NcclCollectives:
                     control.size, nccl_id_argument(unique, cupy.__version__, False),
                     control.rank)
 
-        return self._bounded(make, "made", "NCCL communicator", abort_late=True)
+        return bounded(make, self._timeout, self._control.rank, self._stop_waiting, "made",
+                       "NCCL communicator", abort_late=True)
 
-    def _bounded(self, work: Callable[[], Any], what: str, label: str, *,
-                 abort_late: bool = False,
-                 on_timeout: Callable[[GpuringError], None] | None = None) -> Any:
-        """`work()` on a thread of its own, waited for within the timeout or until the job
-        learns that a rank failed (that failure is raised); its exception as a GpuringError
-        (`label`: what failed). `abort_late`: what `work` returns after that is an NCCL
-        communicator to abort. `on_timeout(error)`: called before raising `error`, while
-        `work` may still run."""
-        done: list[Any] = []
-        lock = threading.Lock()
-        gave_up = False
-
-        def run() -> None:
-            try:
-                result: Any = work()
-            except BaseException as exc:
-                result = _Failed(exc)
-            with lock:
-                done.append(result)
-                late = gave_up
-            if late and abort_late and not isinstance(result, _Failed):
-                result.abort()  # (it must not stay connected)
-
-        thread = threading.Thread(target=run, name=f"gpuring-nccl-{what}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self._timeout
-        notice = None
-        while thread.is_alive() and time.monotonic() < deadline:
-            thread.join(min(_TICK, max(0.0, deadline - time.monotonic())))
-            notice = self._aborting or self._job_failure()
-            if notice is not None:
-                break
-        with lock:
-            if not done:
-                gave_up = True
-        if gave_up:
-            error = notice or CollectiveTimeoutError(
-                f"the {label} of rank {self._control.rank} was not {what} within "
-                f"{self._timeout} s: some rank did not take part")
-            if on_timeout is not None:
-                on_timeout(error)
-            raise error
-        if isinstance(done[0], _Failed):
-            failed = done[0].error
-            kind = PeerFailureError if getattr(failed, "status", None) == _REMOTE_ERROR \
-                else GpuringError
-            raise kind(f"{label}: {failed!r}") from failed
-        return done[0]
+    def _stop_waiting(self) -> GpuringError | None:
+        """Why a bounded wait should end now: an abort asked for, or the job's failure."""
+        return self._aborting or self._job_failure()
 
     def _job_failure(self) -> GpuringError | None:
         """A failure the control plane learned: a notice to the job, or a watch's (the
@@ -261,8 +183,8 @@ class NcclCollectives:
             self._stop.set()
             self.comm.abort()
 
-        self._bounded(connect, "connected to its peers", "NCCL communicator",
-                      on_timeout=give_up)
+        bounded(connect, self._timeout, rank, self._stop_waiting, "connected to its peers",
+                "NCCL communicator", on_timeout=give_up)
         self._peers_connected = True
 
     # -- the collectives -------------------------------------------------------------------
@@ -377,17 +299,17 @@ class NcclCollectives:
                 raise GpuringError(f"NCCL has no {op.value} of {x.dtype}")
             real = np.dtype(np.float32 if x.dtype == np.complex64 else np.float64)
             x, out = x.view(real), None if out is None else out.view(real)
-        t = getattr(nccl, _TYPES.get(x.dtype.name, ""), None)
+        t = getattr(nccl, TYPES.get(x.dtype.name, ""), None)
         widened = t is None
         if widened:
-            wide = _WIDER.get(x.dtype.name)
-            t = None if wide is None else getattr(nccl, _TYPES[wide], None)
+            wide = WIDER.get(x.dtype.name)
+            t = None if wide is None else getattr(nccl, TYPES[wide], None)
             if t is None:
                 raise GpuringError(f"NCCL has no {x.dtype.name}")
             x = x.astype(wide)
             out = None if out is None else self._cupy.empty(out.shape, wide)
         assert t is not None
-        return x, out, int(t), getattr(nccl, _OPS[op]), widened
+        return x, out, int(t), getattr(nccl, OPS[op]), widened
 
     # -- completion and failure ------------------------------------------------------------
     def synchronize(self) -> None:
@@ -486,13 +408,6 @@ class NcclCollectives:
 
 
 @dataclass
-class _Failed:
-    """What a bounded piece of work raised."""
-
-    error: BaseException
-
-
-@dataclass
 class _Pending:
     """A call not known complete: events before and after it on the caller's stream, and
     when the watcher saw the stream reach it (its timeout counts from then)."""
@@ -501,11 +416,6 @@ class _Pending:
     done: Any
     name: str
     reached: float | None = None
-
-
-def _shared_gpus(gpus: list[str]) -> list[int]:
-    """The ranks whose GPU (node|bus, one per rank) another rank uses too."""
-    return [r for r, g in enumerate(gpus) if g and gpus.count(g) > 1]
 
 
 def _divide(cupy: Any, out: Any, size: int) -> None:
