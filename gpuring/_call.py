@@ -126,8 +126,9 @@ class PreparedCall:
     launch: Launch | None = None
     text: str = ""
     digest: int = 0
-    #: the launch may be recorded into a CUDA graph (one kernel, not verified)
-    capturable: bool = False
+    #: what a CUDA graph capture records of the call (`launch` itself where that runs as
+    #: one kernel; else, for the engine, one kernel per piece); None: refused under capture
+    captured: Launch | None = None
     #: what runs, in words (`RoundPlan.schedule`, "one operation", "mpi", "nodes", "alone")
     schedule: str = ""
     #: what the ranks agree on at every call (the route in two levels across nodes, which

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["CallPath"]
 
+#: routes whose collectives are refused under CUDA graph capture (their calls record events
+#: a watcher queries, and agree on the host)
+_OUTSIDE_GRAPHS = frozenset({Route.NCCL, Route.NODES})
 #: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
 _VERIFIED = ("all_reduce", "all_gather", "broadcast")
 
@@ -104,14 +107,27 @@ class CallPath:
                     self.prepared.clear()
                 self.prepared[key] = prepared
             launch = prepared.launch
-            if launch is not None and (not prepared.capturable or self.timeline is not None) \
+            if launch is not None and (prepared.captured is not launch or
+                                       self.timeline is not None) \
                     and launch.engine.device.capturing():
+                captured = prepared.captured
+                if captured is None or self.timeline is not None:
+                    raise GpuringError(
+                        f"{call.collective} cannot be captured into a CUDA graph: only the "
+                        "collectives that run as kernels can (all_reduce, reduce_scatter, "
+                        "all_gather, broadcast and reduce, with GPURING_CUDA_FUSED=kernel, or "
+                        "auto where no two ranks share a GPU), without GPURING_VERIFY or a "
+                        "recording timeline (GPURING_TIMELINE)")
+                self.seq += 1
+                self.last_schedule = "kernels" if captured is not launch \
+                    else prepared.schedule
+                return self._run_engine(prepared, call, captured)
+            if prepared.route in _OUTSIDE_GRAPHS and _arrays.capturing(call.x):
                 raise GpuringError(
-                    f"{call.collective} cannot be captured into a CUDA graph: only a "
-                    "collective that runs as one kernel can (an input of at most "
-                    "GPURING_ONE_SHOT_BYTES and 4 MiB, with GPURING_CUDA_FUSED=kernel, or auto "
-                    "where no two ranks share a GPU), without GPURING_VERIFY or a recording "
-                    "timeline (GPURING_TIMELINE)")
+                    f"{call.collective} cannot be captured into a CUDA graph: it runs "
+                    + ("on NCCL" if prepared.route is Route.NCCL else "in two levels") +
+                    " here (GPUs without peer access, ranks on several nodes, or "
+                    "GPURING_TRANSPORT), which gpuring does not capture")
             self.seq += 1
             self.last_schedule = prepared.schedule
             if prepared.route is Route.ENGINE:  # the common route, without a dict lookup
@@ -222,8 +238,17 @@ class CallPath:
         elif registered:
             text += f" in registered memory {tuple(where)}"
         schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
-        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text),
-                            fused and engine.fused_capturable and not config.verify, schedule)
+        captured = None
+        if config.verify or x is None:
+            pass
+        elif fused:
+            captured = launch if engine.fused_capturable else None
+        else:  # (nothing to allocate or agree on: made now, outside any capture)
+            captured = engine.prepare_captured(name, dtype=dtype, itemsize=itemsize,
+                                               op=call.op, root=call.root,
+                                               nbytes=count * itemsize)
+        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
+                            schedule)
 
     def _capturing(self) -> bool:
         """Whether the caller's stream of any engine's device captures a graph."""
@@ -248,19 +273,25 @@ class CallPath:
                                     isinstance(error, CollectiveTimeoutError))
         self.fail(error)
 
-    def _run_engine(self, prepared: PreparedCall, call: Call) -> Any:
-        launch = prepared.launch
+    def _run_engine(self, prepared: PreparedCall, call: Call,
+                    launch: Launch | None = None) -> Any:
+        """Run the prepared call's launch, or `launch` (what a capture records of it)."""
+        own = launch is None
+        launch = prepared.launch if launch is None else launch
         assert launch is not None
         engine = launch.engine
         device = engine.device
-        name, x, out, bound = call.collective, call.x, call.out, call.bound
+        name, x, out = call.collective, call.x, call.out
+        bound = call.bound if own else None  # (the call's own launch's operands)
         in_mem = out_mem = None
         if bound is None and x is not None and x.size:
             try:
                 in_mem = device.wrap(x)
                 out_mem = in_mem if out is x else device.wrap(out) if out is not None else None
                 if launch.fused:
-                    bound = call.bound = engine.bind(launch, in_mem, out_mem)
+                    bound = engine.bind(launch, in_mem, out_mem)
+                    if own:
+                        call.bound = bound
             except BaseException as exc:  # this rank's seq moved on: the peers must know
                 self.give_up(exc, name)
                 raise

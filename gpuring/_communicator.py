@@ -381,7 +381,8 @@ class Communicator:
     def last_schedule(self) -> str:
         """What this rank's last collective ran, in words: "ring", "chain", "direct",
         "one_shot", "registered two_shot" (and the other registered forms), "one operation"
-        (a GPU collective as one kernel or stream operations), "mpi", "alone", "barrier".
+        (a GPU collective as one kernel or stream operations), "kernels" (one kernel per
+        piece, recorded into a CUDA graph), "mpi", "alone", "barrier".
         `gpuring bench` reports it per size."""
         return self._path.last_schedule
 

@@ -156,6 +156,22 @@ class Engine:
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
         return launch
 
+    def prepare_captured(self, collective: str, *, dtype: str, itemsize: int, op: ReduceOp,
+                         root: int, nbytes: int) -> Launch | None:
+        """What a CUDA graph records of `collective` where it runs in rounds outside one: a
+        launch of one operation per piece of the device's region (`Device.prepare_direct`'s
+        `pieces`); None where this engine's operations cannot be captured or run no such
+        collective."""
+        if not (self.fused_capturable and collective in self.fused_kinds and nbytes > 0
+                and self._regions[self.rank].nbytes > 0):
+            return None
+        launch = Launch(self, (), dtype, itemsize, op, inline=True, fused=True,
+                        collective=collective, root=root)
+        launch.direct = self.device.prepare_direct(
+            collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes,
+            pieces=True)
+        return launch
+
     def bind(self, launch: Launch, in_mem: Memory, out_mem: Memory | None) -> Any:
         """A fused launch's operands for these memories (`Direct.bind`: they hold no array,
         so a call that comes again with the same arrays may keep them)."""

@@ -35,6 +35,13 @@ def parse_size(text: str | int) -> int:
     return int(match.group(1)) * _UNITS[match.group(2)]
 
 
+def _graph_piece(text: str) -> int:
+    size = parse_size(text)
+    if not 4 << 10 <= size <= 4 << 20:
+        raise ValueError(f"use a size from 4K to 4M, not {text!r}")
+    return size
+
+
 def _flag(text: str) -> bool:
     return text.strip() not in ("", "0")
 
@@ -134,6 +141,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "stream operations that wait with stream memory operations), `auto` (memops where "
             "ranks share a GPU: processes sharing a GPU without MPS take turns on it, and a "
             "spinning kernel holds its turn; else kernel), `off` (in rounds)"),
+    Setting("GPURING_CUDA_GRAPH_PIECE_BYTES", _graph_piece, 1 << 20, "1M",
+            "a GPU collective captured into a CUDA graph whose input is larger than this "
+            "(and larger than `GPURING_ONE_SHOT_BYTES`) runs there as one kernel per piece of "
+            "this size (4K to 4M; each rank's GPU holds two pieces per communicator); "
+            "reduce_scatter's pieces are this divided by the ranks"),
     Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",
             "GPU copies of this rank's own memory: `memcpy` (cudaMemcpyAsync) or `kernel`; "
             "copies from a peer are always a kernel"),

@@ -487,12 +487,14 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 // ---------------------------------------------------------------------------------------
 // One-kernel collectives of small arrays (the fused path): every rank launches
 //
-//   gpuring_direct_<dtype>_<op>(out, in, n, divisor, kind, root, rank, nranks, r0, ..., r7,
-//                               slot_bytes, timeout_ns, status, abort)
+//   gpuring_direct_<dtype>_<op>(out, in, n, stride, divisor, kind, root, rank, nranks,
+//                               r0, ..., r7, slot_bytes, timeout_ns, status, abort)
 //
 // once, with the same grid on every rank. kind: all_reduce, reduce_scatter, all_gather,
 // broadcast or reduce (GPURING_ALL_REDUCE ...); n: the elements block ranges split (see
-// fused_collective). Reductions fold in rank order, every step rounded as gpuring_reduce_n
+// fused_collective); stride: the elements from one rank's block to the next in the array
+// that holds every rank's (reduce_scatter's input, all_gather's output): n, or more where
+// the call is one piece of a larger collective (whose blocks are `stride` long). Reductions fold in rank order, every step rounded as gpuring_reduce_n
 // rounds it, the divisor at the last step: the same bits on every rank and as the other
 // paths (the copies use the uint8 instance, n in bytes). r<q> is rank q's fused region,
 // mapped into this process (r<rank> is this rank's own); the first `nranks` are used. A
@@ -585,7 +587,8 @@ __device__ __noinline__ void block_copy(unsigned char* dst, const unsigned char*
 #define GPURING_REDUCE 4
 
 template <typename T, typename Op>
-__device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, int kind,
+__device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long long divisor,
+                                 int kind,
                                  int root, int rank, int nranks,
                                  unsigned char* const* regions, u64 slot_bytes,
                                  u64 timeout_ns, volatile int* status, volatile int* abort) {
@@ -593,7 +596,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, 
     __shared__ int failed;
     if (nranks < 1 || nranks > GPURING_FUSED_MAX_RANKS || rank < 0 || rank >= nranks ||
         root < 0 || root >= nranks || kind < GPURING_ALL_REDUCE || kind > GPURING_REDUCE ||
-        gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks)
+        gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks || stride < n)
         return;
     const unsigned b = blockIdx.x;
     volatile u64* done_calls = reinterpret_cast<volatile u64*>(regions[rank]);
@@ -613,7 +616,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, 
     if (kind == GPURING_REDUCE_SCATTER) {  // every rank's block of the input
         for (int q = 0; q < nranks; ++q)
             block_copy(reinterpret_cast<unsigned char*>(mine + q * n + lo),
-                       reinterpret_cast<const unsigned char*>(in + q * n + lo), bytes);
+                       reinterpret_cast<const unsigned char*>(in + q * stride + lo), bytes);
     } else if (kind != GPURING_BROADCAST || rank == root) {
         block_copy(reinterpret_cast<unsigned char*>(mine + lo),
                    reinterpret_cast<const unsigned char*>(in + lo), bytes);
@@ -630,7 +633,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, 
     if (kind == GPURING_ALL_GATHER) {
         for (int q = 0; q < nranks; ++q) {
             const T* from = q == rank ? in : reinterpret_cast<const T*>(regions[q] + half);
-            block_copy(reinterpret_cast<unsigned char*>(out + q * n + lo),
+            block_copy(reinterpret_cast<unsigned char*>(out + q * stride + lo),
                        reinterpret_cast<const unsigned char*>(from + lo), bytes);
         }
     } else if (kind == GPURING_BROADCAST) {
@@ -639,11 +642,13 @@ __device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, 
             block_copy(reinterpret_cast<unsigned char*>(out + lo),
                        reinterpret_cast<const unsigned char*>(from + lo), bytes);
     } else if (kind != GPURING_REDUCE || rank == root) {
-        const u64 at = kind == GPURING_REDUCE_SCATTER ? (u64)rank * n : 0;
+        const bool blocks = kind == GPURING_REDUCE_SCATTER;  // this rank's block of each
         const T* sources[GPURING_MAX_SOURCES] = {};
         for (int q = 0; q < nranks; ++q)
-            sources[q] = (q == rank ? in : reinterpret_cast<const T*>(regions[q] + half)) +
-                         at + lo;
+            sources[q] = (q == rank ? in + (blocks ? (u64)rank * stride : 0)
+                                    : reinterpret_cast<const T*>(regions[q] + half) +
+                                          (blocks ? (u64)rank * n : 0)) +
+                         lo;
         fold_by<T, Op>(out + lo, sources, nranks, divisor, count, threadIdx.x, blockDim.x);
     }
     // every block has read the epoch by the time the last one is done: that one moves it on
@@ -661,15 +666,15 @@ __device__ void fused_collective(T* out, const T* in, u64 n, long long divisor, 
 
 #define GPURING_FUSED(NAME, T, OPNAME, OP) \
     extern "C" __global__ void gpuring_direct_##NAME##_##OPNAME( \
-        T* out, const T* in, u64 n, long long divisor, int kind, int root, int rank, \
-        int nranks, unsigned char* r0, unsigned char* r1, unsigned char* r2, \
+        T* out, const T* in, u64 n, u64 stride, long long divisor, int kind, int root, \
+        int rank, int nranks, unsigned char* r0, unsigned char* r1, unsigned char* r2, \
         unsigned char* r3, unsigned char* r4, unsigned char* r5, unsigned char* r6, \
         unsigned char* r7, u64 slot_bytes, u64 timeout_ns, volatile int* status, \
         volatile int* abort) { \
         unsigned char* const regions[GPURING_FUSED_MAX_RANKS] = {r0, r1, r2, r3, \
                                                                  r4, r5, r6, r7}; \
-        fused_collective<T, OP>(out, in, n, divisor, kind, root, rank, nranks, regions, \
-                                slot_bytes, timeout_ns, status, abort); \
+        fused_collective<T, OP>(out, in, n, stride, divisor, kind, root, rank, nranks, \
+                                regions, slot_bytes, timeout_ns, status, abort); \
     }
 
 #define GPURING_FUSED_REAL(NAME, T) \

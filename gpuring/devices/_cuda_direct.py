@@ -3,7 +3,8 @@ enqueues is worked out once per prepared collective (kernel, grid, every argumen
 arrays' addresses), so that a call costs one launch of Python work. Two forms (see
 `gpuring.devices.cuda`): one kernel that waits for its peers itself (`DirectKernel`), and,
 for all_reduce where ranks share a GPU, three stream operations that wait with a stream
-memory operation (`StagedAllReduce`)."""
+memory operation (`StagedAllReduce`), and a collective larger than one slot as one kernel per piece
+(`PiecedKernel`: how a CUDA graph records it)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,18 @@ _BYTES_PER_BLOCK = 4096
 
 
 def prepare_direct(device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
-                   root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int) -> Direct:
-    """The collective in the job's form (`CudaDevice.fused_form`)."""
+                   root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
+                   pieces: bool = False) -> Direct:
+    """The collective in the job's form (`CudaDevice.fused_form`); `pieces`: larger than a
+    slot, as one kernel per piece (the kernel form only)."""
     slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
-    if not 0 < nbytes <= slot or kind not in _kernels.DIRECT_KINDS:
+    if nbytes <= 0 or kind not in _kernels.DIRECT_KINDS or (nbytes > slot and not pieces):
         raise ValueError(f"no one-operation {kind} of {nbytes} bytes (at most {slot})")
+    if pieces and device.fused_form != "kernel":
+        raise ValueError(f"the {device.fused_form} form runs no collective in pieces")
+    if nbytes > slot:
+        return PiecedKernel(device, kind, regions, rank, root, slot, dtype, op, divisor,
+                            nbytes)
     if device.fused_form == "memops":
         if kind != "all_reduce":
             raise ValueError(f"the stream-memory-operation form runs no {kind}")
@@ -50,12 +58,16 @@ class DirectKernel(Direct):
     __slots__ = ("_device", "_grid", "_kernel", "_nbytes", "_rest")
 
     def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
-                 root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
+                 root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int,
+                 stride: int = 0):
+        """`stride`: bytes from one rank's block to the next in reduce_scatter's input and
+        all_gather's output where this is one piece of a larger collective (0: a block)."""
         if kind in ("all_gather", "broadcast"):
             dtype, op = "uint8", ReduceOp.SUM
         itemsize = np.dtype(dtype).itemsize
         elements = nbytes // len(regions) if kind == "reduce_scatter" else nbytes
-        if nbytes % itemsize or elements % itemsize:
+        stride = stride or elements
+        if nbytes % itemsize or elements % itemsize or stride % itemsize or stride < elements:
             raise ValueError(f"{nbytes} bytes is not a whole number of {dtype}")
         pointers = [np.uint64(_addr(region)) for region in regions]
         pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
@@ -63,7 +75,8 @@ class DirectKernel(Direct):
         self._kernel = device.direct_kernel(dtype, op)
         self._grid = (max(1, min(device.fused_blocks, -(-nbytes // _BYTES_PER_BLOCK))),)
         self._nbytes = nbytes
-        self._rest = (np.uint64(elements // itemsize), np.int64(divisor),
+        self._rest = (np.uint64(elements // itemsize), np.uint64(stride // itemsize),
+                      np.int64(divisor),
                       np.int32(_kernels.DIRECT_KINDS[kind]), np.int32(root), np.int32(rank),
                       np.int32(len(regions)), *pointers, np.uint64(slot),
                       np.uint64(device.timeout_ns), np.uint64(device.status_ptr),
@@ -89,6 +102,50 @@ class DirectKernel(Direct):
     def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """The driver call."""
         self._kernel(self._grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
+
+
+class PiecedKernel(Direct):
+    """A collective whose input is larger than a slot as one `DirectKernel` launch per piece,
+    in order on the stream: piece i covers bytes [i p, (i + 1) p) of every rank's block (the
+    whole input, or reduce_scatter's input block and all_gather's output block of each rank),
+    p the largest multiple of 16 elements whose staging fits a slot. Each launch is a call of
+    its own on the device's epoch, so the pieces capture into a CUDA graph as the one kernel
+    does; they fold in rank order too. A piece waits for the peers' same piece: pipelining
+    is left to the GPU's queue (the next piece's copy starts as soon as this one's blocks
+    finish)."""
+
+    __slots__ = ("_nbytes", "_pieces")
+
+    def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
+                 root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
+        nranks = len(regions)
+        staged = nranks if kind == "reduce_scatter" else 1  # blocks a slot stages per piece
+        block = nbytes // staged  # bytes of one rank's block of the input
+        itemsize = np.dtype(dtype).itemsize
+        unit = 16 * itemsize  # the kernel's ranges are packs of 16 elements
+        piece = slot // staged // unit * unit
+        if nbytes % (staged * itemsize) or piece <= 0:
+            raise ValueError(f"no {kind} of {nbytes} bytes in pieces of a {slot}-byte slot")
+        sizes = {min(piece, block - at) for at in range(0, block, piece)}
+        kernels = {size: DirectKernel(device, kind, regions, rank, root, slot, dtype, op,
+                                      divisor, size * staged, block)
+                   for size in sizes}
+        self._nbytes = nbytes
+        #: (the piece's kernel, its offset into every rank's block)
+        self._pieces = tuple((kernels[min(piece, block - at)], at)
+                             for at in range(0, block, piece))
+
+    def bind(self, out: Memory, inp: Memory) -> tuple[tuple[DirectKernel, Any], ...]:
+        assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
+        if inp.nbytes != self._nbytes:
+            raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
+        return tuple((kernel, (np.uint64(out.ptr + at), np.uint64(inp.ptr + at)))
+                     for kernel, at in self._pieces)
+
+    def run(self, stream: Stream, operands: tuple[tuple[DirectKernel, Any], ...], *,
+            captured: bool = False) -> None:
+        for kernel, pair in operands:
+            kernel.run(stream, pair, captured=captured)
 
 
 class _Operands(NamedTuple):

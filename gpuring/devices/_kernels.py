@@ -363,7 +363,7 @@ def get_reduce_n_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
 
 def get_direct_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     """The one-kernel collectives for (dtype, op) on GPU `device_id`, with the signature
-    `(out, in, n: uint64, divisor: int64, kind: int32 (DIRECT_KINDS), root: int32,
-    rank: int32, nranks: int32, r0, ..., r7, slot_bytes: uint64, timeout_ns: uint64, status,
-    abort)`."""
+    `(out, in, n: uint64, stride: uint64, divisor: int64, kind: int32 (DIRECT_KINDS),
+    root: int32, rank: int32, nranks: int32, r0, ..., r7, slot_bytes: uint64,
+    timeout_ns: uint64, status, abort)`."""
     return get_function(direct_kernel_name(dtype, op), device_id)

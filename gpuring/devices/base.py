@@ -110,7 +110,8 @@ class Schedule(NamedTuple):
     #: the collectives that run as one operation (`Device.prepare_direct`) up to `fused_bytes`
     fused_kinds: frozenset[str] = frozenset()
     #: those operations can be captured into a CUDA graph (nothing they enqueue changes
-    #: from call to call)
+    #: from call to call), and larger inputs run as one of them per piece there
+    #: (`Device.prepare_direct`'s `pieces`)
     fused_capturable: bool = False
     #: the ranks in the order the ring and the chains visit them (following the fastest
     #: links between the ranks' processors); empty: rank order
@@ -287,11 +288,14 @@ class Device(abc.ABC):
         for a wait that gave up, FlagWaitAborted once aborted. Default: nothing to say."""
 
     def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
-                       dtype: str, op: ReduceOp, divisor: int, nbytes: int) -> Direct:
+                       dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
+                       pieces: bool = False) -> Direct:
         """The collective `kind` (one of `Schedule.fused_kinds`) of an input of `nbytes`
         prepared as one operation. `regions[q]` is rank q's region of `fused_region_bytes`,
         mapped here, which only these operations use (its size says how large an input it
-        holds). A device that offers none raises NotImplementedError."""
+        holds). `pieces` (where `Schedule.fused_capturable`): an input larger than that as
+        one operation per piece, in order (what a CUDA graph records of a collective that
+        runs in rounds outside it). A device that offers none raises NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")
 
     def caller_stream(self) -> Stream:

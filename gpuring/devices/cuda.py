@@ -105,6 +105,7 @@ __all__ = ["CudaDevice", "CudaMemory", "CudaHandle", "FLAGS_ENV"]
 COPY_ENV = "GPURING_CUDA_COPY"
 #: the setting that selects when a small all_reduce runs as one kernel: "auto", "on", "off"
 FUSED_ENV = "GPURING_CUDA_FUSED"
+GRAPH_PIECE_ENV = "GPURING_CUDA_GRAPH_PIECE_BYTES"
 #: caller's streams remembered (`caller_stream`): each holds its CuPy stream alive
 _CALLER_STREAMS = 64
 #: events made with the device (what a collective, the watchdog and the caller hold at once)
@@ -405,12 +406,16 @@ class CudaDevice(Device):
     # -- one-kernel collective ------------------------------------------------------------------
     @classmethod
     def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
-        return ((FUSED_ENV, str(settings.get(FUSED_ENV)).lower()),)
+        return ((FUSED_ENV, str(settings.get(FUSED_ENV)).lower()),
+                (GRAPH_PIECE_ENV, str(settings.get(GRAPH_PIECE_ENV))))
 
     def fused_region_bytes(self, limit: int) -> int:
+        """Two slots of `limit` bytes, or of a graph's piece where that is larger (at most
+        `fused_max_bytes`)."""
         if str(settings.get(FUSED_ENV)).lower() == "off":
             return 0
-        slot = -(-min(limit, self.fused_max_bytes) // 16) * 16
+        slot = max(limit, settings.get(GRAPH_PIECE_ENV))
+        slot = -(-min(slot, self.fused_max_bytes) // 16) * 16
         return _kernels.fused_region_bytes(slot) if slot > 0 else 0
 
     def schedule(self, handles: Any) -> Schedule:
@@ -450,9 +455,11 @@ class CudaDevice(Device):
                                                                           ReduceOp.SUM))
 
     def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
-                       dtype: str, op: ReduceOp, divisor: int, nbytes: int) -> Direct:
+                       dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
+                       pieces: bool = False) -> Direct:
         """In the job's form (`fused_form`): see `_cuda_direct`."""
-        return prepare_direct(self, kind, regions, rank, root, dtype, op, divisor, nbytes)
+        return prepare_direct(self, kind, regions, rank, root, dtype, op, divisor, nbytes,
+                              pieces=pieces)
 
     def capturing(self) -> bool:
         with self.scope():

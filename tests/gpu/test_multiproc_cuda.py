@@ -144,13 +144,16 @@ def test_registered_memory(n, mode, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_all_reduce_captured_in_a_cuda_graph(n, tmp_path):
-    """Small all_reduces captured into a CUDA graph and replayed with fresh inputs; what cannot
-    be captured is refused, and the communicator goes on."""
+@pytest.mark.parametrize(("n", "sizes"), [
+    (2, {"GPURING_ONE_SHOT_BYTES": "4M"}),  # one kernel up to 4 MiB, then 4 MiB pieces
+    (4, {"GPURING_CUDA_GRAPH_PIECE_BYTES": "256K"})])  # one kernel up to 64 KiB
+def test_collectives_captured_in_a_cuda_graph(n, sizes, tmp_path):
+    """Collectives from a few elements to 8 MiB captured into a CUDA graph (as one kernel, or
+    one per piece) and replayed with fresh inputs; what cannot be captured is refused, and
+    the communicator goes on."""
     proc = launch("gpuring", n, [str(WORKER), "graph_capture", str(tmp_path), "cuda"],
-                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": "kernel",
-                       "GPURING_ONE_SHOT_BYTES": "4M"}, timeout=600)
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": "kernel", **sizes},
+                  timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"graph_capture-{r}.txt").read_text() for r in range(n)]
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"

@@ -454,46 +454,54 @@ def case_direct(c: Checker) -> None:
 def case_graph_capture(c: Checker) -> None:
     """Collectives captured into a CUDA graph (CuPy stream capture) and replayed: each replay
     works on what the input buffers hold then (the bits of the rank-order fold), several
-    replays with fresh inputs; all_reduce from a few elements to 4 MiB, out of place and in
-    place; reduce_scatter, all_gather, broadcast and reduce (out of place and in place). A
-    first call during a capture, and a collective that runs in rounds, are refused without
-    harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=kernel and
-    GPURING_ONE_SHOT_BYTES=4M."""
+    replays with fresh inputs; all_reduce from a few elements to 8 MiB, out of place and in
+    place; reduce_scatter, all_gather, broadcast and reduce, small and in pieces (out of place
+    and in place). Those that run in rounds outside a graph run as one kernel per piece in
+    it. A first call during a capture, and a collective that cannot run as kernels, are
+    refused without harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=kernel
+    (GPURING_ONE_SHOT_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as the test sets them)."""
     from gpuring import GpuringError
 
     comm, xp, n, rank = c.comm, c.xp, c.comm.size, c.comm.rank
     root = n - 1
     stream = xp.cuda.Stream(non_blocking=True)
     shapes = [(5, "float32", "sum"), (3000, "int32", "max"), (20000, "float32", "avg"),
-              (1 << 20, "float32", "sum")]  # 1 << 20 float32: 4 MiB
+              (1 << 20, "float32", "sum"),  # 4 MiB
+              ((2 << 20) + 5, "float32", "sum")]  # 8 MiB and a ragged piece: in rounds
     bufs = [(xp.zeros(size, dtype), xp.zeros(size, dtype)) for size, dtype, _ in shapes]
-    big = xp.zeros(2 << 20, "float32")  # 8 MiB: in rounds
-    rs_in, rs_out = xp.zeros(n * 700, "float32"), xp.zeros(700, "float32")
-    ag_in, ag_out = xp.zeros(333, "int32"), xp.zeros((n, 333), "int32")
-    bc, bc_out = xp.zeros(1000, "float64"), xp.zeros(1000, "float64")
-    rd, rd_out = xp.zeros(257, "float32"), xp.zeros(257, "float32")
-    rs_place = xp.zeros(n * 64, "float32")  # reduce_scatter into its own block
+    big = xp.zeros(600_001, "float32")  # in place, in pieces
+    # (per-rank block, dtype) of each of the others, small and in pieces
+    others = [(700, "float32"), (300_007, "float32")]
+    rs = [(xp.zeros(n * m, dt), xp.zeros(m, dt)) for m, dt in others]
+    ag = [(xp.zeros(m, "int32"), xp.zeros((n, m), "int32")) for m, _ in others]
+    bc = [(xp.zeros(m, "float64"), xp.zeros(m, "float64")) for m, _ in others]
+    rd = [(xp.zeros(m, dt), xp.zeros(m, dt)) for m, dt in others]
+    rs_place = [xp.zeros(n * m, "float32") for m in (64, 200_003)]  # into its own block
+    a2a = (xp.zeros((n, 10), "float32"), xp.zeros((n, 10), "float32"))  # refused in a graph
 
     def family() -> None:  # every call of the graph beside the all_reduces
-        comm.reduce_scatter(rs_in, out=rs_out)
-        comm.all_gather(ag_in, out=ag_out)
-        comm.broadcast(bc, root=root, out=bc_out)
-        comm.reduce(rd, root=root, out=rd_out if rank == root else None)
-        comm.reduce_scatter(rs_place, out=rs_place.reshape(n, -1)[rank])
-        comm.all_gather(ag_out[rank], out=ag_out)  # in place: its block already there
+        for (ri, ro), (gi, go), (bi, bo), (di, do) in zip(rs, ag, bc, rd, strict=True):
+            comm.reduce_scatter(ri, out=ro)
+            comm.all_gather(gi, out=go)
+            comm.broadcast(bi, root=root, out=bo)
+            comm.reduce(di, root=root, out=do if rank == root else None)
+            comm.all_gather(go[rank], out=go)  # in place: its block already there
+        for place in rs_place:
+            comm.reduce_scatter(place, out=place.reshape(n, -1)[rank])
+        comm.all_reduce(big, out=big)
 
     with stream:
         for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):  # warm-up, uncaptured
             comm.all_reduce(x, op=op, out=out)
         comm.all_reduce(bufs[0][0], out=bufs[0][0])
-        comm.all_reduce(big, out=big)
+        comm.all_to_all(a2a[0], out=a2a[1])
         family()
         stream.synchronize()
-        refused = []
+        refused, schedules = [], []
         graphs = []  # CuPy's default capture mode (relaxed), then torch.cuda.graph's own
         for mode in (None, xp.cuda.runtime.streamCaptureModeThreadLocal):
             stream.begin_capture(mode)
-            for attempt in (lambda: comm.all_reduce(big, out=big),  # in rounds
+            for attempt in (lambda: comm.all_to_all(a2a[0], out=a2a[1]),  # in rounds
                             lambda: comm.broadcast(bufs[1][0], root=0)):  # never called
                 try:
                     attempt()
@@ -501,49 +509,66 @@ def case_graph_capture(c: Checker) -> None:
                     refused.append(str(exc))
             for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):
                 comm.all_reduce(x, op=op, out=out)
+                schedules.append(comm.last_schedule)
             comm.all_reduce(bufs[0][0], out=bufs[0][0])  # after the first read it
             family()
             graphs.append(stream.end_capture())
     assert len(refused) == 4, refused
     assert "cannot be captured" in refused[0] and "outside the capture first" in refused[1]
+    one_shot = gpuring.settings.get("GPURING_ONE_SHOT_BYTES")
+    assert schedules[:5] == [
+        "one operation" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
+        for size, dtype, _ in shapes], schedules
     for replay in range(3):  # each graph, then the first again
         folds = []
-        seed = 9500 + 20 * replay
+        seed = 9500 + 40 * replay
         with stream:
             for i, ((size, dtype, op), (x, _)) in enumerate(zip(shapes, bufs, strict=True)):
                 ins = c.inputs(dtype, (size,), seed + i)
                 x[...] = dev(c, ins[rank])
                 folds.append(rank_order_fold(ins, op))
-            rs = c.inputs("float32", (n * 700,), seed + 10)
-            rs_in[...] = dev(c, rs[rank])
-            ag = c.inputs("int32", (333,), seed + 11)
-            ag_in[...] = dev(c, ag[rank])
-            bcs = c.inputs("float64", (1000,), seed + 12)
-            bc[...] = dev(c, bcs[rank])
-            rds = c.inputs("float32", (257,), seed + 13)
-            rd[...] = dev(c, rds[rank])
-            rps = c.inputs("float32", (n * 64,), seed + 14)
-            rs_place[...] = dev(c, rps[rank])
+            want = []  # per shape of `others`: reduce_scatter, all_gather, broadcast, reduce
+            for k, ((m, dt), (ri, _), (gi, _), (bi, _), (di, _)) in enumerate(
+                    zip(others, rs, ag, bc, rd, strict=True)):
+                at = seed + 10 + 5 * k
+                rss, ags = c.inputs(dt, (n * m,), at), c.inputs("int32", (m,), at + 1)
+                bcs, rds = c.inputs("float64", (m,), at + 2), c.inputs(dt, (m,), at + 3)
+                ri[...], gi[...] = dev(c, rss[rank]), dev(c, ags[rank])
+                bi[...], di[...] = dev(c, bcs[rank]), dev(c, rds[rank])
+                want.append((rank_order_fold([a.reshape(n, -1)[rank] for a in rss], "sum"),
+                             np.stack(ags), bcs[root], rank_order_fold(rds, "sum")))
+            places = []
+            for k, place in enumerate(rs_place):
+                rps = c.inputs("float32", (place.size,), seed + 30 + k)
+                place[...] = dev(c, rps[rank])
+                places.append(rank_order_fold([a.reshape(n, -1)[rank] for a in rps], "sum"))
+            bigs = c.inputs("float32", (big.size,), seed + 35)
+            big[...] = dev(c, bigs[rank])
             graphs[replay % 2].launch(stream)
             stream.synchronize()
         for (size, dtype, op), (_, out), fold in zip(shapes, bufs, folds, strict=True):
             c.expect(out, fold, f"replay {replay} {dtype} {op} {size}", copy=True)
         c.expect(bufs[0][0], folds[0], f"replay {replay} in place", copy=True)
-        blocks = [a.reshape(n, -1)[rank] for a in rs]
-        c.expect(rs_out, rank_order_fold(blocks, "sum"), f"replay {replay} reduce_scatter",
-                 copy=True, shared=False)
-        c.expect(ag_out, np.stack(ag), f"replay {replay} all_gather", copy=True)
-        c.expect(bc_out, bcs[root], f"replay {replay} broadcast", copy=True)
-        if rank == root:
-            c.expect(rd_out, rank_order_fold(rds, "sum"), f"replay {replay} reduce",
-                     copy=True, shared=False)
-        mine = rs_place.reshape(n, -1)[rank]
-        c.expect(mine, rank_order_fold([a.reshape(n, -1)[rank] for a in rps], "sum"),
-                 f"replay {replay} reduce_scatter in place", copy=True, shared=False)
+        c.expect(big, rank_order_fold(bigs, "sum"), f"replay {replay} in place, in pieces",
+                 copy=True)
+        for (m, _), (_, ro), (_, go), (_, bo), (_, do), (w_rs, w_ag, w_bc, w_rd) in zip(
+                others, rs, ag, bc, rd, want, strict=True):
+            c.expect(ro, w_rs, f"replay {replay} reduce_scatter {m}", copy=True, shared=False)
+            c.expect(go, w_ag, f"replay {replay} all_gather {m}", copy=True)
+            c.expect(bo, w_bc, f"replay {replay} broadcast {m}", copy=True)
+            if rank == root:
+                c.expect(do, w_rd, f"replay {replay} reduce {m}", copy=True, shared=False)
+        for place, fold in zip(rs_place, places, strict=True):
+            c.expect(place.reshape(n, -1)[rank], fold,
+                     f"replay {replay} reduce_scatter in place {place.size}", copy=True,
+                     shared=False)
     # eager calls go on, ordered after the replays (on the default stream: after `stream`)
     ins = c.inputs("float32", (5,), 9600)
     got = comm.all_reduce(dev(c, ins[rank]))
     c.expect(got, rank_order_fold(ins, "sum"), "eager after replays", copy=True)
+    ins = c.inputs("float32", (300_001,), 9601)  # in rounds again
+    got = comm.all_reduce(dev(c, ins[rank]))
+    c.expect(got, c.reduce_reference(ins, "sum"), "eager in rounds after replays")
 
 
 def case_one_kernel(c: Checker) -> None:
@@ -1228,6 +1253,21 @@ def case_without_peer_access(c: Checker) -> None:
     assert comm._path.mappable == {"cuda": False}, comm._path.mappable
     case_dtypes_ops(c, ("float32", "int16", "complex64"))
     case_exchange(c, blocks=3)
+    x = dev(c, np.ones(3, np.float32))  # NCCL's route is refused under capture, harmlessly
+    stream = c.xp.cuda.Stream(non_blocking=True)
+    with stream:
+        comm.all_reduce(x, out=x)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            comm.all_reduce(x, out=x)
+        except gpuring.GpuringError as exc:
+            assert "cannot be captured" in str(exc) and "on NCCL" in str(exc), exc
+        else:
+            raise AssertionError("captured on NCCL's route")
+        finally:
+            stream.end_capture()
+    c.expect(comm.all_reduce(x), np.full(3, c.comm.size ** 2, np.float32), "after capture")
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

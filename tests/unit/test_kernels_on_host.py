@@ -483,7 +483,7 @@ def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[n
                 out = x[r * n:(r + 1) * n] if in_place else np.zeros(n, x.dtype)
             else:
                 out = x if in_place else np.zeros_like(x)
-            lib.emu_launch_direct(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data, n,
+            lib.emu_launch_direct(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data, n, n,
                                   divisor, KINDS[kind], root, r, nranks, *regions, slot,
                                   timeout_ns, ranks[r].status.ctypes.data,
                                   ranks[r].abort.ctypes.data)
@@ -530,6 +530,49 @@ def test_one_kernel_collectives_of_every_kind(lib: ctypes.CDLL, kind: str, nrank
                 assert _same(got[c][r], want), where
 
 
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_one_kernel_pieces_of_a_larger_collective(lib: ctypes.CDLL, kind: str) -> None:
+    """A collective larger than a slot as one launch per piece (how a CUDA graph records it):
+    each launch covers `n` elements of every rank's block, `stride` apart in the array that
+    holds every rank's (reduce_scatter's input, all_gather's output); the last piece is
+    shorter. The result is the whole collective's."""
+    nranks, total, piece = 3, 1000, 144  # 6 whole pieces and one of 136
+    dt = np.dtype(np.float32)
+    rng = np.random.default_rng(len(kind))
+    per_rank = nranks if kind == "reduce_scatter" else 1
+    inputs = [_operand(rng, dt, total * per_rank, ReduceOp.SUM) for _ in range(nranks)]
+    ranks = [_FusedRank(piece * per_rank * dt.itemsize) for _ in range(nranks)]
+    regions = [r.region.ctypes.data for r in ranks]
+    regions += [0] * (_kernels.FUSED_MAX_RANKS - nranks)
+    kernel = _kernel(lib, _kernels.direct_kernel_name("float32", "sum"))
+    outputs = [np.full(total * (nranks if kind == "all_gather" else 1), -1, dt)
+               for _ in range(nranks)]
+
+    def rank_main(r: int) -> None:
+        x, out = inputs[r], outputs[r]
+        for lo in range(0, total, piece):
+            n = min(piece, total - lo)
+            at = lo * dt.itemsize
+            lib.emu_launch_direct(kernel, 2, 32, out.ctypes.data + at, x.ctypes.data + at, n,
+                                  total, 1, KINDS[kind], 0, r, nranks, *regions,
+                                  piece * per_rank * dt.itemsize, 10**10,
+                                  ranks[r].status.ctypes.data, ranks[r].abort.ctypes.data)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(nranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(nranks):
+        if kind == "reduce_scatter":
+            want = _chain([x[r * total:(r + 1) * total] for x in inputs], ReduceOp.SUM, 1)
+        elif kind == "all_gather":
+            want = np.concatenate(inputs)
+        else:
+            want = _chain(inputs, ReduceOp.SUM, 1)
+        assert _same(outputs[r], want), f"{kind} rank {r}"
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "complex128", "float64"])
 @pytest.mark.parametrize("nranks", [2, 3, 8])
 def test_one_kernel_all_reduce_folds_every_rank_in_rank_order(lib: ctypes.CDLL, dtype: str,
@@ -575,7 +618,7 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     x = np.arange(16, dtype=np.float32)
     out = np.full(16, -1, np.float32)
     start = time.monotonic()
-    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 0, 0, 3,
+    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 3,
                               *regions, 64, 20_000_000, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
     assert time.monotonic() - start >= 0.02
@@ -584,7 +627,7 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     assert (out == -1).all()
     # once aborted, a launch does nothing at all (its epoch does not move)
     counters = ranks[0].region[:16].copy()
-    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 0, 0, 3,
+    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 3,
                               *regions, 64, 0, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
     assert (ranks[0].region[:16] == counters).all() and (out == -1).all()
@@ -604,7 +647,7 @@ def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) ->
 
     helper = threading.Thread(target=abort_soon)
     helper.start()
-    lib.emu_launch_direct(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 1, 0, 0, 0, 2,
+    lib.emu_launch_direct(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 2,
                               *regions, 64, 0, rank.status.ctypes.data, rank.abort.ctypes.data)
     helper.join()
     assert rank.abort[0] == 1 and (out == -1).all()
