@@ -142,10 +142,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "ranks share a GPU: processes sharing a GPU without MPS take turns on it, and a "
             "spinning kernel holds its turn; else kernel), `off` (in rounds)"),
     Setting("GPURING_CUDA_GRAPH_PIECE_BYTES", _graph_piece, 1 << 20, "1M",
-            "a GPU collective captured into a CUDA graph whose input is larger than this "
-            "(and larger than `GPURING_ONE_SHOT_BYTES`) runs there as one kernel per piece of "
-            "this size (4K to 4M; each rank's GPU holds two pieces per communicator); "
-            "reduce_scatter's pieces are this divided by the ranks"),
+            "a GPU collective that runs in rounds, captured into a CUDA graph, runs there as "
+            "one kernel per piece of this size, or of `GPURING_ONE_SHOT_BYTES` where larger "
+            "(4K to 4M; each rank's GPU holds two pieces per communicator); reduce_scatter's "
+            "piece is that divided by the ranks"),
     Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",
             "GPU copies of this rank's own memory: `memcpy` (cudaMemcpyAsync) or `kernel`; "
             "copies from a peer are always a kernel"),
