@@ -115,9 +115,10 @@ class CallPath:
                     raise GpuringError(
                         f"{call.collective} cannot be captured into a CUDA graph: only the "
                         "collectives that run as kernels can (all_reduce, reduce_scatter, "
-                        "all_gather, broadcast and reduce, with GPURING_CUDA_FUSED=kernel, or "
-                        "auto where no two ranks share a GPU), without GPURING_VERIFY or a "
-                        "recording timeline (GPURING_TIMELINE)")
+                        "all_gather, broadcast and reduce of at least one element, on up to 8 "
+                        "ranks, with GPURING_CUDA_FUSED=kernel, or auto where no two ranks "
+                        "share a GPU), without GPURING_VERIFY or a recording timeline "
+                        "(GPURING_TIMELINE)")
                 self.seq += 1
                 self.last_schedule = "kernels" if captured is not launch \
                     else prepared.schedule
@@ -226,6 +227,11 @@ class CallPath:
             launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                     inline=nchannels == 1, fused=fused, collective=name,
                                     root=call.root, nbytes=count * itemsize, peers=peers)
+            captured = None  # what a CUDA graph records (made now, outside any capture)
+            if not config.verify and x is not None:
+                captured = (launch if engine.fused_capturable else None) if fused else \
+                    engine.prepare_captured(name, dtype=dtype, itemsize=itemsize, op=call.op,
+                                            root=call.root, nbytes=count * itemsize)
         except BaseException as exc:  # after agreement the peers go on: tell them
             self.give_up(exc, name)
             raise
@@ -238,15 +244,6 @@ class CallPath:
         elif registered:
             text += f" in registered memory {tuple(where)}"
         schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
-        captured = None
-        if config.verify or x is None:
-            pass
-        elif fused:
-            captured = launch if engine.fused_capturable else None
-        else:  # (nothing to allocate or agree on: made now, outside any capture)
-            captured = engine.prepare_captured(name, dtype=dtype, itemsize=itemsize,
-                                               op=call.op, root=call.root,
-                                               nbytes=count * itemsize)
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
                             schedule)
 

@@ -121,8 +121,8 @@ class Measurer:
             times = np.array([time_loop(fn, iters=s.iters, backend=self.backend,
                                         sync=system.sync)])
         checked = calls[0]
-        if s.graph_launches:  # what is checked is a graph's result (a collective may run
-            checked = self.backend.graph(calls[0], 1)  # otherwise there than outside one)
+        if s.graph_launches and s.check_iters:  # what is checked is a graph's result (a
+            checked = self.backend.graph(calls[0], 1)  # collective may run otherwise there)
         schedule = system.schedule()  # (after a call: barriers run between the timed ones)
         wrong = self.check(checked, all_buffers[0], system, case, expected)
         cost = self.host_cost(system, calls[0])

@@ -114,7 +114,7 @@ class PiecedKernel(Direct):
     is left to the GPU's queue (the next piece's copy starts as soon as this one's blocks
     finish)."""
 
-    __slots__ = ("_nbytes", "_pieces")
+    __slots__ = ("_block", "_kernels", "_nbytes", "_piece")
 
     def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
@@ -126,21 +126,21 @@ class PiecedKernel(Direct):
         piece = slot // staged // unit * unit
         if nbytes % (staged * itemsize) or piece <= 0:
             raise ValueError(f"no {kind} of {nbytes} bytes in pieces of a {slot}-byte slot")
-        sizes = {min(piece, block - at) for at in range(0, block, piece)}
-        kernels = {size: DirectKernel(device, kind, regions, rank, root, slot, dtype, op,
-                                      divisor, size * staged, block)
-                   for size in sizes}
-        self._nbytes = nbytes
-        #: (the piece's kernel, its offset into every rank's block)
-        self._pieces = tuple((kernels[min(piece, block - at)], at)
-                             for at in range(0, block, piece))
+        #: per piece size (the whole pieces', the last one's): its kernel
+        self._kernels = {size: DirectKernel(device, kind, regions, rank, root, slot, dtype, op,
+                                            divisor, size * staged, block)
+                         for size in {piece, block % piece or piece}}
+        self._nbytes, self._block, self._piece = nbytes, block, piece
 
     def bind(self, out: Memory, inp: Memory) -> tuple[tuple[DirectKernel, Any], ...]:
+        """Per piece: its kernel, and its offset into every rank's block of both arrays."""
         assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
         if inp.nbytes != self._nbytes:
             raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
-        return tuple((kernel, (np.uint64(out.ptr + at), np.uint64(inp.ptr + at)))
-                     for kernel, at in self._pieces)
+        block, piece = self._block, self._piece
+        return tuple((self._kernels[min(piece, block - at)],
+                      (np.uint64(out.ptr + at), np.uint64(inp.ptr + at)))
+                     for at in range(0, block, piece))
 
     def run(self, stream: Stream, operands: tuple[tuple[DirectKernel, Any], ...], *,
             captured: bool = False) -> None:

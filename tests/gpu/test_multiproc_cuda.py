@@ -145,10 +145,10 @@ def test_registered_memory(n, mode, tmp_path):
 
 
 @pytest.mark.parametrize(("n", "sizes"), [
-    (2, {"GPURING_ONE_SHOT_BYTES": "4M"}),  # one kernel up to 4 MiB, then 4 MiB pieces
-    (4, {"GPURING_CUDA_GRAPH_PIECE_BYTES": "256K"})])  # one kernel up to 64 KiB
+    (2, {"GPURING_ONE_SHOT_BYTES": "1M"}),  # one kernel up to 1 MiB, then 1 MiB pieces
+    (4, {})])  # one kernel up to 64 KiB, then 1 MiB pieces in a graph
 def test_collectives_captured_in_a_cuda_graph(n, sizes, tmp_path):
-    """Collectives from a few elements to 8 MiB captured into a CUDA graph (as one kernel, or
+    """Collectives from a few elements to 4 MiB captured into a CUDA graph (as one kernel, or
     one per piece) and replayed with fresh inputs; what cannot be captured is refused, and
     the communicator goes on."""
     proc = launch("gpuring", n, [str(WORKER), "graph_capture", str(tmp_path), "cuda"],

@@ -454,7 +454,7 @@ def case_direct(c: Checker) -> None:
 def case_graph_capture(c: Checker) -> None:
     """Collectives captured into a CUDA graph (CuPy stream capture) and replayed: each replay
     works on what the input buffers hold then (the bits of the rank-order fold), several
-    replays with fresh inputs; all_reduce from a few elements to 8 MiB, out of place and in
+    replays with fresh inputs; all_reduce from a few elements to 4 MiB, out of place and in
     place; reduce_scatter, all_gather, broadcast and reduce, small and in pieces (out of place
     and in place). Those that run in rounds outside a graph run as one kernel per piece in
     it. A first call during a capture, and a collective that cannot run as kernels, are
@@ -466,17 +466,17 @@ def case_graph_capture(c: Checker) -> None:
     root = n - 1
     stream = xp.cuda.Stream(non_blocking=True)
     shapes = [(5, "float32", "sum"), (3000, "int32", "max"), (20000, "float32", "avg"),
-              (1 << 20, "float32", "sum"),  # 4 MiB
-              ((2 << 20) + 5, "float32", "sum")]  # 8 MiB and a ragged piece: in rounds
+              (1 << 18, "float32", "sum"),  # 1 MiB
+              ((1 << 20) + 5, "float32", "sum")]  # 4 MiB and a ragged piece: in rounds
     bufs = [(xp.zeros(size, dtype), xp.zeros(size, dtype)) for size, dtype, _ in shapes]
-    big = xp.zeros(600_001, "float32")  # in place, in pieces
+    big = xp.zeros(300_001, "float32")  # in place, in pieces
     # (per-rank block, dtype) of each of the others, small and in pieces
-    others = [(700, "float32"), (300_007, "float32")]
+    others = [(700, "float32"), (300_001 if n == 2 else 150_001, "float32")]
     rs = [(xp.zeros(n * m, dt), xp.zeros(m, dt)) for m, dt in others]
     ag = [(xp.zeros(m, "int32"), xp.zeros((n, m), "int32")) for m, _ in others]
     bc = [(xp.zeros(m, "float64"), xp.zeros(m, "float64")) for m, _ in others]
     rd = [(xp.zeros(m, dt), xp.zeros(m, dt)) for m, dt in others]
-    rs_place = [xp.zeros(n * m, "float32") for m in (64, 200_003)]  # into its own block
+    rs_place = [xp.zeros(n * m, "float32") for m in (64, others[1][0] + 2)]  # into its block
     a2a = (xp.zeros((n, 10), "float32"), xp.zeros((n, 10), "float32"))  # refused in a graph
 
     def family() -> None:  # every call of the graph beside the all_reduces
