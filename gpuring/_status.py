@@ -115,8 +115,9 @@ class StatusBoard:
     def troubled_peer(self) -> tuple[int, int, str, int] | None:
         """(peer, state, reason, culprit) of a peer that died or gave up, if any. When several
         did, the root cause wins: a mismatch, then a timeout, then a rank that failed or died
-        (a rank that gives up because of another's report says GAVE_UP, and that report is
-        already on the board when it does)."""
+        on its own account (a rank that gives up because of another's report says GAVE_UP
+        and blames that one: it may die too before this rank looks, when a launcher ends
+        the whole job), then a rank that blames another."""
         found: list[tuple[int, int, str, int]] = []
         for peer, page in enumerate(self._pages):
             if peer == self.rank:
@@ -132,7 +133,8 @@ class StatusBoard:
                               peer))
         if not found:
             return None
-        return min(found, key=lambda report: (_ROOT_CAUSE_ORDER[report[1]], report[0]))
+        return min(found, key=lambda report: (_ROOT_CAUSE_ORDER[report[1]],
+                                              report[3] not in (-1, report[0]), report[0]))
 
     def entered(self) -> list[int]:
         """The collective sequence number each rank has entered last."""

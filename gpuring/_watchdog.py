@@ -184,6 +184,11 @@ class Watchdog:
             else:  # a rank that failed on its own account is the one to name
                 error = PeerFailureError(f"rank {peer} failed: {reason}",
                                          peer=peer if blamed is None else blamed)
+            # say so on the board at once, naming the cause: a rank that looks later may find
+            # this one gone too (a launcher ends the whole job once a rank died), and must
+            # not blame it
+            named = getattr(error, "peer", None)
+            self.board.give_up(GAVE_UP, str(error), -1 if named is None else named)
             self._fail(error)
             return
         # the collective this rank waits for: the one its host is in or agrees on, else the

@@ -105,16 +105,19 @@ class DirectKernel(Direct):
 
 
 class PiecedKernel(Direct):
-    """A collective whose input is larger than a slot as one `DirectKernel` launch per piece,
-    in order on the stream: piece i covers bytes [i p, (i + 1) p) of every rank's block (the
+    """A collective whose input is larger than a slot as `DirectKernel` launches per piece, in
+    order on the stream: piece i covers bytes [i p, (i + 1) p) of every rank's block (the
     whole input, or reduce_scatter's input block and all_gather's output block of each rank),
-    p the largest multiple of 16 elements whose staging fits a slot. Each launch is a call of
-    its own on the device's epoch, so the pieces capture into a CUDA graph as the one kernel
-    does; they fold in rank order too. A piece waits for the peers' same piece: pipelining
-    is left to the GPU's queue (the next piece's copy starts as soon as this one's blocks
-    finish)."""
+    p the largest multiple of 16 elements whose staging fits a slot. An all_reduce on more
+    than 2 ranks runs each whole piece two-shot, a reduce_scatter of the piece into this
+    rank's segment of it in `out` and an all_gather of the segments in place (each rank reads
+    2 (n - 1) / n of a piece from its peers instead of n - 1 pieces; the same rank-order
+    fold); its last, shorter piece one-shot. Each launch is a call of its own on the device's
+    epoch, so the pieces capture into a CUDA graph as the one kernel does. A piece waits for
+    the peers' same piece: pipelining is left to the GPU's queue (the next piece's copy
+    starts as soon as this one's blocks finish)."""
 
-    __slots__ = ("_block", "_kernels", "_nbytes", "_piece")
+    __slots__ = ("_block", "_kernels", "_mine", "_nbytes", "_piece", "_two_shot")
 
     def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
@@ -123,24 +126,44 @@ class PiecedKernel(Direct):
         block = nbytes // staged  # bytes of one rank's block of the input
         itemsize = np.dtype(dtype).itemsize
         unit = 16 * itemsize  # the kernel's ranges are packs of 16 elements
+        if kind == "all_reduce" and nranks > 2:
+            unit *= nranks  # (two-shot: a piece of n whole segments)
         piece = slot // staged // unit * unit
         if nbytes % (staged * itemsize) or piece <= 0:
             raise ValueError(f"no {kind} of {nbytes} bytes in pieces of a {slot}-byte slot")
+        self._two_shot: tuple[DirectKernel, DirectKernel] | None = None
+        if kind == "all_reduce" and nranks > 2:
+            self._two_shot = (
+                DirectKernel(device, "reduce_scatter", regions, rank, root, slot, dtype, op,
+                             divisor, piece),
+                DirectKernel(device, "all_gather", regions, rank, root, slot, dtype, op,
+                             divisor, piece // nranks))
+        sizes = {block % piece} if self._two_shot else {piece, block % piece}
         #: per piece size (the whole pieces', the last one's): its kernel
         self._kernels = {size: DirectKernel(device, kind, regions, rank, root, slot, dtype, op,
                                             divisor, size * staged, block)
-                         for size in {piece, block % piece or piece}}
+                         for size in sizes - {0}}
         self._nbytes, self._block, self._piece = nbytes, block, piece
+        self._mine = rank * (piece // nranks)  # this rank's segment of a two-shot piece
 
     def bind(self, out: Memory, inp: Memory) -> tuple[tuple[DirectKernel, Any], ...]:
-        """Per piece: its kernel, and its offset into every rank's block of both arrays."""
+        """Per launch: its kernel, and its output and input addresses."""
         assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
         if inp.nbytes != self._nbytes:
             raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
-        block, piece = self._block, self._piece
-        return tuple((self._kernels[min(piece, block - at)],
-                      (np.uint64(out.ptr + at), np.uint64(inp.ptr + at)))
-                     for at in range(0, block, piece))
+        block, piece, two_shot = self._block, self._piece, self._two_shot
+        launches: list[tuple[DirectKernel, Any]] = []
+        for at in range(0, block, piece):
+            size = min(piece, block - at)
+            if two_shot is not None and size == piece:
+                scatter, gather = two_shot
+                mine = np.uint64(out.ptr + at + self._mine)
+                launches.append((scatter, (mine, np.uint64(inp.ptr + at))))
+                launches.append((gather, (np.uint64(out.ptr + at), mine)))
+            else:
+                launches.append((self._kernels[size],
+                                 (np.uint64(out.ptr + at), np.uint64(inp.ptr + at))))
+        return tuple(launches)
 
     def run(self, stream: Stream, operands: tuple[tuple[DirectKernel, Any], ...], *,
             captured: bool = False) -> None:

@@ -121,3 +121,18 @@ def test_a_peer_that_entered_without_agreeing_ran_ahead() -> None:
     finally:
         for board in boards:
             board.close()
+
+
+def test_a_rank_that_blames_another_is_not_the_root_cause() -> None:
+    """Rank 1 failed on its own account; rank 0 learned of it and gave up blaming rank 1
+    (then, under a launcher that ends the whole job, both may be dead before rank 2 looks):
+    rank 2 is told of rank 1's failure, not of rank 0's."""
+    boards = _boards(3)
+    try:
+        boards[0].give_up(GAVE_UP, "rank 1 failed: its GPU faulted", 1)
+        assert boards[2].troubled_peer() == (0, GAVE_UP, "rank 1 failed: its GPU faulted", 1)
+        boards[1].give_up(GAVE_UP, "its GPU faulted", 1)
+        assert boards[2].troubled_peer() == (1, GAVE_UP, "its GPU faulted", 1)
+    finally:
+        for board in boards:
+            board.close()

@@ -84,3 +84,41 @@ def test_completed_work_is_not_busy() -> None:
         assert watchdog.busy()  # the later work is still running
     finally:
         watchdog.close()
+
+
+def test_a_rank_that_learns_of_a_failure_says_whom_it_blames() -> None:
+    """Rank 1 gives up; rank 0's watchdog fails its communicator within a tick and says on the
+    board, at once, that it gave up because of rank 1 (a rank that looks later may find rank
+    0 dead too, when a launcher ends the whole job)."""
+    from gpuring._status import _CULPRIT, GAVE_UP
+
+    from .test_status import _Threads
+
+    size, shared, meet = 2, {}, threading.Barrier(2)
+    failures: list[GpuringError] = []
+    dogs: list[Watchdog | None] = [None] * size
+
+    def make(rank: int) -> None:
+        dogs[rank] = Watchdog(_Threads(rank, size, shared, meet),
+                              HostDevice(timeout=30, for_collectives=False), timeout=30,
+                              stall_warning_s=1e9, on_failure=failures.append)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    rank0, rank1 = dogs
+    assert rank0 is not None and rank1 is not None
+    try:
+        rank1.give_up("its GPU faulted")
+        deadline = time.monotonic() + 30
+        while rank0.board.state() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rank0.board.state() == GAVE_UP
+        assert len(failures) == 1 and failures[0].peer == 1, failures
+        words = rank0.board._mine.i64
+        assert words is not None and int(words[_CULPRIT]) == 1  # the rank it blames
+    finally:
+        rank0.close()
+        rank1.close()

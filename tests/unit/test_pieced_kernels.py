@@ -1,0 +1,174 @@
+"""`PiecedKernel` (what a CUDA graph records of a collective larger than a slot) driven
+through the host build of kernels/reduce.cu: its launches, with the addresses its `bind`
+works out, give every kind's whole result, in place and out of place, on 2 to 4 ranks (each
+rank a thread), with ragged last pieces and grids that change from piece to piece."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpuring._ops import ReduceOp
+from gpuring.devices import _kernels
+from gpuring.devices._cuda_direct import DirectKernel, PiecedKernel, prepare_direct
+from gpuring.devices._cuda_streams import CudaMemory
+from gpuring.devices.base import Span
+
+from ..cudasim import kernels_host_build
+from .test_kernels_on_host import _chain, _same
+
+SLOT = 2048  # bytes of a slot: pieces of 512 float32 (fewer for reduce_scatter)
+
+
+@pytest.fixture(scope="module")
+def lib(host_build_dir: Path) -> ctypes.CDLL:
+    try:
+        path = kernels_host_build.build(host_build_dir)
+    except kernels_host_build.Unavailable as exc:
+        pytest.skip(str(exc))
+    return kernels_host_build.load(path)
+
+
+class _Launcher:
+    """gpuring_direct_<dtype>_<op> as CuPy's RawKernel calls it, run by the host build."""
+
+    def __init__(self, lib: ctypes.CDLL, name: str):
+        self._lib = lib
+        self._address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+    def __call__(self, grid: tuple[int], block: tuple[int], args: tuple[Any, ...],
+                 stream: Any = None) -> None:
+        self._lib.emu_launch_direct(self._address, grid[0], block[0], *(int(a) for a in args))
+
+
+class _Rank:
+    """What DirectKernel asks of CudaDevice, for one rank: its kernels, grid limit, timeout,
+    status and abort words."""
+
+    fused_form = "kernel"
+    timeout_ns = 10**10
+
+    def __init__(self, lib: ctypes.CDLL, fused_blocks: int):
+        self._lib = lib
+        self.fused_blocks = fused_blocks
+        self.region = np.zeros(_kernels.fused_region_bytes(SLOT), np.uint8)
+        self.status = np.zeros(2, np.int32)
+        self.abort = np.zeros(1, np.int32)
+        self.status_ptr, self.abort_ptr = self.status.ctypes.data, self.abort.ctypes.data
+        self.captured = False
+        self.operations = 0
+
+    def direct_kernel(self, dtype: str, op: ReduceOp) -> _Launcher:
+        return _Launcher(self._lib, _kernels.direct_kernel_name(dtype, op))
+
+    def check(self) -> None:
+        assert self.status[0] == 0 and self.abort[0] == 0, "a wait gave up"
+
+    def scope(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+
+class _Stream:
+    raw = None
+
+
+def _memory(array: np.ndarray) -> CudaMemory:
+    return CudaMemory(array.ctypes.data, array.nbytes, "borrowed", array)
+
+
+def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np.ndarray],
+         op: ReduceOp, root: int, fused_blocks: int) -> None:
+    """Every rank prepares the collective in pieces and runs what it binds, on a thread."""
+    nranks = len(inputs)
+    ranks = [_Rank(lib, fused_blocks) for _ in range(nranks)]
+    regions = [Span(_memory(r.region), 0, r.region.nbytes) for r in ranks]
+    divisor = nranks if op is ReduceOp.AVG else 1
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            direct = prepare_direct(ranks[r], kind, regions, r, root,  # type: ignore[arg-type]
+                                    inputs[r].dtype.name, op, divisor, inputs[r].nbytes,
+                                    pieces=True)
+            assert isinstance(direct, PiecedKernel)
+            launches = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
+            assert len(launches) > 2 and all(isinstance(k, DirectKernel) for k, _ in launches)
+            direct.run(_Stream(), launches, captured=True)  # type: ignore[arg-type]
+            assert ranks[r].captured
+        except BaseException as exc:
+            errors.append(exc)
+            ranks[r].abort[0] = 1
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(nranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                  "reduce"])
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_pieces_give_the_whole_collective(lib: ctypes.CDLL, kind: str, nranks: int,
+                                          in_place: bool) -> None:
+    rng = np.random.default_rng(nranks * 10 + len(kind) + in_place)
+    block = 1301  # float32 per rank's block: pieces and a ragged last one
+    root = nranks - 1
+    op = ReduceOp.AVG if kind == "all_reduce" else ReduceOp.SUM
+    per_rank = nranks if kind == "reduce_scatter" else 1
+    given = [rng.standard_normal(block * per_rank).astype(np.float32) for _ in range(nranks)]
+    inputs, outputs = [], []
+    for r, x in enumerate(given):
+        x = x.copy()
+        if kind == "all_gather":
+            out = np.zeros(nranks * block, np.float32)
+            if in_place:
+                out[r * block:(r + 1) * block] = x
+                x = out[r * block:(r + 1) * block]
+        elif kind == "reduce_scatter":
+            out = x[r * block:(r + 1) * block] if in_place else np.zeros(block, np.float32)
+        else:
+            out = x if in_place else np.zeros_like(x)
+        inputs.append(x)
+        outputs.append(out)
+    _run(lib, kind, inputs, outputs, op, root, fused_blocks=3)
+    divisor = nranks if op is ReduceOp.AVG else 1
+    for r in range(nranks):
+        if kind == "all_reduce":
+            want = _chain(given, op, divisor)
+        elif kind == "reduce_scatter":
+            want = _chain([x[r * block:(r + 1) * block] for x in given], op, 1)
+        elif kind == "all_gather":
+            want = np.concatenate(given)
+        elif kind == "broadcast":
+            want = given[root]
+        elif r == root:
+            want = _chain(given, op, 1)
+        else:  # off the root a reduce writes nothing
+            want = given[r] if in_place else np.zeros(block, np.float32)
+        assert _same(outputs[r], want), f"{kind} rank {r}"
+
+
+@pytest.mark.parametrize("dtype", ["complex128", "int8"])
+def test_pieces_of_wide_and_narrow_elements(lib: ctypes.CDLL, dtype: str) -> None:
+    """Pieces stay whole packs of 16 elements whatever the element size; all_reduce on 3
+    ranks (two-shot pieces, then a one-shot last piece)."""
+    rng = np.random.default_rng(len(dtype))
+    n = 5000
+    given = [(rng.integers(-50, 50, n) + (1j * rng.integers(-50, 50, n) if dtype ==
+              "complex128" else 0)).astype(dtype) for _ in range(3)]
+    inputs = [x.copy() for x in given]
+    outputs = [np.zeros_like(x) for x in given]
+    _run(lib, "all_reduce", inputs, outputs, ReduceOp.SUM, 0, fused_blocks=2)
+    want = _chain(given, ReduceOp.SUM, 1)
+    for r in range(3):
+        assert _same(outputs[r], want), f"{dtype} rank {r}"
