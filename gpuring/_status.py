@@ -59,6 +59,7 @@ class StatusBoard:
         host.seal(local)
         self._mine = local
         self._fence = threading.Lock()
+        self._said = threading.Lock()  # (`give_up` from the caller's and the watchdog's thread)
         self._last_text: str | None = None
         local.i64[_PID] = os.getpid()  # type: ignore[index]
 
@@ -89,16 +90,22 @@ class StatusBoard:
                 return peer, self._text(page, _SIG_AT, _SIG_LEN) if theirs[_SEQ] == seq else "?"
         return None
 
-    def give_up(self, state: int, reason: str, culprit: int = -1) -> None:
+    def give_up(self, state: int, reason: str, culprit: int = -1) -> bool:
         """Tell peers this rank left its collective (GAVE_UP, MISMATCH, TIMED_OUT, LEFT),
-        why, and which rank it blames, if any."""
-        raw = reason.encode()[:_REASON_MAX]
-        self._mine.u8[_REASON_AT:_REASON_AT + len(raw)] = memoryview(raw)
+        why, and which rank it blames, if any (-1: none, it failed on its own account).
+        Only the first word stands (False: one was said already): peers may have acted on
+        it, and a later one is a consequence (this rank's calls failing once it failed)."""
         words = self._mine.i64
         assert words is not None
-        words[_REASON_LEN] = len(raw)
-        words[_CULPRIT] = culprit
-        words[_STATE] = state
+        with self._said:
+            if words[_STATE] != 0:
+                return False
+            raw = reason.encode()[:_REASON_MAX]
+            self._mine.u8[_REASON_AT:_REASON_AT + len(raw)] = memoryview(raw)
+            words[_REASON_LEN] = len(raw)
+            words[_CULPRIT] = culprit
+            words[_STATE] = state
+        return True
 
     def state(self) -> int:
         """This rank's published state (0 while it runs normally)."""
@@ -118,7 +125,7 @@ class StatusBoard:
         on its own account (a rank that gives up because of another's report says GAVE_UP
         and blames that one: it may die too before this rank looks, when a launcher ends
         the whole job), then a rank that blames another."""
-        found: list[tuple[int, int, str, int]] = []
+        found: list[tuple[int, bool, tuple[int, int, str, int]]] = []  # (order, own, report)
         for peer, page in enumerate(self._pages):
             if peer == self.rank:
                 continue
@@ -126,15 +133,15 @@ class StatusBoard:
             assert words is not None
             state = int(words[_STATE])
             if state in (GAVE_UP, MISMATCH, TIMED_OUT):
-                found.append((peer, state, self._text(page, _REASON_AT, _REASON_LEN),
-                              int(words[_CULPRIT])))
+                culprit = int(words[_CULPRIT])
+                found.append((_ROOT_CAUSE_ORDER[state], culprit == -1, (
+                    peer, state, self._text(page, _REASON_AT, _REASON_LEN), culprit)))
             elif state != LEFT and not _alive(int(words[_PID])):
-                found.append((peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone",
-                              peer))
+                found.append((_ROOT_CAUSE_ORDER[GAVE_UP], True, (
+                    peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone", peer)))
         if not found:
             return None
-        return min(found, key=lambda report: (_ROOT_CAUSE_ORDER[report[1]],
-                                              report[3] not in (-1, report[0]), report[0]))
+        return min(found, key=lambda f: (f[0], not f[1], f[2][0]))[2]
 
     def entered(self) -> list[int]:
         """The collective sequence number each rank has entered last."""

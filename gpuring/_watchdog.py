@@ -186,9 +186,9 @@ class Watchdog:
                                          peer=peer if blamed is None else blamed)
             # say so on the board at once, naming the cause: a rank that looks later may find
             # this one gone too (a launcher ends the whole job once a rank died), and must
-            # not blame it
+            # not blame it (unless this rank said something first: that stands)
             named = getattr(error, "peer", None)
-            self.board.give_up(GAVE_UP, str(error), -1 if named is None else named)
+            self.board.give_up(GAVE_UP, str(error), peer if named is None else named)
             self._fail(error)
             return
         # the collective this rank waits for: the one its host is in or agrees on, else the

@@ -23,7 +23,7 @@ from gpuring.devices.base import Span
 from ..cudasim import kernels_host_build
 from .test_kernels_on_host import _chain, _same
 
-SLOT = 2048  # bytes of a slot: pieces of 512 float32 (fewer for reduce_scatter)
+SLOT = 16 << 10  # bytes of a slot: pieces of 4096 float32 (fewer for reduce_scatter)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np
 def test_pieces_give_the_whole_collective(lib: ctypes.CDLL, kind: str, nranks: int,
                                           in_place: bool) -> None:
     rng = np.random.default_rng(nranks * 10 + len(kind) + in_place)
-    block = 1301  # float32 per rank's block: pieces and a ragged last one
+    block = 10_007  # float32 per rank's block: pieces of 4 blocks of 4 KiB, a ragged last one
     root = nranks - 1
     op = ReduceOp.AVG if kind == "all_reduce" else ReduceOp.SUM
     per_rank = nranks if kind == "reduce_scatter" else 1
@@ -163,7 +163,7 @@ def test_pieces_of_wide_and_narrow_elements(lib: ctypes.CDLL, dtype: str) -> Non
     """Pieces stay whole packs of 16 elements whatever the element size; all_reduce on 3
     ranks (two-shot pieces, then a one-shot last piece)."""
     rng = np.random.default_rng(len(dtype))
-    n = 5000
+    n = 20_000
     given = [(rng.integers(-50, 50, n) + (1j * rng.integers(-50, 50, n) if dtype ==
               "complex128" else 0)).astype(dtype) for _ in range(3)]
     inputs = [x.copy() for x in given]

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from gpuring._status import GAVE_UP, MISMATCH, TIMED_OUT, StatusBoard, _alive
+from gpuring._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard, _alive
 from gpuring.devices.host import HostDevice
 from gpuring.rendezvous.base import ControlPlane
 
@@ -85,16 +85,32 @@ def test_the_root_cause_is_reported_before_the_ranks_that_gave_up_because_of_it(
     """Rank 2 timed out waiting for rank 1; rank 0 learned of it and closed after the failure
     (GAVE_UP, blaming rank 1). Rank 1 must be told of the timeout, whichever rank it reads
     first."""
-    boards = _boards(3)
+    boards = _boards(4)
     try:
         assert boards[1].troubled_peer() is None
         boards[2].give_up(TIMED_OUT, "waited for rank 1", 1)
         boards[0].give_up(GAVE_UP, "closed its communicator after a failure", 1)
         assert boards[1].troubled_peer() == (2, TIMED_OUT, "waited for rank 1", 1)
-        boards[2].give_up(MISMATCH, "rank 2 called something else")
-        assert boards[1].troubled_peer() == (2, MISMATCH, "rank 2 called something else", -1)
-        assert boards[2].troubled_peer() == (0, GAVE_UP,
-                                             "closed its communicator after a failure", 1)
+        boards[3].give_up(MISMATCH, "rank 3 called something else")
+        assert boards[1].troubled_peer() == (3, MISMATCH, "rank 3 called something else", -1)
+        assert boards[3].troubled_peer() == (2, TIMED_OUT, "waited for rank 1", 1)
+    finally:
+        for board in boards:
+            board.close()
+
+
+def test_the_first_word_stands() -> None:
+    """A rank's later words (its calls failing once it failed, a close) do not replace what
+    it said first: peers may have acted on that."""
+    boards = _boards(2)
+    try:
+        assert boards[0].give_up(GAVE_UP, "rank 1 failed", 1)
+        assert not boards[0].give_up(GAVE_UP, "a barrier failed")
+        assert not boards[0].give_up(MISMATCH, "something else")
+        assert boards[1].troubled_peer() == (0, GAVE_UP, "rank 1 failed", 1)
+        assert boards[1].give_up(LEFT, "closed")
+        assert not boards[1].give_up(GAVE_UP, "rank 0 failed", 0)
+        assert boards[0].troubled_peer() is None  # a rank that left is no trouble
     finally:
         for board in boards:
             board.close()
@@ -131,8 +147,8 @@ def test_a_rank_that_blames_another_is_not_the_root_cause() -> None:
     try:
         boards[0].give_up(GAVE_UP, "rank 1 failed: its GPU faulted", 1)
         assert boards[2].troubled_peer() == (0, GAVE_UP, "rank 1 failed: its GPU faulted", 1)
-        boards[1].give_up(GAVE_UP, "its GPU faulted", 1)
-        assert boards[2].troubled_peer() == (1, GAVE_UP, "its GPU faulted", 1)
+        boards[1].give_up(GAVE_UP, "its GPU faulted")
+        assert boards[2].troubled_peer() == (1, GAVE_UP, "its GPU faulted", -1)
     finally:
         for board in boards:
             board.close()
