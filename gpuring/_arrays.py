@@ -31,7 +31,10 @@ def device_kind(x: Any) -> str:
 
 def capturing(x: Any) -> bool:
     """Whether the current stream of `x`'s GPU records work into a CUDA graph (False for
-    NumPy arrays)."""
+    NumPy arrays; for None, the current GPU's stream, where CuPy is in use)."""
+    if x is None:
+        cupy = sys.modules.get("cupy")
+        return cupy is not None and bool(cupy.cuda.get_current_stream().is_capturing())
     if not _is_cupy(x):
         return False
     stream = sys.modules["cupy"].cuda.get_current_stream(x.device.id)

@@ -88,6 +88,8 @@ class CallPath:
         """Run a checked call: prepare it once per key, then run it by its route."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
+        if call.x is None and _arrays.capturing(None):  # (a barrier holds the host)
+            raise GpuringError("barrier cannot be captured into a CUDA graph")
         key = call.known_key
         if key is None:
             if self.registry and call.x is not None:

@@ -457,9 +457,10 @@ def case_graph_capture(c: Checker) -> None:
     replays with fresh inputs; all_reduce from a few elements to 4 MiB, out of place and in
     place; reduce_scatter, all_gather, broadcast and reduce, small and in pieces (out of place
     and in place). Those that run in rounds outside a graph run as one kernel per piece in
-    it. A first call during a capture, and a collective that cannot run as kernels, are
-    refused without harm to the capture or the communicator. Needs GPURING_CUDA_FUSED=kernel
-    (GPURING_ONE_SHOT_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as the test sets them)."""
+    it. A first call during a capture, a collective that cannot run as kernels, and a
+    barrier are refused without harm to the capture or the communicator. Needs
+    GPURING_CUDA_FUSED=kernel (GPURING_ONE_SHOT_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as
+    the test sets them)."""
     from gpuring import GpuringError
 
     comm, xp, n, rank = c.comm, c.xp, c.comm.size, c.comm.rank
@@ -502,7 +503,8 @@ def case_graph_capture(c: Checker) -> None:
         for mode in (None, xp.cuda.runtime.streamCaptureModeThreadLocal):
             stream.begin_capture(mode)
             for attempt in (lambda: comm.all_to_all(a2a[0], out=a2a[1]),  # in rounds
-                            lambda: comm.broadcast(bufs[1][0], root=0)):  # never called
+                            lambda: comm.broadcast(bufs[1][0], root=0),  # never called
+                            comm.barrier):
                 try:
                     attempt()
                 except GpuringError as exc:
@@ -513,8 +515,9 @@ def case_graph_capture(c: Checker) -> None:
             comm.all_reduce(bufs[0][0], out=bufs[0][0])  # after the first read it
             family()
             graphs.append(stream.end_capture())
-    assert len(refused) == 4, refused
+    assert len(refused) == 6, refused
     assert "cannot be captured" in refused[0] and "outside the capture first" in refused[1]
+    assert "barrier cannot be captured" in refused[2], refused
     one_shot = gpuring.settings.get("GPURING_ONE_SHOT_BYTES")
     assert schedules[:5] == [
         "one operation" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
