@@ -17,8 +17,8 @@
 #   env 15 | probe 85 | GPU tests 100 (pytest tests/gpu and the kernel compile test; without
 #   pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside NCCL and gloo: 2 ranks
 #   50, 4 ranks 60 | gpuring alone 512M..1G: 2 ranks 25, 4 ranks 25 | all_reduce 8..64K on 2
-#   ranks beside NCCL as one kernel and in rounds, and 8..16M replayed from a CUDA graph (one
-#   kernel, then one kernel per piece): 3 x 15 | piece size and channels at 256 MiB on 4 ranks: 4 x 12 (the deadline may cut the
+#   ranks beside NCCL as one kernel, in rounds, and as one kernel replayed from a CUDA graph,
+#   and 1M..16M replayed from a graph as one kernel per piece: 4 x 15 | piece size and channels at 256 MiB on 4 ranks: 4 x 12 (the deadline may cut the
 #   last) | summary and archive: the last 10
 #
 # Settings: $PYTHON (default python3), GPURING_DEVICE_CHECK_MAXBYTES (largest size, 1G), and
@@ -208,10 +208,13 @@ small() {  # small NAME BUDGET FORM [ARGS...]: 2 ranks, 8 B .. 64 KiB
 }
 small small-2ranks-kernel 15 kernel --peers nccl
 small small-2ranks-rounds 15 off --peers nccl
-# launches of a graph of -n calls (nccl-tests' -G), up to sizes captured as kernels per piece
-graphb=$((16 << 20))
+small small-2ranks-graph 15 kernel -G 20  # launches of a graph of -n calls (nccl-tests' -G)
+# sizes that run in rounds outside a graph, one kernel per 1 MiB piece in it (few calls: where
+# the ranks share the GPU without MPS, each piece may cost each rank a turn on it)
+graphb=$((16 << 20)) pieceb=$((1 << 20))
 ((graphb > maxb)) && graphb=$maxb
-small small-2ranks-graph 15 kernel -G 20 -e "$graphb"
+((pieceb > graphb)) && pieceb=$graphb
+small graph-2ranks-pieces 15 kernel -b "$pieceb" -e "$graphb" -f 4 -n 5 -G 5
 
 # 5. the piece size and channel count CudaDevice should default to (4 ranks)
 tuneb="${GPURING_DEVICE_CHECK_TUNE_BYTES:-256M}"

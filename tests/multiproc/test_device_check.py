@@ -142,7 +142,7 @@ def _passes_within_a_bound(dry_run: Run) -> None:
     assert list(steps) == ["env", "probe", "gpu-smoke", "allreduce-2ranks", "allreduce-4ranks",
                            "allreduce-2ranks-large", "allreduce-4ranks-large",
                            "small-2ranks-kernel", "small-2ranks-rounds", "small-2ranks-graph",
-                           "tune-chunk2M-ch2"]
+                           "graph-2ranks-pieces", "tune-chunk2M-ch2"]
     assert {row["status"] for row in steps.values()} == {"ok"}, steps
 
 

@@ -1256,9 +1256,9 @@ def case_without_peer_access(c: Checker) -> None:
     assert comm._path.mappable == {"cuda": False}, comm._path.mappable
     case_dtypes_ops(c, ("float32", "int16", "complex64"))
     case_exchange(c, blocks=3)
-    x = dev(c, np.ones(3, np.float32))  # NCCL's route is refused under capture, harmlessly
     stream = c.xp.cuda.Stream(non_blocking=True)
-    with stream:
+    with stream:  # NCCL's route is refused under capture, harmlessly
+        x = dev(c, np.ones(3, np.float32))  # (written on `stream`, before the call reads it)
         comm.all_reduce(x, out=x)
         stream.synchronize()
         stream.begin_capture()
