@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +24,6 @@ from gpuring.devices import _kernels
 from gpuring.devices.host import _UFUNCS, _average_into
 
 from .. import reference
-from ..cudasim import kernels_host_build
 
 # (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
 GRIDS = [(1, 1), (3, 7), (4, 64)]
@@ -33,14 +31,6 @@ _NOT_ABORTED = np.zeros(1, np.int32)
 CLEAR = _NOT_ABORTED.ctypes.data  # the device's abort word, not set
 RELEASED = 2**63 - 1  # what an abort writes into the words a rank waits on
 
-
-@pytest.fixture(scope="module")
-def lib(host_build_dir: Path) -> ctypes.CDLL:
-    try:
-        path = kernels_host_build.build(host_build_dir)
-    except kernels_host_build.Unavailable as exc:
-        pytest.skip(str(exc))
-    return kernels_host_build.load(path)
 
 
 def _kernel(lib: ctypes.CDLL, name: str) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,19 +19,10 @@ from gpuring.devices._cuda_direct import DirectKernel, PiecedKernel, prepare_dir
 from gpuring.devices._cuda_streams import CudaMemory
 from gpuring.devices.base import Span
 
-from ..cudasim import kernels_host_build
 from .test_kernels_on_host import _chain, _same
 
 SLOT = 16 << 10  # bytes of a slot: pieces of 4096 float32 (fewer for reduce_scatter)
 
-
-@pytest.fixture(scope="module")
-def lib(host_build_dir: Path) -> ctypes.CDLL:
-    try:
-        path = kernels_host_build.build(host_build_dir)
-    except kernels_host_build.Unavailable as exc:
-        pytest.skip(str(exc))
-    return kernels_host_build.load(path)
 
 
 class _Launcher:
