@@ -11,7 +11,7 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _arrays
+from . import _arrays, _capture
 from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import FOLDS, Choices
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CallPath"]
 
-#: routes whose collectives are refused under CUDA graph capture (their calls record events
-#: a watcher queries, and agree on the host)
-_OUTSIDE_GRAPHS = frozenset({Route.NCCL, Route.NODES})
 #: collectives whose result GPURING_VERIFY compares across ranks (the same on every rank)
 _VERIFIED = ("all_reduce", "all_gather", "broadcast")
 
@@ -88,8 +85,8 @@ class CallPath:
         """Run a checked call: prepare it once per key, then run it by its route."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
-        if call.x is None and _arrays.capturing(None):  # (a barrier holds the host)
-            raise GpuringError("barrier cannot be captured into a CUDA graph")
+        if call.x is None:
+            _capture.refuse_barrier()
         key = call.known_key
         if key is None:
             if self.registry and call.x is not None:
@@ -100,10 +97,7 @@ class CallPath:
             prepared = self.prepared.get(key)
             if prepared is None:
                 if _arrays.capturing(call.x) or (call.x is None and self._capturing()):
-                    raise GpuringError(
-                        f"{call.collective}: its first call with these arguments is being "
-                        "captured into a CUDA graph, but a first call allocates and "
-                        "synchronizes: call it once outside the capture first")
+                    raise _capture.first_call_refused(call.collective)
                 prepared = self._prepare(call)
                 if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
                     self.prepared.clear()
@@ -112,25 +106,14 @@ class CallPath:
             if launch is not None and (prepared.captured is not launch or
                                        self.timeline is not None) \
                     and launch.engine.device.capturing():
-                captured = prepared.captured
-                if captured is None or self.timeline is not None:
-                    raise GpuringError(
-                        f"{call.collective} cannot be captured into a CUDA graph: only the "
-                        "collectives that run as kernels can (all_reduce, reduce_scatter, "
-                        "all_gather, broadcast and reduce of at least one element, on up to 8 "
-                        "ranks, with GPURING_CUDA_FUSED=kernel, or auto where no two ranks "
-                        "share a GPU), without GPURING_VERIFY or a recording timeline "
-                        "(GPURING_TIMELINE)")
+                captured = _capture.recorded(prepared, call.collective,
+                                             self.timeline is not None)
                 self.seq += 1
                 self.last_schedule = "kernels" if captured is not launch \
                     else prepared.schedule
                 return self._run_engine(prepared, call, captured)
-            if prepared.route in _OUTSIDE_GRAPHS and _arrays.capturing(call.x):
-                raise GpuringError(
-                    f"{call.collective} cannot be captured into a CUDA graph: it runs "
-                    + ("on NCCL" if prepared.route is Route.NCCL else "in two levels") +
-                    " here (GPUs without peer access, ranks on several nodes, or "
-                    "GPURING_TRANSPORT), which gpuring does not capture")
+            if prepared.route is not Route.ENGINE:
+                _capture.refuse_route(prepared, call.collective, call.x)
             self.seq += 1
             self.last_schedule = prepared.schedule
             if prepared.route is Route.ENGINE:  # the common route, without a dict lookup
