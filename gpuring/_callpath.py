@@ -96,7 +96,7 @@ class CallPath:
         with self.lock:
             prepared = self.prepared.get(key)
             if prepared is None:
-                if _arrays.capturing(call.x) or (call.x is None and self._capturing()):
+                if _arrays.capturing(call.x):  # (a barrier was refused above)
                     raise _capture.first_call_refused(call.collective)
                 prepared = self._prepare(call)
                 if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
@@ -212,11 +212,9 @@ class CallPath:
             launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                     inline=nchannels == 1, fused=fused, collective=name,
                                     root=call.root, nbytes=count * itemsize, peers=peers)
-            captured = None  # what a CUDA graph records (made now, outside any capture)
-            if not config.verify and x is not None:
-                captured = (launch if engine.fused_capturable else None) if fused else \
-                    engine.prepare_captured(name, dtype=dtype, itemsize=itemsize, op=call.op,
-                                            root=call.root, nbytes=count * itemsize)
+            # what a CUDA graph records (made now, outside any capture)
+            captured = None if config.verify or x is None else \
+                engine.prepare_captured(launch, count * itemsize)
         except BaseException as exc:  # after agreement the peers go on: tell them
             self.give_up(exc, name)
             raise
@@ -231,10 +229,6 @@ class CallPath:
         schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
         return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
                             schedule)
-
-    def _capturing(self) -> bool:
-        """Whether the caller's stream of any engine's device captures a graph."""
-        return any(engine.device.capturing() for engine in self.engines.values())
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
         x, out = call.x, call.out

@@ -156,21 +156,25 @@ class Engine:
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
         return launch
 
-    def prepare_captured(self, collective: str, *, dtype: str, itemsize: int, op: ReduceOp,
-                         root: int, nbytes: int) -> Launch | None:
-        """What a CUDA graph records of `collective` where it runs in rounds outside one: a
-        launch of one operation per piece of the device's region (`Device.prepare_direct`'s
-        `pieces`); None where this engine's operations cannot be captured or run no such
-        collective."""
-        if not (self.fused_capturable and collective in self.fused_kinds and nbytes > 0
-                and self._regions[self.rank].nbytes > 0):
+    def prepare_captured(self, launch: Launch, nbytes: int) -> Launch | None:
+        """What a CUDA graph records of `launch` (from `prepare`, of an input of `nbytes`):
+        the launch itself where it runs as one operation that can be captured; where it runs
+        in rounds, a launch of one operation per piece of the device's region
+        (`Device.prepare_direct`'s `pieces`); None where this engine's operations cannot be
+        captured or run no such collective."""
+        if not self.fused_capturable:
             return None
-        launch = Launch(self, (), dtype, itemsize, op, inline=True, fused=True,
-                        collective=collective, root=root)
-        launch.direct = self.device.prepare_direct(
-            collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes,
-            pieces=True)
-        return launch
+        if launch.fused:
+            return launch
+        if launch.collective not in self.fused_kinds or nbytes <= 0 or \
+                self._regions[self.rank].nbytes <= 0:
+            return None
+        pieces = Launch(self, (), launch.dtype, launch.itemsize, launch.op, inline=True,
+                        fused=True, collective=launch.collective, root=launch.root)
+        pieces.direct = self.device.prepare_direct(
+            launch.collective, self._regions, self.rank, launch.root, launch.dtype, launch.op,
+            launch.divisor, nbytes, pieces=True)
+        return pieces
 
     def bind(self, launch: Launch, in_mem: Memory, out_mem: Memory | None) -> Any:
         """A fused launch's operands for these memories (`Direct.bind`: they hold no array,
