@@ -245,8 +245,7 @@ class CallPath:
     def nccl_failed(self, error: GpuringError) -> None:
         """NCCL's watcher found a failure (after this rank's calls returned): the peers must
         know too (those of other nodes wait in NCCL until told)."""
-        self.control.report_failure(f"rank {self.rank}: {error!r}", getattr(error, "peer", None),
-                                    isinstance(error, CollectiveTimeoutError))
+        self.tell_peers(error)
         self.fail(error)
 
     def _run_engine(self, prepared: PreparedCall, call: Call,
@@ -445,8 +444,14 @@ class CallPath:
             raise error
 
     # -- failures -----------------------------------------------------------------------
-    def on_peer_failure(self, rank: int, reason: str) -> None:
-        self.fail(PeerFailureError(f"rank {rank} failed: {reason}", peer=rank))
+    def on_peer_failure(self, error: PeerFailureError) -> None:
+        self.fail(error)
+
+    def tell_peers(self, error: BaseException) -> None:
+        """Report to the peers that this rank gave up because of `error` (best effort)."""
+        self.control.report_failure(f"rank {self.rank}: {error!r}", getattr(error, "peer", None),
+                                    isinstance(error, CollectiveTimeoutError),
+                                    getattr(error, "job_peer", None))
 
     def fail(self, error: GpuringError, *, by_user: bool = False) -> None:
         """Record a failure that came from outside a call (a peer, the watchdog, abort()) and
@@ -474,9 +479,7 @@ class CallPath:
             where = f"{name} #{self.seq if seq is None else seq}"
             self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit)
         if culprit is None:
-            self.control.report_failure(f"rank {self.rank}: {error!r}",
-                                        getattr(error, "peer", None),
-                                        isinstance(error, CollectiveTimeoutError))
+            self.tell_peers(error)
         for engine in list(self.engines.values()):
             engine.device.abort(f"rank {self.rank} gave up: {error!r}")
         if self.nccl is not None:

@@ -99,15 +99,17 @@ class _Level:
     """One level's communicator; its errors name ranks of the job (`ranks[i]` is its rank
     i) and say which level raised them."""
 
-    def __init__(self, comm: Communicator, ranks: tuple[int, ...], what: str):
+    def __init__(self, comm: Communicator, ranks: tuple[int, ...], what: str,
+                 job_ranks: tuple[int, ...]):
         self.comm, self.ranks, self.what = comm, ranks, what
+        self.job_ranks = job_ranks  #: the ranks of the job's communicator in the launcher's
 
     def run(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         try:
             return getattr(self.comm, verb)(*args, **kwargs)
         except GpuringError as exc:
             raise in_ranks(exc, self.ranks, f"{verb} {self.what} (ranks {list(self.ranks)} "
-                                            "of the job)") from None
+                                            "of the job)", self.job_ranks) from None
 
 
 class Levels:
@@ -120,12 +122,13 @@ class Levels:
         self.layout = layout
         self.deterministic = deterministic
         job, node, local = control.job_id, layout.ranks[layout.node], layout.local
+        self.job_ranks = control.job_ranks
         self.intra = _Level(make(control.subgroup(node, f"{job}-n{layout.node}")), node,
-                            "in the node")
+                            "in the node", control.job_ranks)
         try:
             across = tuple(members[local] for members in layout.ranks)
             self.inter = _Level(make(control.subgroup(across, f"{job}-l{local}")), across,
-                                "between nodes")
+                                "between nodes", control.job_ranks)
         except BaseException:
             self.intra.comm.abort("the communicator across nodes could not be made")
             self.intra.comm.close()
@@ -139,8 +142,10 @@ class Levels:
 
     def node_failure(self, named: bool = True) -> PeerFailureError | None:
         """A rank of this node that died or gave up, as the node's status board shows it,
-        named in the job's ranks (`named`: as the error's `peer` too); None if none did or
-        the board is not made yet. A rank that closed its communicator is no failure: it
+        named in the job's ranks (`named`: as the error's `peer` too; always as its
+        `job_peer`, the launcher's rank, by which the level between nodes, which has no rank
+        for it, tells its peers whom it gave up because of); None if none did or the board
+        is not made yet. A rank that closed its communicator is no failure: it
         took part in every collective (one that closed too early leaves its node's peers
         failing in the node's level, which tells the job)."""
         watchdog = self.intra.comm._path.watchdog
@@ -153,7 +158,7 @@ class Levels:
         blamed = culprit if 0 <= culprit < len(self.intra.ranks) else peer
         rank = self.intra.ranks[blamed]
         return PeerFailureError(f"rank {rank} failed (rank {blamed} of its node: {reason})",
-                                peer=rank if named else None)
+                                peer=rank if named else None, job_peer=self.job_ranks[rank])
 
     # -- the collectives ------------------------------------------------------------------
     def run(self, call: Call, size: int) -> Any:

@@ -35,7 +35,8 @@ def in_context(failure: GpuringError, name: str, seq: int, rank: int) -> Gpuring
     """The same kind of error as `failure`, saying which call on which rank it ended."""
     where = f"{name} #{seq} on rank {rank}: {failure}"
     if isinstance(failure, PeerFailureError):
-        return PeerFailureError(where, peer=failure.peer, collective=name, seq=seq)
+        return PeerFailureError(where, peer=failure.peer, collective=name, seq=seq,
+                                job_peer=failure.job_peer)
     if isinstance(failure, CollectiveTimeoutError):
         return CollectiveTimeoutError(where, collective=name, seq=seq, peer=failure.peer)
     return type(failure)(where)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import settings
-from .._errors import CollectiveMismatchError, GpuringError
+from .._errors import CollectiveMismatchError, GpuringError, PeerFailureError
 
 __all__ = ["ControlPlane", "host_name"]
 
@@ -34,9 +34,20 @@ class ControlPlane(abc.ABC):
     nodes: tuple[str, ...] = ()
 
     def __init__(self) -> None:
-        self._failure_callbacks: list[Callable[[int, str], None]] = []
+        self._failure_callbacks: list[Callable[[PeerFailureError], None]] = []
         self._watches: list[Callable[[], BaseException | None]] = []
         self._device_slot: int | None = None
+        self._job_ranks: tuple[int, ...] | None = None
+
+    @property
+    def job_ranks(self) -> tuple[int, ...]:
+        """Each rank's rank in the job (the launcher's ranks), in this group's rank order:
+        its own ranks where it is the job's control plane, its members' in a sub-group."""
+        return tuple(range(self.size)) if self._job_ranks is None else self._job_ranks
+
+    @job_ranks.setter
+    def job_ranks(self, ranks: tuple[int, ...]) -> None:
+        self._job_ranks = ranks
 
     @property
     def device_slot(self) -> int:
@@ -60,6 +71,7 @@ class ControlPlane(abc.ABC):
             raise ValueError(f"sub-group {members} of rank {self.rank}: it must list this "
                              "rank, each rank once")
         group.rank, group.size, group.job_id = members.index(self.rank), len(members), name
+        group.job_ranks = tuple(self.job_ranks[m] for m in members)
         group._place(nodes)
         group._device_slot = self.device_slot
 
@@ -92,17 +104,18 @@ class ControlPlane(abc.ABC):
     def barrier(self, timeout: float | None = None, what: str = "a barrier") -> None:
         self.exchange(what, None, timeout)
 
-    def on_peer_failure(self, callback: Callable[[int, str], None]) -> None:
-        """Call `callback(rank, reason)` (from any thread) when a peer is known to have died."""
+    def on_peer_failure(self, callback: Callable[[PeerFailureError], None]) -> None:
+        """Call `callback(error)` (from any thread) when a peer is known to have failed."""
         self._failure_callbacks.append(callback)
 
-    def _peer_failed(self, rank: int, reason: str) -> None:
+    def _peer_failed(self, error: PeerFailureError) -> None:
         for callback in list(self._failure_callbacks):
-            callback(rank, reason)
+            callback(error)
 
     def report_failure(self, reason: str, peer: int | None = None,
-                       timed_out: bool = False) -> None:
-        """Tell the peers this rank gave up (`peer`: the rank it blames, where known;
+                       timed_out: bool = False, job_peer: int | None = None) -> None:
+        """Tell the peers this rank gave up (`peer`: the rank it blames, where known, or
+        `job_peer`: that rank in the job's ranks, which names one outside this group too;
         `timed_out`: it waited its whole timeout), where the control plane can (best
         effort)."""
 

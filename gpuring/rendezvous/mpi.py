@@ -139,8 +139,6 @@ class MpiControl(ControlPlane):
         self._alarm = _Alarm(self.comm, MPI, self.job_id) if alarm is None else alarm
         #: the groups whose failure notices fail this control plane's waits
         self.lineage: set[str] = {self.job_id}
-        #: each rank's rank in the job (the failure notices' numbering)
-        self.job_ranks: tuple[int, ...] = tuple(range(self.size))
         self._place(self.comm.allgather(host_name()))
         self._closed = False
         self._interrupted: str | None = None
@@ -209,7 +207,7 @@ class MpiControl(ControlPlane):
                                           f"({notice.reason})", peer=peer)
         blamed = "" if notice.peer is None else f": rank {notice.peer} of the job failed"
         return PeerFailureError(f"rank {notice.source} of the job gave up{blamed} "
-                                f"({notice.reason})", peer=peer)
+                                f"({notice.reason})", peer=peer, job_peer=blame)
 
     def failure_notice(self) -> GpuringError | None:
         for notice in self._alarm.check():
@@ -222,10 +220,10 @@ class MpiControl(ControlPlane):
             self.lineage |= other.lineage
 
     def report_failure(self, reason: str, peer: int | None = None,
-                       timed_out: bool = False) -> None:
+                       timed_out: bool = False, job_peer: int | None = None) -> None:
         """Tell every rank of the job (`peer`: a rank of this group)."""
-        self._alarm.send(self.job_id, reason, None if peer is None else self.job_ranks[peer],
-                         timed_out)
+        self._alarm.send(self.job_id, reason,
+                         job_peer if peer is None else self.job_ranks[peer], timed_out)
 
     def close(self) -> None:
         if not self._closed:
@@ -246,7 +244,6 @@ class MpiGroup(MpiControl):
         self._MPI = parent._MPI
         self._alarm = parent._alarm
         self._own_alarm = False
-        self.job_ranks = tuple(parent.job_ranks[m] for m in members)
         self.lineage = {name}
         self._parent = parent
         self._members = members

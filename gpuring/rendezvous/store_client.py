@@ -67,7 +67,7 @@ class _Link:
             if client.group in self._groups:
                 raise ValueError(f"control group {client.group!r} exists already")
             self._groups[client.group] = client
-            deaths = [(r, why) for r, why in self.deaths.items() if r in client.members]
+            deaths = [(r, why) for r, why in self.deaths.items() if r in client.job_ranks]
         for rank, reason in deaths[:1]:
             client.deliver(Failure(rank, reason))
         if self.lost is not None:
@@ -107,7 +107,7 @@ class _Link:
                 with self._lock:
                     self.deaths.setdefault(message.rank, message.reason)
                 for client in self._clients():
-                    if message.rank in client.members:
+                    if message.rank in client.job_ranks:
                         client.deliver(message)
             else:
                 target = self._groups.get(message.group)
@@ -138,17 +138,18 @@ class StoreClient(ControlPlane):
         self.job_id = job_id
         StoreClient._generation += 1
         self._link = _Link(rank, address, key, StoreClient._generation, timeout)
-        self._setup("", tuple(range(size)))
+        self._setup("")
         #: each rank's node (ranks of `gpuring run` share one; `rendezvous.meet` asks)
         self.nodes = tuple(f"node{r // max(local_size, 1)}" for r in range(size))
 
-    def _setup(self, group: str, members: tuple[int, ...]) -> None:
-        """Join the link as the client of `group`, whose `members` are ranks of the job."""
-        self.group, self.members = group, members
+    def _setup(self, group: str) -> None:
+        """Join the link as the client of `group` (its ranks in the job: `job_ranks`)."""
+        self.group = group
         self._replies: queue.Queue[Any] = queue.Queue()
         self._step = 0
         self._closed = False
-        self.failure: tuple[int, str] | None = None
+        #: the first failure this group learned of (`_named`)
+        self.failure: Failure | None = None
         self._link.join(self)
 
     @property
@@ -164,24 +165,38 @@ class StoreClient(ControlPlane):
         group = StoreClient.__new__(StoreClient)
         self._join(group, members, name, tuple(self.nodes[m] for m in members))
         group._link = self._link
-        group._setup(name, tuple(self.members[m] for m in members))
+        group._setup(name)
         return group
 
     def deliver(self, message: Any) -> None:
         """A message of this client's group, from the link's reader."""
         if isinstance(message, Failure):
-            rank, reason = self.members.index(message.rank), message.reason
-            if self.group:  # the server names ranks of the job
-                reason = f"{reason} (rank {message.rank} of the job is rank {rank} here)"
-            if message.blamed in self.members and message.blamed != message.rank:
-                rank = self.members.index(message.blamed)  # the rank it gave up because of
-                reason = f"rank {self.members.index(message.rank)} reports it: {reason}"
+            failure = self._named(message)
             if self.failure is None:
-                self.failure = (rank, reason)
-            self._replies.put(Failure(rank, reason, message.group))
-            self._peer_failed(rank, reason)
+                self.failure = failure
+            self._replies.put(failure)
+            self._peer_failed(PeerFailureError(f"rank {failure.rank} failed: {failure.reason}",
+                                               peer=failure.rank, job_peer=failure.blamed))
             return
         self._replies.put(message)
+
+    def _named(self, message: Failure) -> Failure:
+        """`message` (whose ranks are the job's) as this group names it: `rank` the rank of
+        the group to blame (the one the failed rank blamed, where it is in the group), the
+        reason saying who reports it; `blamed` the failed rank in the job's ranks."""
+        rank, reason = self.job_ranks.index(message.rank), message.reason
+        if self.group:  # the server names ranks of the job
+            reason = f"{reason} (rank {message.rank} of the job is rank {rank} here)"
+        blamed = message.rank if message.blamed is None else message.blamed
+        if blamed != message.rank:
+            reporter = rank
+            if blamed in self.job_ranks:
+                rank = self.job_ranks.index(blamed)  # the rank it gave up because of
+                reason = f"rank {reporter} reports it: {reason}"
+            else:  # a rank of the job outside this group
+                reason = (f"rank {blamed} of the job failed, rank {reporter} here gave up "
+                          f"because of it: {reason}")
+        return Failure(rank, reason, message.group, blamed)
 
     @classmethod
     def from_env(cls) -> StoreClient:
@@ -202,13 +217,13 @@ class StoreClient(ControlPlane):
 
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
         if self.failure is not None:
-            rank, reason = self.failure
-            raise PeerFailureError(reason, peer=rank)
+            failure = self.failure
+            raise PeerFailureError(failure.reason, peer=failure.rank, job_peer=failure.blamed)
         if self.lost is not None:  # later exchanges too: the one "lost" notice is used up
             raise PeerFailureError(self.lost)
         self._step += 1
         try:
-            self._send(Post(self._step, obj, self.group, self.members if self.group else ()))
+            self._send(Post(self._step, obj, self.group, self.job_ranks if self.group else ()))
         except OSError as exc:  # before the reader saw the end of the connection
             raise PeerFailureError(f"the launcher's control connection failed ({exc!r})"
                                    ) from None
@@ -224,20 +239,21 @@ class StoreClient(ControlPlane):
             if isinstance(message, Gathered) and message.step == self._step:
                 return list(message.values)
             if isinstance(message, Failure):
-                raise PeerFailureError(message.reason, peer=message.rank)
+                raise PeerFailureError(message.reason, peer=message.rank,
+                                       job_peer=message.blamed)
             if isinstance(message, Lost):
                 raise PeerFailureError(message.reason)
             if isinstance(message, Left) and message.step == self._step:
-                raise PeerFailureError(message.reason, peer=self.members.index(message.rank))
+                raise PeerFailureError(message.reason, peer=self.job_ranks.index(message.rank))
 
     def interrupt(self, reason: str) -> None:
         self._replies.put(Lost(reason))
 
     def report_failure(self, reason: str, peer: int | None = None,
-                       timed_out: bool = False) -> None:
-        blamed = None if peer is None else self.members[peer]
+                       timed_out: bool = False, job_peer: int | None = None) -> None:
+        blamed = job_peer if peer is None else self.job_ranks[peer]
         try:
-            self._send(Abort(reason, self.group, self.members if self.group else (), blamed))
+            self._send(Abort(reason, self.group, self.job_ranks if self.group else (), blamed))
         except OSError:
             pass
 

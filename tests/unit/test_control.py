@@ -206,12 +206,12 @@ def test_sub_groups_share_the_connection_and_keep_their_exchanges_apart(
         assert results == {"world0": [0, 1, 2], "world1": [0, 1, 2], "world2": [0, 1, 2],
                            "group0": [12, 10], "group2": [12, 10]}
         failed: list[tuple[int, str]] = []
-        groups[0].on_peer_failure(lambda rank, reason: failed.append((rank, reason)))
+        groups[0].on_peer_failure(lambda error: failed.append((error.peer, str(error))))
         groups[2].report_failure("gave up")  # the group's failure: not the job's
         deadline = time.monotonic() + 10
         while not failed and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert failed == [(0, "gave up (rank 2 of the job is rank 0 here)")]
+        assert failed == [(0, "rank 0 failed: gave up (rank 2 of the job is rank 0 here)")]
         assert clients[0].failure is None
         with pytest.raises(PeerFailureError, match="gave up"):
             groups[0].exchange("y", 1, timeout=30)
@@ -222,6 +222,18 @@ def test_sub_groups_share_the_connection_and_keep_their_exchanges_apart(
         thread.join(timeout=30)
         assert len(errors) == 1 and isinstance(errors[0], PeerFailureError), errors
         assert errors[0].peer == 1
+        pair = {r: clients[r].subgroup((2, 0), "job-j") for r in (0, 2)}
+        seen: list[PeerFailureError] = []
+        pair[0].on_peer_failure(seen.append)
+        pair[2].report_failure("gave up", job_peer=1)  # because of rank 1, not in the group
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(e.peer, e.job_peer) for e in seen] == [(0, 1)]  # the reporter; the job's 1
+        assert "rank 1 of the job failed, rank 0 here gave up because of it" in str(seen[0])
+        with pytest.raises(PeerFailureError) as info:
+            pair[0].exchange("y", 1, timeout=30)
+        assert (info.value.peer, info.value.job_peer) == (0, 1)
         server.report_failure(2, "rank 2 died", dead=True)  # every group of rank 2's
         with pytest.raises(PeerFailureError, match="rank 2 died"):
             clients[0].exchange("z", 1, timeout=30)
@@ -229,7 +241,7 @@ def test_sub_groups_share_the_connection_and_keep_their_exchanges_apart(
         with pytest.raises(PeerFailureError, match="rank 2 died") as info:
             late.exchange("z", 1, timeout=30)
         assert info.value.peer == 1
-        for client in [*clients, *groups.values(), other[0], late]:
+        for client in [*clients, *groups.values(), *pair.values(), other[0], late]:
             client.close()
     finally:
         server.close()

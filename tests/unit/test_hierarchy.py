@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
 
 from gpuring._hierarchy import Layout, fold
 from gpuring._ops import ReduceOp
@@ -45,3 +48,41 @@ def test_integer_avg_rounds_toward_zero_without_overflow() -> None:
             divide_toward_zero(got, n)
             want = [abs(v) // n * (1 if v >= 0 else -1) for v in values]
             assert got.tolist() == want, (dtype, n)
+
+
+class _Failing:
+    """A level's communicator whose every call raises `error`."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def all_reduce(self, *args: object, **kwargs: object) -> None:
+        raise self.error
+
+
+def _failing(error: Exception) -> Any:
+    return _Failing(error)
+
+
+def test_a_level_names_the_rank_its_peer_gave_up_because_of() -> None:
+    """Between nodes, ranks 0 and 2 of the job (of launcher ranks 4 to 7): rank 0 gave up
+    because rank 1 of its node died, which the level has no rank for: the job's rank 1 is
+    blamed, not the level's rank 0 that reported it."""
+    from gpuring._errors import PeerFailureError
+    from gpuring._hierarchy import _Level
+
+    reported = PeerFailureError("rank 0 failed: ...", peer=0, job_peer=5)
+    level = _Level(_failing(reported), (0, 2), "between nodes", (4, 5, 6, 7))
+    with pytest.raises(PeerFailureError, match=r"between nodes \(ranks \[0, 2\]") as info:
+        level.run("all_reduce")
+    assert (info.value.peer, info.value.job_peer) == (1, 5)
+    level = _Level(_failing(PeerFailureError("rank 1 died", peer=1, job_peer=6)), (0, 2),
+                   "between nodes", (4, 5, 6, 7))
+    with pytest.raises(PeerFailureError) as info:
+        level.run("all_reduce")
+    assert info.value.peer == 2
+    level = _Level(_failing(PeerFailureError("rank 1 died", peer=1)), (0, 2),
+                   "between nodes", (4, 5, 6, 7))
+    with pytest.raises(PeerFailureError) as info:
+        level.run("all_reduce")
+    assert info.value.peer == 2  # named by the level's ranks where the error has no other
