@@ -447,6 +447,13 @@ class CallPath:
     def on_peer_failure(self, error: PeerFailureError) -> None:
         self.fail(error)
 
+    def _job_peer(self, error: BaseException) -> int | None:
+        """The rank of the job `error` blames, where it names one."""
+        in_job, peer = getattr(error, "job_peer", None), getattr(error, "peer", None)
+        if in_job is None and isinstance(peer, int) and 0 <= peer < self.size:
+            in_job = self.control.job_ranks[peer]
+        return in_job  # type: ignore[no-any-return]
+
     def tell_peers(self, error: BaseException) -> None:
         """Report to the peers that this rank gave up because of `error` (best effort)."""
         self.control.report_failure(f"rank {self.rank}: {error!r}", getattr(error, "peer", None),
@@ -466,7 +473,7 @@ class CallPath:
         for engine in list(self.engines.values()):
             engine.device.abort(str(error))
         if self.levels is not None:
-            self.levels.abort(str(error))
+            self.levels.abort(str(error), self._job_peer(error))
         if self.nccl is not None:
             self.nccl.abort(str(error))
         self.control.interrupt(str(error))
@@ -477,7 +484,7 @@ class CallPath:
         self.life.raised(error)
         if self.watchdog is not None:
             where = f"{name} #{self.seq if seq is None else seq}"
-            self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit)
+            self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit, because=error)
         if culprit is None:
             self.tell_peers(error)
         for engine in list(self.engines.values()):

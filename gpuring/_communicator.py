@@ -399,15 +399,20 @@ class Communicator:
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
         are told, and later calls raise CommunicatorClosedError. Close it afterwards."""
+        self._abort(reason)
+
+    def _abort(self, reason: str, job_peer: int | None = None) -> None:
+        """`abort`, telling the peers which rank of the job it is because of (`job_peer`,
+        where the communicator is a part of another that failed: a level across nodes)."""
         self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
         for channel in list(self._pairs.values()):
             channel.abort(reason)
         if self._path.levels is not None:
-            self._path.levels.abort(reason)
+            self._path.levels.abort(reason, job_peer)
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
         if self._path.watchdog is not None:
-            self._path.watchdog.give_up(reason)
-        self._control.report_failure(f"rank {self.rank} aborted: {reason}")
+            self._path.watchdog.give_up(reason, job_peer=job_peer)
+        self._control.report_failure(f"rank {self.rank} aborted: {reason}", job_peer=job_peer)
         self._path.fail(error, by_user=True)
 
     # -- lifetime -----------------------------------------------------------------------

@@ -38,6 +38,7 @@ from . import _arrays
 from ._call import Call
 from ._errors import GpuringError, PeerFailureError, in_ranks
 from ._ops import ReduceOp, divide_toward_zero, fold
+from ._status import outside
 from .rendezvous.base import ControlPlane
 
 if TYPE_CHECKING:
@@ -155,6 +156,13 @@ class Levels:
         if trouble is None:
             return None
         peer, _state, reason, culprit = trouble
+        elsewhere = outside(culprit)  # a rank of another node, that this node's rank names
+        if elsewhere is not None:
+            rank = self.job_ranks.index(elsewhere) if elsewhere in self.job_ranks else None
+            who = f"rank {elsewhere} of the job" if rank is None else f"rank {rank}"
+            return PeerFailureError(
+                f"{who} failed (rank {peer} of this node gave up because of it: {reason})",
+                peer=rank if named else None, job_peer=elsewhere)
         blamed = culprit if 0 <= culprit < len(self.intra.ranks) else peer
         rank = self.intra.ranks[blamed]
         return PeerFailureError(f"rank {rank} failed (rank {blamed} of its node: {reason})",
@@ -253,9 +261,11 @@ class Levels:
         for level in (self.intra, self.inter):
             level.run("synchronize")
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, job_peer: int | None = None) -> None:
+        """Abort both levels; each tells its peers (`job_peer`: the rank of the job it gave
+        up because of, where known, so that a peer on another node names it, not this rank)."""
         for level in (self.intra, self.inter):
-            level.comm.abort(reason)
+            level.comm._abort(reason, job_peer)
 
     def close(self) -> BaseException | None:
         """Close both levels (intra first, on every rank); the first failure, unraised."""

@@ -22,7 +22,8 @@ from .devices.base import open_peer
 from .devices.host import HostDevice, HostMemory
 from .rendezvous.base import ControlPlane
 
-__all__ = ["StatusBoard", "signature_hash", "GAVE_UP", "MISMATCH", "LEFT", "TIMED_OUT"]
+__all__ = ["StatusBoard", "signature_hash", "outside", "GAVE_UP", "MISMATCH", "LEFT",
+           "TIMED_OUT"]
 
 _PAGE = 8192
 _PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT, _AGREEING = 0, 1, 2, 3, 4, 5, 6
@@ -43,12 +44,20 @@ def signature_hash(text: str) -> int:
     return zlib.crc32(text.encode()) + 1  # never 0, so an unwritten slot never matches
 
 
+def outside(culprit: int) -> int | None:
+    """The rank of the job a board's culprit word names outside the board's group (a word of
+    -2 - that rank: a level across nodes gives up because of a rank of another node), or
+    None where the word names a rank of the group (>= 0) or nobody (-1)."""
+    return -2 - culprit if culprit <= -2 else None
+
+
 class StatusBoard:
     """Created collectively (every rank calls the constructor at the same point)."""
 
     def __init__(self, control: ControlPlane, host: HostDevice, timeout: float):
         self.rank = control.rank
         self.size = control.size
+        self.job_ranks = control.job_ranks  #: the group's ranks in the job's
         self._host = host
         local = host.alloc(_PAGE)
         handles = control.exchange("setup (status pages)", host.export(local), timeout)
@@ -90,9 +99,19 @@ class StatusBoard:
                 return peer, self._text(page, _SIG_AT, _SIG_LEN) if theirs[_SEQ] == seq else "?"
         return None
 
+    def culprit(self, peer: int | None, job_peer: int | None = None) -> int:
+        """The culprit word that blames rank `peer` of the group, or else rank `job_peer` of
+        the job (in the group or, `outside`, not); -1 for neither."""
+        if peer is not None and 0 <= peer < self.size:
+            return peer
+        if job_peer is None:
+            return -1
+        return self.job_ranks.index(job_peer) if job_peer in self.job_ranks else -2 - job_peer
+
     def give_up(self, state: int, reason: str, culprit: int = -1) -> bool:
         """Tell peers this rank left its collective (GAVE_UP, MISMATCH, TIMED_OUT, LEFT),
-        why, and which rank it blames, if any (-1: none, it failed on its own account).
+        why, and which rank it blames, if any (`culprit`: -1 none, it failed on its own
+        account; a rank of the group; or `outside` it).
         Only the first word stands (False: one was said already): peers may have acted on
         it, and a later one is a consequence (this rank's calls failing once it failed)."""
         words = self._mine.i64

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, GpuringError, PeerFailureError
-from ._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard
+from ._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard, outside
 from .devices.base import Event, FlagWaitAborted
 from .devices.host import HostDevice
 from .rendezvous.base import ControlPlane
@@ -39,7 +39,7 @@ class Watchdog:
         self._stall_warning_s = stall_warning_s
         self._on_failure = on_failure
         self._failed = False
-        self._failure: tuple[str, int | None] | None = None  # why this rank failed, whom it
+        self._failure: tuple[str, int] | None = None  # why this rank failed, whom it
         # blames, when known
         self._current: tuple[int, str, float] | None = None
         #: (seq, name, what) of the call this rank agrees on with its peers, if it does
@@ -121,13 +121,17 @@ class Watchdog:
             f"{error}; ranks {missing} have not entered {name} #{seq}", collective=name,
             seq=seq, peer=missing[0])
 
-    def give_up(self, reason: str, *, timed_out_on: int | None = None) -> None:
-        """Tell peers this rank left (after a timeout waiting for `timed_out_on`, if given)."""
+    def give_up(self, reason: str, *, timed_out_on: int | None = None,
+                because: BaseException | None = None, job_peer: int | None = None) -> None:
+        """Tell peers this rank left: after a timeout waiting for `timed_out_on`, if given;
+        else blaming the rank the error it gave up `because` of names (its `peer`, or its
+        `job_peer`), or rank `job_peer` of the job."""
         self._failed = True
-        if timed_out_on is None:
-            self.board.give_up(GAVE_UP, reason)
-        else:
+        if timed_out_on is not None:
             self.board.give_up(TIMED_OUT, reason, timed_out_on)
+            return
+        self.board.give_up(GAVE_UP, reason, self.board.culprit(
+            getattr(because, "peer", None), getattr(because, "job_peer", None) or job_peer))
 
     def note_failure(self, error: GpuringError) -> None:
         """The communicator failed (seen here or elsewhere): at close, tell the peers so and
@@ -135,7 +139,8 @@ class Watchdog:
         traceback holds the frames of the call that raised it, and this object lives as long
         as its thread."""
         if self._failure is None:
-            self._failure = (str(error), getattr(error, "peer", None))
+            self._failure = (str(error), self.board.culprit(getattr(error, "peer", None),
+                                                            getattr(error, "job_peer", None)))
         self._failed = True
 
     def leaving(self) -> None:
@@ -145,9 +150,9 @@ class Watchdog:
         if not self._failed:
             self.board.give_up(LEFT, "closed")
         elif self.board.state() == 0:
-            failure, culprit = self._failure or ("", None)
+            failure, culprit = self._failure or ("", -1)
             self.board.give_up(GAVE_UP, f"closed its communicator after a failure ({failure})",
-                               -1 if culprit is None else culprit)
+                               culprit)
 
     def close(self) -> None:
         self._stop.set()
@@ -176,19 +181,23 @@ class Watchdog:
         if trouble is not None:
             peer, state, reason, culprit = trouble
             blamed = culprit if culprit >= 0 else None  # -1 on the board: it blames nobody
+            in_job = outside(culprit)  # (a rank of the job this group has none for)
             error: GpuringError
             if state == MISMATCH:
                 error = CollectiveMismatchError(f"rank {peer} found a mismatch: {reason}")
             elif state == TIMED_OUT:
                 error = CollectiveTimeoutError(f"rank {peer} timed out: {reason}", peer=blamed)
+            elif in_job is not None:
+                error = PeerFailureError(f"rank {in_job} of the job failed (rank {peer} here "
+                                         f"gave up because of it: {reason})", job_peer=in_job)
             else:  # a rank that failed on its own account is the one to name
                 error = PeerFailureError(f"rank {peer} failed: {reason}",
                                          peer=peer if blamed is None else blamed)
             # say so on the board at once, naming the cause: a rank that looks later may find
             # this one gone too (a launcher ends the whole job once a rank died), and must
             # not blame it (unless this rank said something first: that stands)
-            named = getattr(error, "peer", None)
-            self.board.give_up(GAVE_UP, str(error), peer if named is None else named)
+            named = self.board.culprit(getattr(error, "peer", None), in_job)
+            self.board.give_up(GAVE_UP, str(error), peer if named == -1 else named)
             self._fail(error)
             return
         # the collective this rank waits for: the one its host is in or agrees on, else the

@@ -9,7 +9,9 @@ import threading
 import time
 from typing import Any
 
-from gpuring._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard, _alive
+from gpuring import GpuringError, PeerFailureError
+from gpuring._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard, _alive, outside
+from gpuring._watchdog import Watchdog
 from gpuring.devices.host import HostDevice
 from gpuring.rendezvous.base import ControlPlane
 
@@ -152,3 +154,67 @@ def test_a_rank_that_blames_another_is_not_the_root_cause() -> None:
     finally:
         for board in boards:
             board.close()
+
+
+def test_a_culprit_outside_the_group_is_the_jobs_rank() -> None:
+    """A board of a group whose ranks are ranks 4 to 6 of the job: a rank blames a rank of
+    the group by its index, and one of the job outside the group (a rank of another node,
+    for a level across nodes) by a word that `outside` reads back; such a rank blames
+    another, so a rank that failed on its own account is the root cause before it."""
+    boards = _boards(3)
+    try:
+        for board in boards:
+            board.job_ranks = (4, 5, 6)
+        assert boards[0].culprit(2) == 2 and boards[0].culprit(None, 5) == 1
+        word = boards[0].culprit(None, 9)
+        assert word <= -2 and outside(word) == 9 and outside(-1) is None and outside(0) is None
+        assert boards[0].culprit(None) == -1
+        boards[0].give_up(GAVE_UP, "rank 9 of the job died", word)
+        assert boards[2].troubled_peer() == (0, GAVE_UP, "rank 9 of the job died", word)
+        boards[1].give_up(GAVE_UP, "its GPU faulted")
+        assert boards[2].troubled_peer() == (1, GAVE_UP, "its GPU faulted", -1)
+    finally:
+        for board in boards:
+            board.close()
+
+
+def test_a_watchdog_names_whom_its_rank_gave_up_because_of() -> None:
+    """Ranks 4 to 6 of the job. Rank 0 gives up because of a PeerFailureError naming rank 1:
+    its board blames rank 1 (not itself, on its own account). Rank 2 gave up first, because
+    of rank 9 of the job, which the group has no rank for: rank 1's watchdog then failed
+    with an error that names rank 9 of the job (`job_peer`) and no rank of the group, and
+    said so on its board, blaming rank 9 too."""
+    shared: dict[int, Any] = {}
+    meet = threading.Barrier(3)
+    dogs: list[Watchdog | None] = [None] * 3
+    failures: dict[int, list[GpuringError]] = {r: [] for r in range(3)}
+
+    def make(rank: int) -> None:
+        control = _Threads(rank, 3, shared, meet)
+        control.job_ranks = (4, 5, 6)
+        dogs[rank] = Watchdog(control, HostDevice(timeout=30, for_collectives=False),
+                              timeout=30, stall_warning_s=1e9,
+                              on_failure=failures[rank].append)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    watchdogs = [d for d in dogs if d is not None]
+    assert len(watchdogs) == 3
+    try:
+        watchdogs[2].give_up("aborted", job_peer=9)
+        watchdogs[1].check()
+        (error,) = failures[1]
+        assert isinstance(error, PeerFailureError) and (error.peer, error.job_peer) == (None, 9)
+        assert "rank 9 of the job failed" in str(error)
+        trouble = watchdogs[0].board.troubled_peer()
+        assert trouble is not None and outside(trouble[3]) == 9
+        watchdogs[0].give_up("all_reduce #3: rank 1 failed",
+                             because=PeerFailureError("rank 1 failed", peer=1))
+        assert watchdogs[2].board.troubled_peer() == (0, GAVE_UP, "all_reduce #3: rank 1 failed",
+                                                      1)
+    finally:
+        for dog in watchdogs:
+            dog.close()
