@@ -40,10 +40,10 @@ def recorded(prepared: PreparedCall, collective: str, timeline: bool) -> Launch:
     if prepared.captured is None or timeline:
         raise GpuringError(
             f"{collective} cannot be captured into a CUDA graph: only the collectives that "
-            "run as kernels can (all_reduce, reduce_scatter, all_gather, broadcast and reduce "
-            "of at least one element, on up to 8 ranks, with GPURING_CUDA_FUSED=kernel, or "
-            "auto where no two ranks share a GPU), without GPURING_VERIFY or a recording "
-            "timeline (GPURING_TIMELINE)")
+            "run as kernels can (all_reduce, reduce_scatter, all_gather, broadcast, reduce, "
+            "gather, scatter and all_to_all of at least one element, on up to 8 ranks, with "
+            "GPURING_CUDA_FUSED=kernel, or auto where no two ranks share a GPU), without "
+            "GPURING_VERIFY or a recording timeline (GPURING_TIMELINE)")
     return prepared.captured
 
 

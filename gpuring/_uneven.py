@@ -5,7 +5,8 @@ then knows every rank's shapes, and checks them alike: a mismatch is found by ev
 once); then the data moves in one even collective, each block padded to the largest, and
 each result is a view of its block. Costs: one more collective per call (on a GPU its result
 is read by the host, which waits for it), and the padding's bytes: uneven blocks move as many
-bytes as if every block were the largest.
+bytes as if every block were the largest. The host's reading of the shapes is why a CUDA graph
+cannot capture them: under capture they are refused before anything is enqueued.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _argcheck, _arrays
-from ._errors import CollectiveMismatchError
+from ._errors import CollectiveMismatchError, GpuringError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -38,9 +39,14 @@ def _shape(row: np.ndarray) -> tuple[int, ...]:
     return tuple(int(d) for d in row[1:1 + int(row[0])])
 
 
-def _gathered(comm: Communicator, xp: Any, headers: list[list[int]]) -> np.ndarray:
-    """Every rank's `headers` (rows of int64), as a host array (rank, row, field)."""
-    mine = xp.asarray(np.asarray(headers, np.int64))
+def _gathered(comm: Communicator, like: Any, headers: list[list[int]], name: str
+              ) -> np.ndarray:
+    """Every rank's `headers` (rows of int64), as a host array (rank, row, field), through
+    an all_gather on the device of `like` (the call's array)."""
+    if _arrays.capturing(like):
+        raise GpuringError(f"{name} cannot be captured into a CUDA graph: the host reads "
+                           "every rank's shapes first")
+    mine = _arrays.array_module(like).asarray(np.asarray(headers, np.int64))
     return _arrays.to_host(comm.all_gather(mine))
 
 
@@ -57,7 +63,7 @@ def all_gather_v(comm: Communicator, x: Any) -> list[Any]:
     if x.ndim == 0:
         raise ValueError("all_gather_v needs x with a first dimension")
     xp = _arrays.array_module(x)
-    headers = _gathered(comm, xp, [_header(tuple(x.shape), "all_gather_v")])[:, 0]
+    headers = _gathered(comm, x, [_header(tuple(x.shape), "all_gather_v")], "all_gather_v")[:, 0]
     shapes = [_shape(row) for row in headers]
     trailing: dict[int, object] = {r: s[1:] for r, s in enumerate(shapes)}
     if len(set(trailing.values())) > 1:
@@ -85,7 +91,8 @@ def all_to_all_v(comm: Communicator, blocks: Sequence[Any]) -> list[Any]:
         raise ValueError(f"all_to_all_v: the blocks must share one dtype and device, got "
                          f"{sorted(dtypes)} on {sorted(kinds)}")
     xp = _arrays.array_module(arrays[0])
-    headers = _gathered(comm, xp, [_header(tuple(a.shape), "all_to_all_v") for a in arrays])
+    headers = _gathered(comm, arrays[0], [_header(tuple(a.shape), "all_to_all_v")
+                                          for a in arrays], "all_to_all_v")
     sizes = [[int(np.prod(_shape(headers[q, j]), dtype=np.int64)) for j in range(n)]
              for q in range(n)]
     most = max(max(row) for row in sizes)
@@ -107,7 +114,7 @@ def reduce_scatter_v(comm: Communicator, x: Any, counts: Sequence[int],
         raise ValueError(f"reduce_scatter_v needs {n} non-negative counts summing to x.size "
                          f"= {x.size}, got {list(counts)}")
     xp = _arrays.array_module(x)
-    every = _gathered(comm, xp, [mine])[:, 0]
+    every = _gathered(comm, x, [mine], "reduce_scatter_v")[:, 0]
     if any(list(row) != mine for row in every):
         seen: dict[int, object] = {r: list(map(int, row)) for r, row in enumerate(every)}
         raise _mismatch("reduce_scatter_v", "counts", seen)

@@ -144,8 +144,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_CUDA_GRAPH_PIECE_BYTES", _graph_piece, 1 << 20, "1M",
             "a GPU collective that runs in rounds, captured into a CUDA graph, runs there as "
             "one kernel per piece of this size, or of `GPURING_ONE_SHOT_BYTES` where larger "
-            "(4K to 4M; each rank's GPU holds two pieces per communicator); reduce_scatter's "
-            "piece is that divided by the ranks"),
+            "(4K to 4M; each rank's GPU holds two pieces per communicator); where the input "
+            "holds a block per rank (reduce_scatter, scatter, all_to_all) the piece is that "
+            "divided by the ranks"),
     Setting("GPURING_CUDA_COPY", _choice("memcpy", "kernel"), "memcpy", "memcpy",
             "GPU copies of this rank's own memory: `memcpy` (cudaMemcpyAsync) or `kernel`; "
             "copies from a peer are always a kernel"),

@@ -491,9 +491,10 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 //                               r0, ..., r7, slot_bytes, timeout_ns, status, abort)
 //
 // once, with the same grid on every rank. kind: all_reduce, reduce_scatter, all_gather,
-// broadcast or reduce (GPURING_ALL_REDUCE ...); n: the elements block ranges split (see
-// fused_collective); stride: the elements from one rank's block to the next in the array
-// that holds every rank's (reduce_scatter's input, all_gather's output): n, or more where
+// broadcast, reduce, gather, scatter or all_to_all (GPURING_ALL_REDUCE ...); n: the
+// elements block ranges split (see fused_collective); stride: the elements from one rank's
+// block to the next in an array that holds a block per rank (the input of reduce_scatter,
+// scatter and all_to_all, the output of all_gather, gather and all_to_all): n, or more where
 // the call is one piece of a larger collective (whose blocks are `stride` long). Reductions fold in rank order, every step rounded as gpuring_reduce_n
 // rounds it, the divisor at the last step: the same bits on every rank and as the other
 // paths (the copies use the uint8 instance, n in bytes). r<q> is rank q's fused region,
@@ -508,13 +509,14 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 // correctly: nothing in its arguments changes from call to call. Block b handles one
 // contiguous range of the elements:
 // (1) it copies its range of what the peers read of this rank into its slot e % 2 (the
-//     input; every rank's block of it for reduce_scatter; nothing off the root of a
-//     broadcast);
+//     input; every rank's block of it for reduce_scatter, scatter and all_to_all; nothing
+//     off the root of a broadcast or a scatter, nor on the root of a gather);
 // (2) thread q (q != rank) tells rank q "block b published epoch e" in rank q's inbox, with
 //     a system-scope fence first (the copy is visible before the flag), then waits until
 //     rank q's block b said the same in this rank's inbox (fence after: acquire);
 // (3) makes its range of this rank's output from every rank's slot (its own part straight
-//     from `in`): a fold in rank order, or copies.
+//     from `in`): a fold in rank order, or copies (nothing off the root of a reduce or a
+//     gather).
 // Slot e % 2 is written again at epoch e + 2 only after this rank finished call e + 1, in
 // which it heard every peer start call e + 1, so finish call e, the last that read the slot:
 // no rank overwrites data a peer still reads, whatever the grids of the calls. The grid must
@@ -577,14 +579,17 @@ __device__ __noinline__ void block_copy(unsigned char* dst, const unsigned char*
                                   nbytes, threadIdx.x, blockDim.x);
 }
 
-// The collectives one kernel runs (`kind`); `count` is what block ranges split: the elements
-// of the array (all_reduce, reduce, broadcast), of each rank's block (reduce_scatter: of
-// the output; all_gather: of the input).
+// The collectives one kernel runs (`kind`); `n` is what block ranges split: the elements
+// of the array (all_reduce, reduce, broadcast), of each rank's block (reduce_scatter,
+// scatter: of the output; all_gather, gather: of the input; all_to_all: of either).
 #define GPURING_ALL_REDUCE 0
 #define GPURING_REDUCE_SCATTER 1
 #define GPURING_ALL_GATHER 2
 #define GPURING_BROADCAST 3
 #define GPURING_REDUCE 4
+#define GPURING_GATHER 5
+#define GPURING_SCATTER 6
+#define GPURING_ALL_TO_ALL 7
 
 template <typename T, typename Op>
 __device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long long divisor,
@@ -595,7 +600,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long lo
     __shared__ u64 epoch;
     __shared__ int failed;
     if (nranks < 1 || nranks > GPURING_FUSED_MAX_RANKS || rank < 0 || rank >= nranks ||
-        root < 0 || root >= nranks || kind < GPURING_ALL_REDUCE || kind > GPURING_REDUCE ||
+        root < 0 || root >= nranks || kind < GPURING_ALL_REDUCE || kind > GPURING_ALL_TO_ALL ||
         gridDim.x > GPURING_FUSED_MAX_BLOCKS || blockDim.x < nranks || stride < n)
         return;
     const unsigned b = blockIdx.x;
@@ -613,11 +618,18 @@ __device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long lo
     T* mine = reinterpret_cast<T*>(regions[rank] + half);
     const u64 bytes = count * sizeof(T);
     // (1) stage: what the peers will read of this rank
-    if (kind == GPURING_REDUCE_SCATTER) {  // every rank's block of the input
+    const bool by_blocks = kind == GPURING_REDUCE_SCATTER || kind == GPURING_ALL_TO_ALL ||
+                           (kind == GPURING_SCATTER && rank == root);
+    if (by_blocks) {  // every rank's block of the input (a rank reads its own from `in`)
         for (int q = 0; q < nranks; ++q)
-            block_copy(reinterpret_cast<unsigned char*>(mine + q * n + lo),
-                       reinterpret_cast<const unsigned char*>(in + q * stride + lo), bytes);
-    } else if (kind != GPURING_BROADCAST || rank == root) {
+            if (q != rank)
+                block_copy(reinterpret_cast<unsigned char*>(mine + q * n + lo),
+                           reinterpret_cast<const unsigned char*>(in + q * stride + lo),
+                           bytes);
+    } else if ((kind != GPURING_BROADCAST && kind != GPURING_SCATTER &&
+                kind != GPURING_GATHER) ||
+               (kind == GPURING_BROADCAST && rank == root) ||
+               (kind == GPURING_GATHER && rank != root)) {
         block_copy(reinterpret_cast<unsigned char*>(mine + lo),
                    reinterpret_cast<const unsigned char*>(in + lo), bytes);
     }
@@ -630,12 +642,28 @@ __device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long lo
     __syncthreads();
     if (failed) return;
     // (3) this rank's result, from every rank's slot (its own part from `in`)
-    if (kind == GPURING_ALL_GATHER) {
+    if (kind == GPURING_ALL_GATHER || (kind == GPURING_GATHER && rank == root)) {
         for (int q = 0; q < nranks; ++q) {
             const T* from = q == rank ? in : reinterpret_cast<const T*>(regions[q] + half);
+            if (from + lo != out + q * stride + lo)  // (a gather's input in place)
+                block_copy(reinterpret_cast<unsigned char*>(out + q * stride + lo),
+                           reinterpret_cast<const unsigned char*>(from + lo), bytes);
+        }
+    } else if (kind == GPURING_ALL_TO_ALL) {  // block `rank` of every rank's input
+        for (int q = 0; q < nranks; ++q) {
+            const T* from = q == rank ? in + (u64)rank * stride
+                                      : reinterpret_cast<const T*>(regions[q] + half) +
+                                            (u64)rank * n;
             block_copy(reinterpret_cast<unsigned char*>(out + q * stride + lo),
                        reinterpret_cast<const unsigned char*>(from + lo), bytes);
         }
+    } else if (kind == GPURING_SCATTER) {  // block `rank` of the root's input
+        const T* from = rank == root ? in + (u64)rank * stride
+                                     : reinterpret_cast<const T*>(regions[root] + half) +
+                                           (u64)rank * n;
+        block_copy(reinterpret_cast<unsigned char*>(out + lo),
+                   reinterpret_cast<const unsigned char*>(from + lo), bytes);
+    } else if (kind == GPURING_GATHER) {  // off the root: nothing
     } else if (kind == GPURING_BROADCAST) {
         const T* from = rank == root ? in : reinterpret_cast<const T*>(regions[root] + half);
         if (from != out)

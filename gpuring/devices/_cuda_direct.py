@@ -52,20 +52,22 @@ def prepare_direct(device: CudaDevice, kind: str, regions: Sequence[Span], rank:
 class DirectKernel(Direct):
     """One launch of gpuring_direct_* (kernels/reduce.cu): a block per 4 KiB of input, at
     most the job's `fused_blocks`, the same grid on every rank (it depends on the size only).
-    Copies (all_gather, broadcast) run as bytes. Nothing in the launch changes from call to
-    call but the arrays (the call's epoch is a counter on the GPU), so it can be captured."""
+    Copies (all_gather, broadcast, gather, scatter, all_to_all) run as bytes. Nothing in the
+    launch changes from call to call but the arrays (the call's epoch is a counter on the
+    GPU), so it can be captured."""
 
     __slots__ = ("_device", "_grid", "_kernel", "_nbytes", "_rest")
 
     def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int,
                  stride: int = 0):
-        """`stride`: bytes from one rank's block to the next in reduce_scatter's input and
-        all_gather's output where this is one piece of a larger collective (0: a block)."""
-        if kind in ("all_gather", "broadcast"):
+        """`stride`: bytes from one rank's block to the next in an array of a block per rank
+        (`_kernels.BLOCKED_INPUT_KINDS`' input; all_gather's, gather's and all_to_all's
+        output) where this is one piece of a larger collective (0: a block)."""
+        if kind in _kernels.COPY_KINDS:
             dtype, op = "uint8", ReduceOp.SUM
         itemsize = np.dtype(dtype).itemsize
-        elements = nbytes // len(regions) if kind == "reduce_scatter" else nbytes
+        elements = nbytes // len(regions) if kind in _kernels.BLOCKED_INPUT_KINDS else nbytes
         stride = stride or elements
         if nbytes % itemsize or elements % itemsize or stride % itemsize or stride < elements:
             raise ValueError(f"{nbytes} bytes is not a whole number of {dtype}")
@@ -107,7 +109,7 @@ class DirectKernel(Direct):
 class PiecedKernel(Direct):
     """A collective whose input is larger than a slot as `DirectKernel` launches per piece, in
     order on the stream: piece i covers bytes [i p, (i + 1) p) of every rank's block (the
-    whole input, or reduce_scatter's input block and all_gather's output block of each rank),
+    whole input, or each rank's block of an input or output that holds one per rank),
     p the largest multiple of 16 elements whose staging fits a slot. An all_reduce on more
     than 2 ranks runs each whole piece two-shot, a reduce_scatter of the piece into this
     rank's segment of it in `out` and an all_gather of the segments in place (each rank reads
@@ -122,7 +124,7 @@ class PiecedKernel(Direct):
     def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
         nranks = len(regions)
-        staged = nranks if kind == "reduce_scatter" else 1  # blocks a slot stages per piece
+        staged = nranks if kind in _kernels.BLOCKED_INPUT_KINDS else 1  # (per piece)
         block = nbytes // staged  # bytes of one rank's block of the input
         itemsize = np.dtype(dtype).itemsize
         unit = 16 * itemsize  # the kernel's ranges are packs of 16 elements

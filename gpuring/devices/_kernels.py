@@ -104,7 +104,10 @@ DIRECT_KERNEL_NAMES: tuple[str, ...] = tuple(
     direct_kernel_name(d, o) for d, o in _OP_PAIRS)
 #: the collectives gpuring_direct_* runs, by its `kind` argument (GPURING_ALL_REDUCE ...)
 DIRECT_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3,
-                "reduce": 4}
+                "reduce": 4, "gather": 5, "scatter": 6, "all_to_all": 7}
+#: those whose input holds a block per rank (in rank order), and those that only copy
+BLOCKED_INPUT_KINDS = frozenset({"reduce_scatter", "scatter", "all_to_all"})
+COPY_KINDS = frozenset({"all_gather", "broadcast", "gather", "scatter", "all_to_all"})
 #: the one-kernel collectives' most blocks and ranks, and where its data starts in a rank's
 #: region (GPURING_FUSED_MAX_BLOCKS, GPURING_FUSED_MAX_RANKS, GPURING_FUSED_DATA in reduce.cu)
 FUSED_MAX_BLOCKS = 32

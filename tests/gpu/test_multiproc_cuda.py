@@ -86,15 +86,17 @@ def test_direct_and_deterministic(case, n, env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("case", ["exchange", "p2p"] + (
-    [] if _on_simulator() else ["uneven", "split"]))
-def test_gather_scatter_all_to_all(case, tmp_path):
-    """gather, scatter and all_to_all (buffer rounds, copies from the peers' buffers), the
-    uneven forms (all_gather_v, all_to_all_v, reduce_scatter_v), point to point and
-    sub-communicators, of CuPy arrays on 3 ranks. On the simulator, the uneven forms and
-    sub-communicators are left to their NumPy tests: the same code over the same verbs."""
+@pytest.mark.parametrize(("case", "fused"), [("exchange", "auto"), ("exchange", "kernel"),
+                                           ("p2p", "auto")] + (
+    [] if _on_simulator() else [("uneven", "auto"), ("split", "auto")]))
+def test_gather_scatter_all_to_all(case, fused, tmp_path):
+    """gather, scatter and all_to_all (buffer rounds, copies from the peers' buffers; with
+    GPURING_CUDA_FUSED=kernel the small ones as one kernel), the uneven forms (all_gather_v,
+    all_to_all_v, reduce_scatter_v), point to point and sub-communicators, of CuPy arrays on
+    3 ranks. On the simulator, the uneven forms and sub-communicators are left to their NumPy
+    tests: the same code over the same verbs."""
     proc = launch("gpuring", 3, [str(WORKER), case, str(tmp_path), "cuda"],
-                  env={"GPURING_JITTER": "0"}, timeout=600)
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": fused}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 

@@ -455,10 +455,11 @@ def case_graph_capture(c: Checker) -> None:
     """Collectives captured into a CUDA graph (CuPy stream capture) and replayed: each replay
     works on what the input buffers hold then (the bits of the rank-order fold), several
     replays with fresh inputs; all_reduce from a few elements to 4 MiB, out of place and in
-    place; reduce_scatter, all_gather, broadcast and reduce, small and in pieces (out of place
-    and in place). Those that run in rounds outside a graph run as one kernel per piece in
-    it. A first call during a capture, a collective that cannot run as kernels, and a
-    barrier are refused without harm to the capture or the communicator. Needs
+    place; reduce_scatter, all_gather, broadcast, reduce, gather, scatter and all_to_all,
+    small and in pieces (out of place and in place). Those that run in rounds outside a graph
+    run as one kernel per piece in it. A first call during a capture, an empty collective
+    (which runs no kernel), a barrier and an uneven form are refused without harm to the
+    capture or the communicator. Needs
     GPURING_CUDA_FUSED=kernel (GPURING_ONE_SHOT_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as
     the test sets them)."""
     from gpuring import GpuringError
@@ -478,7 +479,10 @@ def case_graph_capture(c: Checker) -> None:
     bc = [(xp.zeros(m, "float64"), xp.zeros(m, "float64")) for m, _ in others]
     rd = [(xp.zeros(m, dt), xp.zeros(m, dt)) for m, dt in others]
     rs_place = [xp.zeros(n * m, "float32") for m in (64, others[1][0] + 2)]  # into its block
-    a2a = (xp.zeros((n, 10), "float32"), xp.zeros((n, 10), "float32"))  # refused in a graph
+    ga = [(xp.zeros(m, dt), xp.zeros((n, m), dt)) for m, dt in others]
+    sc = [(xp.zeros((n, m), dt), xp.zeros(m, dt)) for m, dt in others]
+    a2a = [(xp.zeros((n, m), "int32"), xp.zeros((n, m), "int32")) for m, _ in others]
+    empty = (xp.zeros((n, 0), "float32"), xp.zeros((n, 0), "float32"))  # refused in a graph
 
     def family() -> None:  # every call of the graph beside the all_reduces
         for (ri, ro), (gi, go), (bi, bo), (di, do) in zip(rs, ag, bc, rd, strict=True):
@@ -489,22 +493,27 @@ def case_graph_capture(c: Checker) -> None:
             comm.all_gather(go[rank], out=go)  # in place: its block already there
         for place in rs_place:
             comm.reduce_scatter(place, out=place.reshape(n, -1)[rank])
+        for (gi, go), (si, so), (ai, ao) in zip(ga, sc, a2a, strict=True):
+            comm.gather(gi, root=root, out=go if rank == root else None)
+            comm.scatter(si, root=root, out=so)
+            comm.all_to_all(ai, out=ao)
         comm.all_reduce(big, out=big)
 
     with stream:
         for (_, _, op), (x, out) in zip(shapes, bufs, strict=True):  # warm-up, uncaptured
             comm.all_reduce(x, op=op, out=out)
         comm.all_reduce(bufs[0][0], out=bufs[0][0])
-        comm.all_to_all(a2a[0], out=a2a[1])
+        comm.all_to_all(empty[0], out=empty[1])
         family()
         stream.synchronize()
         refused, schedules = [], []
         graphs = []  # CuPy's default capture mode (relaxed), then torch.cuda.graph's own
         for mode in (None, xp.cuda.runtime.streamCaptureModeThreadLocal):
             stream.begin_capture(mode)
-            for attempt in (lambda: comm.all_to_all(a2a[0], out=a2a[1]),  # in rounds
+            for attempt in (lambda: comm.all_to_all(empty[0], out=empty[1]),
                             lambda: comm.broadcast(bufs[1][0], root=0),  # never called
-                            comm.barrier):
+                            comm.barrier,
+                            lambda: comm.all_gather_v(bufs[2][0])):  # shapes on the host
                 try:
                     attempt()
                 except GpuringError as exc:
@@ -515,9 +524,10 @@ def case_graph_capture(c: Checker) -> None:
             comm.all_reduce(bufs[0][0], out=bufs[0][0])  # after the first read it
             family()
             graphs.append(stream.end_capture())
-    assert len(refused) == 6, refused
+    assert len(refused) == 8, refused
     assert "cannot be captured" in refused[0] and "outside the capture first" in refused[1]
     assert "barrier cannot be captured" in refused[2], refused
+    assert "all_gather_v cannot be captured" in refused[3], refused
     one_shot = gpuring.settings.get("GPURING_ONE_SHOT_BYTES")
     assert schedules[:5] == [
         "one operation" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
@@ -547,6 +557,16 @@ def case_graph_capture(c: Checker) -> None:
                 places.append(rank_order_fold([a.reshape(n, -1)[rank] for a in rps], "sum"))
             bigs = c.inputs("float32", (big.size,), seed + 35)
             big[...] = dev(c, bigs[rank])
+            moved = []  # per shape of `others`: gather, scatter, all_to_all
+            for k, ((m, dt), (gi, _), (si, _), (ai, _)) in enumerate(
+                    zip(others, ga, sc, a2a, strict=True)):
+                at = seed + 40 + 3 * k
+                gas, scs = c.inputs(dt, (m,), at), c.inputs(dt, (n, m), at + 1)
+                a2as = c.inputs("int32", (n, m), at + 2)
+                gi[...], si[...], ai[...] = dev(c, gas[rank]), dev(c, scs[rank]), \
+                    dev(c, a2as[rank])
+                moved.append((np.stack(gas), scs[root][rank],
+                              np.stack([a[rank] for a in a2as])))
             graphs[replay % 2].launch(stream)
             stream.synchronize()
         for (size, dtype, op), (_, out), fold in zip(shapes, bufs, folds, strict=True):
@@ -565,6 +585,12 @@ def case_graph_capture(c: Checker) -> None:
             c.expect(place.reshape(n, -1)[rank], fold,
                      f"replay {replay} reduce_scatter in place {place.size}", copy=True,
                      shared=False)
+        for (m, _), (_, go), (_, so), (_, ao), (w_ga, w_sc, w_a2a) in zip(
+                others, ga, sc, a2a, moved, strict=True):
+            if rank == root:
+                c.expect(go, w_ga, f"replay {replay} gather {m}", copy=True, shared=False)
+            c.expect(so, w_sc, f"replay {replay} scatter {m}", copy=True, shared=False)
+            c.expect(ao, w_a2a, f"replay {replay} all_to_all {m}", copy=True, shared=False)
     # eager calls go on, ordered after the replays (on the default stream: after `stream`)
     ins = c.inputs("float32", (5,), 9600)
     got = comm.all_reduce(dev(c, ins[rank]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,30 +73,19 @@ def _memory(array: np.ndarray) -> CudaMemory:
     return CudaMemory(array.ctypes.data, array.nbytes, "borrowed", array)
 
 
-def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np.ndarray],
-         op: ReduceOp, root: int, fused_blocks: int) -> None:
-    """Every rank prepares the collective in pieces and runs what it binds, on a thread."""
-    nranks = len(inputs)
-    ranks = [_Rank(lib, fused_blocks) for _ in range(nranks)]
-    regions = [Span(_memory(r.region), 0, r.region.nbytes) for r in ranks]
-    divisor = nranks if op is ReduceOp.AVG else 1
+def _on_threads(ranks: list[_Rank], work: Callable[[int], None]) -> None:
+    """`work(r)` for every rank r at once, each on a thread; a rank that fails aborts (its
+    peers' waits then end too) and its error is raised."""
     errors: list[BaseException] = []
 
     def rank_main(r: int) -> None:
         try:
-            direct = prepare_direct(ranks[r], kind, regions, r, root,  # type: ignore[arg-type]
-                                    inputs[r].dtype.name, op, divisor, inputs[r].nbytes,
-                                    pieces=True)
-            assert isinstance(direct, PiecedKernel)
-            launches = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
-            assert len(launches) > 2 and all(isinstance(k, DirectKernel) for k, _ in launches)
-            direct.run(_Stream(), launches, captured=True)  # type: ignore[arg-type]
-            assert ranks[r].captured
+            work(r)
         except BaseException as exc:
             errors.append(exc)
             ranks[r].abort[0] = 1
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(nranks)]
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(ranks))]
     for t in threads:
         t.start()
     for t in threads:
@@ -104,8 +94,77 @@ def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np
         raise errors[0]
 
 
-@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
-                                  "reduce"])
+def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np.ndarray],
+         op: ReduceOp, root: int, fused_blocks: int) -> None:
+    """Every rank prepares the collective in pieces and runs what it binds, on a thread."""
+    nranks = len(inputs)
+    ranks = [_Rank(lib, fused_blocks) for _ in range(nranks)]
+    regions = [Span(_memory(r.region), 0, r.region.nbytes) for r in ranks]
+    divisor = nranks if op is ReduceOp.AVG else 1
+
+    def work(r: int) -> None:
+        direct = prepare_direct(ranks[r], kind, regions, r, root,  # type: ignore[arg-type]
+                                inputs[r].dtype.name, op, divisor, inputs[r].nbytes,
+                                pieces=True)
+        assert isinstance(direct, PiecedKernel)
+        launches = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
+        assert len(launches) > 2 and all(isinstance(k, DirectKernel) for k, _ in launches)
+        direct.run(_Stream(), launches, captured=True)  # type: ignore[arg-type]
+        assert ranks[r].captured
+
+    _on_threads(ranks, work)
+
+
+KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
+         "scatter", "all_to_all"]
+
+
+def _arrays(kind: str, given: list[np.ndarray], block: int, in_place: bool, root: int
+            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each rank's input and output for `given` (in place where the verb has such a form)."""
+    nranks = len(given)
+    inputs, outputs = [], []
+    for r, x in enumerate(given):
+        x = x.copy()
+        if kind in ("all_gather", "gather"):
+            out = np.zeros(nranks * block, np.float32)
+            if in_place and (kind == "all_gather" or r == root):
+                out[r * block:(r + 1) * block] = x
+                x = out[r * block:(r + 1) * block]
+        elif kind in ("reduce_scatter", "scatter"):
+            out = x[r * block:(r + 1) * block] if in_place else np.zeros(block, np.float32)
+        elif kind == "all_to_all":  # (never in place)
+            out = np.zeros_like(x)
+        else:
+            out = x if in_place else np.zeros_like(x)
+        inputs.append(x)
+        outputs.append(out)
+    return inputs, outputs
+
+
+def _expected(kind: str, given: list[np.ndarray], r: int, root: int, block: int,
+              op: ReduceOp, in_place: bool) -> np.ndarray | None:
+    """Rank r's output after `kind` of `given` (None: it writes none)."""
+    nranks = len(given)
+    divisor = nranks if op is ReduceOp.AVG else 1
+    if kind == "all_reduce":
+        return _chain(given, op, divisor)
+    if kind == "reduce_scatter":
+        return _chain([x[r * block:(r + 1) * block] for x in given], op, 1)
+    if kind == "all_gather" or (kind == "gather" and r == root):
+        return np.concatenate(given)
+    if kind == "broadcast":
+        return given[root]
+    if kind == "scatter":
+        return given[root][r * block:(r + 1) * block]
+    if kind == "all_to_all":
+        return np.concatenate([x[r * block:(r + 1) * block] for x in given])
+    if kind == "reduce" and r == root:
+        return _chain(given, op, 1)
+    return None  # off the root a reduce and a gather write nothing
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_pieces_give_the_whole_collective(lib: ctypes.CDLL, kind: str, nranks: int,
@@ -114,38 +173,45 @@ def test_pieces_give_the_whole_collective(lib: ctypes.CDLL, kind: str, nranks: i
     block = 10_007  # float32 per rank's block: pieces of 4 blocks of 4 KiB, a ragged last one
     root = nranks - 1
     op = ReduceOp.AVG if kind == "all_reduce" else ReduceOp.SUM
-    per_rank = nranks if kind == "reduce_scatter" else 1
+    per_rank = nranks if kind in _kernels.BLOCKED_INPUT_KINDS else 1
     given = [rng.standard_normal(block * per_rank).astype(np.float32) for _ in range(nranks)]
-    inputs, outputs = [], []
-    for r, x in enumerate(given):
-        x = x.copy()
-        if kind == "all_gather":
-            out = np.zeros(nranks * block, np.float32)
-            if in_place:
-                out[r * block:(r + 1) * block] = x
-                x = out[r * block:(r + 1) * block]
-        elif kind == "reduce_scatter":
-            out = x[r * block:(r + 1) * block] if in_place else np.zeros(block, np.float32)
-        else:
-            out = x if in_place else np.zeros_like(x)
-        inputs.append(x)
-        outputs.append(out)
+    inputs, outputs = _arrays(kind, given, block, in_place, root)
+    untouched = [out.copy() for out in outputs]
     _run(lib, kind, inputs, outputs, op, root, fused_blocks=3)
-    divisor = nranks if op is ReduceOp.AVG else 1
     for r in range(nranks):
-        if kind == "all_reduce":
-            want = _chain(given, op, divisor)
-        elif kind == "reduce_scatter":
-            want = _chain([x[r * block:(r + 1) * block] for x in given], op, 1)
-        elif kind == "all_gather":
-            want = np.concatenate(given)
-        elif kind == "broadcast":
-            want = given[root]
-        elif r == root:
-            want = _chain(given, op, 1)
-        else:  # off the root a reduce writes nothing
-            want = given[r] if in_place else np.zeros(block, np.float32)
-        assert _same(outputs[r], want), f"{kind} rank {r}"
+        want = _expected(kind, given, r, root, block, op, in_place)
+        assert _same(outputs[r], untouched[r] if want is None else want), f"{kind} rank {r}"
+
+
+@pytest.mark.parametrize("kind", ["gather", "scatter", "all_to_all"])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_one_kernel_copies_of_blocks(lib: ctypes.CDLL, kind: str, nranks: int) -> None:
+    """gather, scatter and all_to_all of a block that fits a slot: one launch, as the
+    one-operation path runs them; twice, so the second call runs on the other slot."""
+    rng = np.random.default_rng(nranks + len(kind))
+    block, root = 999, 0
+    per_rank = nranks if kind in _kernels.BLOCKED_INPUT_KINDS else 1
+    ranks = [_Rank(lib, 2) for _ in range(nranks)]
+    regions = [Span(_memory(r.region), 0, r.region.nbytes) for r in ranks]
+    for call in range(2):
+        given = [rng.standard_normal(block * per_rank).astype(np.float32)
+                 for _ in range(nranks)]
+        inputs, outputs = _arrays(kind, given, block, False, root)
+        untouched = [out.copy() for out in outputs]
+
+        def work(r: int, inputs: list[np.ndarray] = inputs,
+                 outputs: list[np.ndarray] = outputs) -> None:
+            direct = prepare_direct(ranks[r], kind, regions, r,  # type: ignore[arg-type]
+                                    root, "float32", ReduceOp.SUM, 1, inputs[r].nbytes)
+            assert isinstance(direct, DirectKernel)
+            operands = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
+            direct.run(_Stream(), operands)  # type: ignore[arg-type]
+
+        _on_threads(ranks, work)
+        for r in range(nranks):
+            want = _expected(kind, given, r, root, block, ReduceOp.SUM, False)
+            assert _same(outputs[r], untouched[r] if want is None else want), \
+                f"{kind} call {call} rank {r}"
 
 
 @pytest.mark.parametrize("dtype", ["complex128", "int8"])
