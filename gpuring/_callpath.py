@@ -447,7 +447,7 @@ class CallPath:
     def on_peer_failure(self, error: PeerFailureError) -> None:
         self.fail(error)
 
-    def _job_peer(self, error: BaseException) -> int | None:
+    def job_peer(self, error: BaseException) -> int | None:
         """The rank of the job `error` blames, where it names one."""
         in_job, peer = getattr(error, "job_peer", None), getattr(error, "peer", None)
         if in_job is None and isinstance(peer, int) and 0 <= peer < self.size:
@@ -473,7 +473,7 @@ class CallPath:
         for engine in list(self.engines.values()):
             engine.device.abort(str(error))
         if self.levels is not None:
-            self.levels.abort(str(error), self._job_peer(error))
+            self.levels.abort(str(error), self.job_peer(error))
         if self.nccl is not None:
             self.nccl.abort(str(error))
         self.control.interrupt(str(error))

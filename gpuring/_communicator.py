@@ -406,7 +406,7 @@ class Communicator:
         where the communicator is a part of another that failed: a level across nodes)."""
         self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
         for channel in list(self._pairs.values()):
-            channel.abort(reason)
+            channel._abort(reason, job_peer)
         if self._path.levels is not None:
             self._path.levels.abort(reason, job_peer)
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")

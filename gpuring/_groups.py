@@ -87,7 +87,8 @@ def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any = None
     except GpuringError as exc:
         low, high = sorted((comm.rank, peer))
         raise in_ranks(exc, (low, high), f"{verb} (ranks {low} and {high}, which are ranks 0 "
-                                         "and 1 of their channel)") from None
+                                         "and 1 of their channel)", comm._control.job_ranks
+                       ) from None
 
 
 def _message(channel: Communicator, array: Any, root: int) -> Any:

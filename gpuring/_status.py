@@ -100,13 +100,13 @@ class StatusBoard:
         return None
 
     def culprit(self, peer: int | None, job_peer: int | None = None) -> int:
-        """The culprit word that blames rank `peer` of the group, or else rank `job_peer` of
-        the job (in the group or, `outside`, not); -1 for neither."""
-        if peer is not None and 0 <= peer < self.size:
-            return peer
-        if job_peer is None:
-            return -1
-        return self.job_ranks.index(job_peer) if job_peer in self.job_ranks else -2 - job_peer
+        """The culprit word that blames rank `job_peer` of the job (in the group or,
+        `outside`, not), or else rank `peer` of the group; -1 for neither. (An error names
+        both where the group's rank it names only reported the job's rank that failed.)"""
+        if job_peer is not None:
+            return self.job_ranks.index(job_peer) if job_peer in self.job_ranks \
+                else -2 - job_peer
+        return peer if peer is not None and 0 <= peer < self.size else -1
 
     def give_up(self, state: int, reason: str, culprit: int = -1) -> bool:
         """Tell peers this rank left its collective (GAVE_UP, MISMATCH, TIMED_OUT, LEFT),
@@ -152,8 +152,8 @@ class StatusBoard:
             assert words is not None
             state = int(words[_STATE])
             if state in (GAVE_UP, MISMATCH, TIMED_OUT):
-                culprit = int(words[_CULPRIT])
-                found.append((_ROOT_CAUSE_ORDER[state], culprit == -1, (
+                culprit = int(words[_CULPRIT])  # (-1 or itself: on its own account)
+                found.append((_ROOT_CAUSE_ORDER[state], culprit in (-1, peer), (
                     peer, state, self._text(page, _REASON_AT, _REASON_LEN), culprit)))
             elif state != LEFT and not _alive(int(words[_PID])):
                 found.append((_ROOT_CAUSE_ORDER[GAVE_UP], True, (

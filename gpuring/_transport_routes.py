@@ -110,7 +110,7 @@ def nodes_failed(path: CallPath, exc: BaseException, name: str) -> NoReturn:
     else:
         path.life.raised(error)
     if path.levels is not None:
-        path.levels.abort(f"rank {path.rank}: {error!r}")
+        path.levels.abort(f"rank {path.rank}: {error!r}", path.job_peer(error))
     if error is exc:
         raise exc
     raise error from None

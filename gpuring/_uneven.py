@@ -39,13 +39,17 @@ def _shape(row: np.ndarray) -> tuple[int, ...]:
     return tuple(int(d) for d in row[1:1 + int(row[0])])
 
 
-def _gathered(comm: Communicator, like: Any, headers: list[list[int]], name: str
-              ) -> np.ndarray:
-    """Every rank's `headers` (rows of int64), as a host array (rank, row, field), through
-    an all_gather on the device of `like` (the call's array)."""
-    if _arrays.capturing(like):
+def _refuse_capture(name: str, x: Any) -> None:
+    """Refuse a call whose array `x` is on a GPU whose current stream captures a graph
+    (before anything is enqueued: a contiguous copy of the input would be)."""
+    if _arrays.capturing(x):
         raise GpuringError(f"{name} cannot be captured into a CUDA graph: the host reads "
                            "every rank's shapes first")
+
+
+def _gathered(comm: Communicator, like: Any, headers: list[list[int]]) -> np.ndarray:
+    """Every rank's `headers` (rows of int64), as a host array (rank, row, field), through
+    an all_gather on the device of `like` (the call's array)."""
     mine = _arrays.array_module(like).asarray(np.asarray(headers, np.int64))
     return _arrays.to_host(comm.all_gather(mine))
 
@@ -59,11 +63,12 @@ def _mismatch(name: str, what: str, values: dict[int, object]) -> CollectiveMism
 def all_gather_v(comm: Communicator, x: Any) -> list[Any]:
     """Every rank's `x` in rank order; first dimensions may differ, the rest and the dtype
     must match."""
+    _refuse_capture("all_gather_v", x)
     x = _argcheck.input_array(x)
     if x.ndim == 0:
         raise ValueError("all_gather_v needs x with a first dimension")
     xp = _arrays.array_module(x)
-    headers = _gathered(comm, x, [_header(tuple(x.shape), "all_gather_v")], "all_gather_v")[:, 0]
+    headers = _gathered(comm, x, [_header(tuple(x.shape), "all_gather_v")])[:, 0]
     shapes = [_shape(row) for row in headers]
     trailing: dict[int, object] = {r: s[1:] for r, s in enumerate(shapes)}
     if len(set(trailing.values())) > 1:
@@ -84,6 +89,8 @@ def all_to_all_v(comm: Communicator, blocks: Sequence[Any]) -> list[Any]:
     n, rank = comm.size, comm.rank
     if isinstance(blocks, (str, bytes)) or len(blocks) != n:
         raise ValueError(f"all_to_all_v needs a sequence of {n} arrays, one per rank")
+    for block in blocks:
+        _refuse_capture("all_to_all_v", block)
     arrays = [_argcheck.input_array(b) for b in blocks]
     dtypes = {str(a.dtype) for a in arrays}
     kinds = {_arrays.device_kind(a) for a in arrays}
@@ -92,7 +99,7 @@ def all_to_all_v(comm: Communicator, blocks: Sequence[Any]) -> list[Any]:
                          f"{sorted(dtypes)} on {sorted(kinds)}")
     xp = _arrays.array_module(arrays[0])
     headers = _gathered(comm, arrays[0], [_header(tuple(a.shape), "all_to_all_v")
-                                          for a in arrays], "all_to_all_v")
+                                          for a in arrays])
     sizes = [[int(np.prod(_shape(headers[q, j]), dtype=np.int64)) for j in range(n)]
              for q in range(n)]
     most = max(max(row) for row in sizes)
@@ -108,13 +115,14 @@ def reduce_scatter_v(comm: Communicator, x: Any, counts: Sequence[int],
     """Elements `[sum(counts[:rank]), sum(counts[:rank + 1]))` of the flattened reduction of
     `x` over the ranks; `counts` the same on every rank, summing to `x.size`."""
     n, rank = comm.size, comm.rank
+    _refuse_capture("reduce_scatter_v", x)
     x = _argcheck.input_array(x)
     mine = [int(c) for c in counts]
     if len(mine) != n or any(c < 0 for c in mine) or sum(mine) != x.size:
         raise ValueError(f"reduce_scatter_v needs {n} non-negative counts summing to x.size "
                          f"= {x.size}, got {list(counts)}")
     xp = _arrays.array_module(x)
-    every = _gathered(comm, x, [mine], "reduce_scatter_v")[:, 0]
+    every = _gathered(comm, x, [mine])[:, 0]
     if any(list(row) != mine for row in every):
         seen: dict[int, object] = {r: list(map(int, row)) for r, row in enumerate(every)}
         raise _mismatch("reduce_scatter_v", "counts", seen)

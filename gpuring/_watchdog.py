@@ -130,8 +130,9 @@ class Watchdog:
         if timed_out_on is not None:
             self.board.give_up(TIMED_OUT, reason, timed_out_on)
             return
+        in_job = getattr(because, "job_peer", None)
         self.board.give_up(GAVE_UP, reason, self.board.culprit(
-            getattr(because, "peer", None), getattr(because, "job_peer", None) or job_peer))
+            getattr(because, "peer", None), job_peer if in_job is None else in_job))
 
     def note_failure(self, error: GpuringError) -> None:
         """The communicator failed (seen here or elsewhere): at close, tell the peers so and

@@ -645,7 +645,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long lo
     if (kind == GPURING_ALL_GATHER || (kind == GPURING_GATHER && rank == root)) {
         for (int q = 0; q < nranks; ++q) {
             const T* from = q == rank ? in : reinterpret_cast<const T*>(regions[q] + half);
-            if (from + lo != out + q * stride + lo)  // (a gather's input in place)
+            if (from + lo != out + q * stride + lo)  // (an all_gather in place)
                 block_copy(reinterpret_cast<unsigned char*>(out + q * stride + lo),
                            reinterpret_cast<const unsigned char*>(from + lo), bytes);
         }

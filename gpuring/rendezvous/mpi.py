@@ -223,7 +223,8 @@ class MpiControl(ControlPlane):
                        timed_out: bool = False, job_peer: int | None = None) -> None:
         """Tell every rank of the job (`peer`: a rank of this group)."""
         self._alarm.send(self.job_id, reason,
-                         job_peer if peer is None else self.job_ranks[peer], timed_out)
+                         self.job_ranks[peer] if job_peer is None and peer is not None
+                         else job_peer, timed_out)
 
     def close(self) -> None:
         if not self._closed:

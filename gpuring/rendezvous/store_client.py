@@ -251,7 +251,7 @@ class StoreClient(ControlPlane):
 
     def report_failure(self, reason: str, peer: int | None = None,
                        timed_out: bool = False, job_peer: int | None = None) -> None:
-        blamed = job_peer if peer is None else self.job_ranks[peer]
+        blamed = self.job_ranks[peer] if job_peer is None and peer is not None else job_peer
         try:
             self._send(Abort(reason, self.group, self.job_ranks if self.group else (), blamed))
         except OSError:

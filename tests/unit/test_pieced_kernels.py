@@ -117,24 +117,27 @@ def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np
 
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
          "scatter", "all_to_all"]
+#: the verbs with an in-place form (x = out, or x = out's block of this rank)
+IN_PLACE = KINDS[:5]
 
 
 def _arrays(kind: str, given: list[np.ndarray], block: int, in_place: bool, root: int
             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Each rank's input and output for `given` (in place where the verb has such a form)."""
+    """Each rank's input and output for `given` (`in_place`: the verb's in-place form; a
+    gather's output off the root is its input, as the engine binds it)."""
     nranks = len(given)
     inputs, outputs = [], []
     for r, x in enumerate(given):
         x = x.copy()
-        if kind in ("all_gather", "gather"):
+        if kind == "gather" and r != root:
+            out = x
+        elif kind in ("all_gather", "gather"):
             out = np.zeros(nranks * block, np.float32)
-            if in_place and (kind == "all_gather" or r == root):
+            if in_place:
                 out[r * block:(r + 1) * block] = x
                 x = out[r * block:(r + 1) * block]
         elif kind in ("reduce_scatter", "scatter"):
             out = x[r * block:(r + 1) * block] if in_place else np.zeros(block, np.float32)
-        elif kind == "all_to_all":  # (never in place)
-            out = np.zeros_like(x)
         else:
             out = x if in_place else np.zeros_like(x)
         inputs.append(x)
@@ -164,9 +167,9 @@ def _expected(kind: str, given: list[np.ndarray], r: int, root: int, block: int,
     return None  # off the root a reduce and a gather write nothing
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("kind", "in_place"), [(kind, False) for kind in KINDS] +
+                         [(kind, True) for kind in IN_PLACE])
 @pytest.mark.parametrize("nranks", [2, 3, 4])
-@pytest.mark.parametrize("in_place", [False, True])
 def test_pieces_give_the_whole_collective(lib: ctypes.CDLL, kind: str, nranks: int,
                                           in_place: bool) -> None:
     rng = np.random.default_rng(nranks * 10 + len(kind) + in_place)
@@ -181,15 +184,18 @@ def test_pieces_give_the_whole_collective(lib: ctypes.CDLL, kind: str, nranks: i
     for r in range(nranks):
         want = _expected(kind, given, r, root, block, op, in_place)
         assert _same(outputs[r], untouched[r] if want is None else want), f"{kind} rank {r}"
+        if not in_place:
+            assert _same(inputs[r], given[r]), f"{kind} rank {r} wrote its input"
 
 
 @pytest.mark.parametrize("kind", ["gather", "scatter", "all_to_all"])
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_one_kernel_copies_of_blocks(lib: ctypes.CDLL, kind: str, nranks: int) -> None:
-    """gather, scatter and all_to_all of a block that fits a slot: one launch, as the
-    one-operation path runs them; twice, so the second call runs on the other slot."""
+    """gather, scatter and all_to_all of a block that fits a slot, on two kernel blocks: one
+    launch, as the one-operation path runs them; twice, so the second call runs on the other
+    slot."""
     rng = np.random.default_rng(nranks + len(kind))
-    block, root = 999, 0
+    block, root = 1333, nranks - 1
     per_rank = nranks if kind in _kernels.BLOCKED_INPUT_KINDS else 1
     ranks = [_Rank(lib, 2) for _ in range(nranks)]
     regions = [Span(_memory(r.region), 0, r.region.nbytes) for r in ranks]

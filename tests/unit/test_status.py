@@ -9,7 +9,9 @@ import threading
 import time
 from typing import Any
 
-from gpuring import GpuringError, PeerFailureError
+import pytest
+
+from gpuring import GpuringError, PeerFailureError, _watchdog
 from gpuring._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard, _alive, outside
 from gpuring._watchdog import Watchdog
 from gpuring.devices.host import HostDevice
@@ -178,12 +180,15 @@ def test_a_culprit_outside_the_group_is_the_jobs_rank() -> None:
             board.close()
 
 
-def test_a_watchdog_names_whom_its_rank_gave_up_because_of() -> None:
+def test_a_watchdog_names_whom_its_rank_gave_up_because_of(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks 4 to 6 of the job. Rank 0 gives up because of a PeerFailureError naming rank 1:
     its board blames rank 1 (not itself, on its own account). Rank 2 gave up first, because
     of rank 9 of the job, which the group has no rank for: rank 1's watchdog then failed
     with an error that names rank 9 of the job (`job_peer`) and no rank of the group, and
-    said so on its board, blaming rank 9 too."""
+    said so on its board, blaming rank 9 too. (The watchdogs' threads check nothing by
+    themselves here: each check is the test's.)"""
+    monkeypatch.setattr(_watchdog, "_TICK", 3600.0)
     shared: dict[int, Any] = {}
     meet = threading.Barrier(3)
     dogs: list[Watchdog | None] = [None] * 3
@@ -215,6 +220,8 @@ def test_a_watchdog_names_whom_its_rank_gave_up_because_of() -> None:
                              because=PeerFailureError("rank 1 failed", peer=1))
         assert watchdogs[2].board.troubled_peer() == (0, GAVE_UP, "all_reduce #3: rank 1 failed",
                                                       1)
+        assert watchdogs[2].board.culprit(2, 5) == 1  # the job's rank wins: 2 only reported
+        assert watchdogs[2].board.culprit(None, 0) == -2  # (rank 0 of the job is not rank 4)
     finally:
         for dog in watchdogs:
             dog.close()
