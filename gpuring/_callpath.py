@@ -107,8 +107,12 @@ class CallPath:
                                        self.timeline is not None) \
                     and launch.engine.device.capturing():
                 captured = _capture.recorded(prepared, call.collective,
-                                             self.timeline is not None)
+                                             self.timeline is not None,
+                                             call.x is not None and call.x.size == 0)
                 self.seq += 1
+                if captured is None:  # an empty collective: nothing moves, nothing to record
+                    self.last_schedule = "nothing"
+                    return call.out
                 self.last_schedule = "kernels" if captured is not launch \
                     else prepared.schedule
                 return self._run_engine(prepared, call, captured)

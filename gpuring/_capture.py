@@ -34,17 +34,19 @@ def first_call_refused(collective: str) -> GpuringError:
         "capture first")
 
 
-def recorded(prepared: PreparedCall, collective: str, timeline: bool) -> Launch:
-    """The launch a capture records of `prepared` (on an engine whose device captures), or
-    the refusal (`timeline`: a timeline records, which times each call on the host)."""
-    if prepared.captured is None or timeline:
+def recorded(prepared: PreparedCall, collective: str, timeline: bool, empty: bool
+             ) -> Launch | None:
+    """The launch a capture records of `prepared` (on an engine whose device captures):
+    None for an `empty` collective, which records nothing; or the refusal (`timeline`: a
+    timeline records, which times each call on the host)."""
+    if timeline or (prepared.captured is None and not empty):
         raise GpuringError(
             f"{collective} cannot be captured into a CUDA graph: only the collectives that "
             "run as kernels can (all_reduce, reduce_scatter, all_gather, broadcast, reduce, "
-            "gather, scatter and all_to_all of at least one element, on up to 8 ranks, with "
-            "GPURING_CUDA_FUSED=kernel, or auto where no two ranks share a GPU), without "
-            "GPURING_VERIFY or a recording timeline (GPURING_TIMELINE)")
-    return prepared.captured
+            "gather, scatter and all_to_all, on up to 8 ranks, with GPURING_CUDA_FUSED=kernel, "
+            "or auto where no two ranks share a GPU), without GPURING_VERIFY or a recording "
+            "timeline (GPURING_TIMELINE)")
+    return None if empty else prepared.captured
 
 
 def refuse_route(prepared: PreparedCall, collective: str, x: Any) -> None:
