@@ -131,6 +131,8 @@ class Follower(threading.Thread):
         with open(self.path) as f:
             pending = ""
             while True:
+                # asked before reading: every line written before `stop` is read after it
+                stopping = self.finished.is_set()
                 chunk = f.readline()
                 if chunk:
                     pending += chunk
@@ -138,7 +140,7 @@ class Follower(threading.Thread):
                         self._handle(pending)
                         pending = ""
                     continue
-                if self.finished.is_set():
+                if stopping:
                     break
                 time.sleep(0.05)
 

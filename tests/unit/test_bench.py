@@ -262,6 +262,27 @@ def test_cpu_model_from_cpuinfo(tmp_path):
     assert cpu_model(str(tmp_path / "absent"))
 
 
+def test_the_follower_replays_what_came_before_a_stop_it_sees_at_the_end(tmp_path, capsys):
+    """The writer finishes and stops the follower just as the follower reached the end of the
+    file: the last lines are still replayed (the follower reads again after seeing the stop)."""
+    path = tmp_path / "s.jsonl"
+    path.write_text("")
+    follower = Follower(str(path), ProgressView(enabled=False))
+    out = Output(True, str(path))
+
+    class _StopAtFirstLook:
+        def is_set(self) -> bool:
+            if out.active and out._file is not None:
+                out.line("# Wrong elements    : 1 FAILED")
+                out.close()
+            return True
+
+    follower.finished = _StopAtFirstLook()  # type: ignore[assignment]
+    follower.run()  # (in this thread)
+    assert capsys.readouterr().out.splitlines() == ["# Wrong elements    : 1 FAILED"]
+    assert follower.saw_failure
+
+
 def test_stream_output_is_replayed_by_the_follower(tmp_path, capsys):
     path = tmp_path / "s.jsonl"
     path.write_text("")
