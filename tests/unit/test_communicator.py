@@ -108,3 +108,27 @@ def test_registered_arrays_in_a_world_of_one_are_ordinary_arrays() -> None:
     comm.close()
     with pytest.raises(CommunicatorClosedError):
         comm.empty(4)
+
+
+class _Reporting(SingleProcess):
+    """A world of one that keeps what it reports to its peers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports: list[tuple[str, int | None, int | None]] = []
+
+    def report_failure(self, reason: str, peer: int | None = None, timed_out: bool = False,
+                       job_peer: int | None = None) -> None:
+        self.reports.append((reason, peer, job_peer))
+
+
+def test_an_abort_because_of_another_rank_tells_the_peers_whom() -> None:
+    """A communicator that is a part of another (a level across nodes) aborts because of a
+    rank of the job it may have no rank for: its report to its peers names that rank; a
+    user's abort names nobody."""
+    for job_peer in (None, 0, 7):
+        control = _Reporting()
+        comm = Communicator(control)
+        comm._abort("the job failed", job_peer)
+        assert control.reports == [("rank 0 aborted: the job failed", None, job_peer)]
+        comm.close()
