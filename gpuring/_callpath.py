@@ -453,10 +453,7 @@ class CallPath:
 
     def job_peer(self, error: BaseException) -> int | None:
         """The rank of the job `error` blames, where it names one."""
-        in_job, peer = getattr(error, "job_peer", None), getattr(error, "peer", None)
-        if in_job is None and isinstance(peer, int) and 0 <= peer < self.size:
-            in_job = self.control.job_ranks[peer]
-        return in_job  # type: ignore[no-any-return]
+        return self.control.in_job(getattr(error, "peer", None), getattr(error, "job_peer", None))
 
     def tell_peers(self, error: BaseException) -> None:
         """Report to the peers that this rank gave up because of `error` (best effort)."""

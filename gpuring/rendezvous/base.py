@@ -49,6 +49,13 @@ class ControlPlane(abc.ABC):
     def job_ranks(self, ranks: tuple[int, ...]) -> None:
         self._job_ranks = ranks
 
+    def in_job(self, peer: int | None, job_peer: int | None = None) -> int | None:
+        """The rank of the job a failure blames: `job_peer` where given, else this group's
+        rank `peer` in the job's ranks; None where neither names one."""
+        if job_peer is not None:
+            return job_peer
+        return self.job_ranks[peer] if peer is not None and 0 <= peer < self.size else None
+
     @property
     def device_slot(self) -> int:
         """Which of the node's GPUs this rank uses (modulo their count): its local rank in

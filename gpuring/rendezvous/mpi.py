@@ -222,9 +222,7 @@ class MpiControl(ControlPlane):
     def report_failure(self, reason: str, peer: int | None = None,
                        timed_out: bool = False, job_peer: int | None = None) -> None:
         """Tell every rank of the job (`peer`: a rank of this group)."""
-        self._alarm.send(self.job_id, reason,
-                         self.job_ranks[peer] if job_peer is None and peer is not None
-                         else job_peer, timed_out)
+        self._alarm.send(self.job_id, reason, self.in_job(peer, job_peer), timed_out)
 
     def close(self) -> None:
         if not self._closed:

@@ -251,9 +251,9 @@ class StoreClient(ControlPlane):
 
     def report_failure(self, reason: str, peer: int | None = None,
                        timed_out: bool = False, job_peer: int | None = None) -> None:
-        blamed = self.job_ranks[peer] if job_peer is None and peer is not None else job_peer
         try:
-            self._send(Abort(reason, self.group, self.job_ranks if self.group else (), blamed))
+            self._send(Abort(reason, self.group, self.job_ranks if self.group else (),
+                             self.in_job(peer, job_peer)))
         except OSError:
             pass
 
