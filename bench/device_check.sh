@@ -7,15 +7,16 @@
 #   probe.json      the probe (python -m gpuring.bench.probe), first, kept whatever happens
 #                   later: CUDA IPC, stream memory operations, 2-process flag ping-pong (memops,
 #                   spin kernels, MPS), a dead exporter, copy bandwidth, host cost, versions
-#   details.tar.gz  everything else: steps.tsv, env.txt, probe.log, gpu-tests.log, every
-#                   bench .txt/.json (rewritten after each step)
+#   details.tar.gz  everything else: steps.tsv, env.txt, kernels.log, probe.log, gpu-tests.log,
+#                   every bench .txt/.json (rewritten after each step)
 #   summary.txt     each step's outcome, the probe's key numbers, the benches' key rows, what
 #                   to look at (and bench/device_check_notes.txt); printed last
 # Exit status 1 when a step failed, timed out or found no time left.
 #
 # Steps, each under `timeout` (seconds; 420 in all, and a shared deadline cuts the last):
-#   env 15 | probe 85 | GPU tests 100 (pytest tests/gpu and the kernel compile test; without
-#   pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside NCCL and gloo: 2 ranks
+#   env 15 | kernels 60 (gpuring kernels: the CUBIN for this GPU, built once into the on-disk
+#   cache outside the probe's and the tests' time boxes) | probe 85 | GPU tests 100 (pytest
+#   tests/gpu; without pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside NCCL and gloo: 2 ranks
 #   50, 4 ranks 60 | gpuring alone 512M..1G: 2 ranks 25, 4 ranks 25 | all_reduce 8..64K on 2
 #   ranks beside NCCL as one kernel, in rounds, and as one kernel replayed from a CUDA graph,
 #   and 1M..16M replayed from a graph as one kernel per piece: 4 x 15 | piece size and channels at 256 MiB on 4 ranks: 4 x 12 (the deadline may cut the
@@ -157,24 +158,25 @@ finish() {
 }
 trap 'status=1; record interrupted - - 0 0 - "signal"; finish; exit 1' TERM INT
 
-# 1. environment, 2. the probe (writes probe.json straight into OUTDIR)
+# 1. environment, 2. the kernels, 3. the probe (writes probe.json straight into OUTDIR)
 step env 15 env.txt bash -c collect_env
+step kernels 60 kernels.log "$py" -m gpuring kernels
 step probe 85 probe.log "$py" -m gpuring.bench.probe "$out/probe.json"
 stop_mps  # in case the probe was killed before it could
 
-# 3. the GPU tests, or the smoke test where pytest is missing
+# 4. the GPU tests, or the smoke test where pytest is missing
 tests="${GPURING_DEVICE_CHECK_TESTS:-pytest}"
 if [[ $tests == pytest ]] && ! "$py" -c "import pytest" 2> /dev/null; then tests=smoke; fi
 if [[ $tests == pytest ]]; then
   parallel=()
   "$py" -c "import xdist" 2> /dev/null && parallel=(-n 4)
-  step gpu-tests 100 gpu-tests.log "$py" -m pytest tests/gpu tests/unit/test_kernels_compile.py \
-    -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"}
+  step gpu-tests 100 gpu-tests.log "$py" -m pytest tests/gpu -q -p no:cacheprovider \
+    ${parallel[@]+"${parallel[@]}"}
 else
   step gpu-smoke 100 gpu-tests.log "$py" -m gpuring run -n 2 -- "$py" -m gpuring.bench.smoke
 fi
 
-# 4. all_reduce: beside NCCL and gloo up to 256 MiB, gpuring alone above
+# 5. all_reduce: beside NCCL and gloo up to 256 MiB, gpuring alone above
 maxb=$(to_bytes "${GPURING_DEVICE_CHECK_MAXBYTES:-1G}")
 peerb=$(to_bytes "${GPURING_DEVICE_CHECK_PEER_MAXBYTES:-256M}")
 ((peerb > maxb)) && peerb=$maxb
@@ -195,7 +197,7 @@ for n in 2 4; do
   fi
 done
 
-# 4b. small all_reduces, 2 ranks beside NCCL, in the forms the default does not take here
+# 5b. small all_reduces, 2 ranks beside NCCL, in the forms the default does not take here
 # (where the ranks share the GPU it takes stream memory operations): the one kernel, whose
 # waits spin (GPURING_CUDA_FUSED's rule assumes a spinning kernel holds a shared GPU for its
 # turn: this measures it), and rounds (the path before)
@@ -216,7 +218,7 @@ graphb=$((16 << 20)) pieceb=$((1 << 20))
 ((pieceb > graphb)) && pieceb=$graphb
 small graph-2ranks-pieces 15 kernel -b "$pieceb" -e "$graphb" -f 4 -n 5 -G 5
 
-# 5. the piece size and channel count CudaDevice should default to (4 ranks)
+# 6. the piece size and channel count CudaDevice should default to (4 ranks)
 tuneb="${GPURING_DEVICE_CHECK_TUNE_BYTES:-256M}"
 for tuning in ${GPURING_DEVICE_CHECK_TUNE:-2M:1 8M:1 32M:1 8M:2}; do
   chunk=${tuning%%:*} channels=${tuning##*:}

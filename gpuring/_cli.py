@@ -1,5 +1,5 @@
 """The `gpuring` command: `gpuring run` launches ranks; `gpuring bench` measures; `gpuring
-tune` writes a tuning table."""
+tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of time."""
 
 from __future__ import annotations
 
@@ -28,6 +28,37 @@ def _tune(args: argparse.Namespace) -> int:
     from .bench.tune import main as tune_main
 
     return tune_main(args)
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    """Build reduce.cu's CUBIN for each --arch, or for GPU 0 here and load every kernel."""
+    import time
+
+    from .devices import _kernels as kernels
+
+    archs = list(args.arch)
+    try:
+        if not archs:
+            import cupy
+
+            archs = [f"sm_{cupy.cuda.Device(0).compute_capability}"]
+        for arch in archs:
+            start = time.perf_counter()
+            kernels.cubin_for(arch)
+            print(f"{arch}: {kernels.cubin_path(arch)} "
+                  f"(ready in {time.perf_counter() - start:.1f} s)")
+        if not args.arch:
+            for name in kernels.ALL_KERNEL_NAMES:
+                kernels.get_function(name, 0)
+            print(f"GPU 0: all {len(kernels.ALL_KERNEL_NAMES)} kernels loaded")
+    except ImportError as exc:
+        print(f"gpuring kernels: {exc.name or exc} is not installed (NVRTC comes with "
+              "cuda-bindings; without --arch, CuPy finds the GPU)", file=sys.stderr)
+        return 1
+    except (kernels.KernelCompileError, ValueError) as exc:
+        print(f"gpuring kernels: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_arguments(tune)
     tune.set_defaults(func=_tune)
+    kernels = commands.add_parser(
+        "kernels", help="build the CUDA kernels now, not in the first collective",
+        description="Compile kernels/reduce.cu with NVRTC (about a minute of CPU) into the "
+                    "on-disk cache the collectives load from (~/.cache/gpuring/cubin, or "
+                    "under $XDG_CACHE_HOME), for GPU 0 here (then load every kernel on it) "
+                    "or for each --arch (no GPU needed): for container images and job "
+                    "prologues. Example: gpuring kernels --arch sm_90")
+    kernels.add_argument("--arch", action="append", default=[],
+                         help="an architecture such as sm_90; may be repeated")
+    kernels.set_defaults(func=_kernels)
     return parser
 
 

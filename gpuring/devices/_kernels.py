@@ -53,6 +53,7 @@ __all__ = [
     "compile_options",
     "nvrtc_compile",
     "compile_all_with_nvrtc",
+    "cubin_path",
     "cubin_for",
     "get_module",
     "get_function",
@@ -307,16 +308,21 @@ def _cache_dir() -> Path:
     return root / "gpuring" / "cubin"
 
 
-def cubin_for(arch: str) -> bytes:
-    """The CUBIN of reduce.cu for `arch`, compiled by `nvrtc_compile` once and then kept in
-    ~/.cache/gpuring/cubin (keyed by the source, the options and the NVRTC version)."""
+def cubin_path(arch: str) -> Path:
+    """Where `cubin_for` keeps the CUBIN for `arch`: ~/.cache/gpuring/cubin (or under
+    $XDG_CACHE_HOME), named after a hash of the source, the options and the NVRTC version."""
     from cuda.bindings import nvrtc
 
     _err, major, minor = nvrtc.nvrtcVersion()
     key = hashlib.sha256("\0".join(
         (kernel_source(), arch, *compile_options(), f"{major}.{minor}")).encode()).hexdigest()
-    path = _cache_dir() / f"reduce-{arch}-{key[:20]}.cubin"
-    return cached_bytes(path, lambda: nvrtc_compile(arch))
+    return _cache_dir() / f"reduce-{arch}-{key[:20]}.cubin"
+
+
+def cubin_for(arch: str) -> bytes:
+    """The CUBIN of reduce.cu for `arch`, compiled by `nvrtc_compile` once and then kept on
+    disk (`cubin_path`): processes that need it at once build it once."""
+    return cached_bytes(cubin_path(arch), lambda: nvrtc_compile(arch))
 
 
 @functools.cache

@@ -800,7 +800,7 @@ class Device:
         if not 0 <= self.id < runtime.getDeviceCount():
             raise CUDARuntimeError("cudaErrorInvalidDevice", str(self.id))
         self.attributes = _Attributes(MultiProcessorCount=_SM_COUNT)
-        self.compute_capability = "90"
+        self.compute_capability = _host_build().COMPUTE_CAPABILITY
         self.pci_bus_id = f"0000:{0x18 + self.id:02x}:00.0"
 
     def __enter__(self) -> Device:
@@ -894,9 +894,7 @@ def _kernel_library() -> ctypes.CDLL:
     global _lib
     with _lib_lock:
         if _lib is None:
-            sys.path.insert(0, str(_HERE))
-            import kernels_host_build
-
+            kernels_host_build = _host_build()
             path = os.environ.get("GPURING_CUDASIM_LIB")
             if not path:
                 cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -971,6 +969,16 @@ def _cubin() -> Any:
     import cubin
 
     return cubin
+
+
+def _host_build() -> Any:
+    """tests/cudasim/kernels_host_build.py (the kernels built for the CPU; the simulated
+    GPUs' compute capability)."""
+    if str(_HERE) not in sys.path:
+        sys.path.insert(0, str(_HERE))
+    import kernels_host_build
+
+    return kernels_host_build
 
 
 def _occupancy(handle: int, block_size: int, dynamic_shared: int) -> tuple[str, int]:

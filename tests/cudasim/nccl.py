@@ -52,12 +52,17 @@ _DTYPES: dict[int, Any] = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32:
                            NCCL_UINT32: np.uint32, NCCL_INT64: np.int64,
                            NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16,
                            NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
-try:
-    import ml_dtypes
 
-    _DTYPES[NCCL_BFLOAT16] = ml_dtypes.bfloat16
-except ImportError:  # pragma: no cover
-    pass
+
+def _dtype(datatype: int) -> np.dtype[Any]:
+    """The NumPy dtype of an NCCL data type; bfloat16's comes from ml_dtypes, imported only
+    when asked for (its import costs a simulated process about a second)."""
+    if datatype == NCCL_BFLOAT16 and datatype not in _DTYPES:
+        import ml_dtypes
+
+        _DTYPES[NCCL_BFLOAT16] = ml_dtypes.bfloat16
+    return np.dtype(_DTYPES[datatype])
+
 
 _POLL = 0.0005
 
@@ -201,14 +206,14 @@ class NcclCommunicator:
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
                   stream: int) -> None:
-        dtype = np.dtype(_DTYPES[datatype])
+        dtype = _dtype(datatype)
         self._queue(stream, sendbuf, count * dtype.itemsize, lambda inputs: _write(
             recvbuf, _fold([np.frombuffer(b, dtype) for b in inputs], op)),
             recvbuf, count * dtype.itemsize)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
                root: int, stream: int) -> None:
-        dtype = np.dtype(_DTYPES[datatype])
+        dtype = _dtype(datatype)
 
         def finish(inputs: list[bytes]) -> None:
             if self._rank == root:
@@ -218,7 +223,7 @@ class NcclCommunicator:
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
                   stream: int) -> None:
-        nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
+        nbytes = count * _dtype(datatype).itemsize
         self._queue(stream, sendbuff, nbytes if self._rank == root else 0,
                     lambda inputs: ctypes.memmove(recvbuff, inputs[root], nbytes),
                     recvbuff, nbytes)
@@ -228,7 +233,7 @@ class NcclCommunicator:
 
     def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
                       op: int, stream: int) -> None:
-        dtype = np.dtype(_DTYPES[datatype])
+        dtype = _dtype(datatype)
         rank = self._rank
 
         def finish(inputs: list[bytes]) -> None:
@@ -241,7 +246,7 @@ class NcclCommunicator:
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
                   stream: int) -> None:
-        nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
+        nbytes = count * _dtype(datatype).itemsize
         self._queue(stream, sendbuf, nbytes, lambda inputs: ctypes.memmove(
             recvbuf, b"".join(inputs), nbytes * len(inputs)), recvbuf,
             nbytes * self._ndev, recvbuf + self._rank * nbytes)
@@ -260,7 +265,7 @@ class NcclCommunicator:
             _groups.error = NcclError(4, f"invalid peer {peer}" if self._comm else
                                       "communicator aborted or destroyed")
             raise _groups.error
-        nbytes = count * np.dtype(_DTYPES[datatype]).itemsize
+        nbytes = count * _dtype(datatype).itemsize
         _groups.calls.append((self, kind, buf, nbytes, peer, stream))
 
     def _connect(self, peers: set[int]) -> None:

@@ -32,6 +32,7 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "bench" / "device_check.sh"
 ROUND_TRIPS = 200
+SCALE = 5
 
 pytestmark = pytest.mark.slow
 
@@ -50,9 +51,9 @@ DRY_RUN = {
     "GPURING_PROBE_IPC_BYTES": "1M",
     "GPURING_PROBE_HOST_ITERS": "200",
     "GPURING_PROBE_RELEASE_S": "2",  # (the simulator never releases one hardware queue)
-    # time boxes x5: the simulator on a loaded 2-core machine may be slow; the run's own
+    # time boxes x SCALE: the simulator on a loaded 2-core machine may be slow; the run's own
     # time is checked against one generous bound instead
-    "GPURING_DEVICE_CHECK_TIME_SCALE": "5",
+    "GPURING_DEVICE_CHECK_TIME_SCALE": str(SCALE),
 }
 
 
@@ -66,11 +67,15 @@ class Run:
     def probe(self) -> dict[str, Any]:
         return json.loads((self.out / "probe.json").read_text())
 
-    def steps(self) -> dict[str, dict[str, str]]:
+    def detail(self, name: str) -> str:
+        """File `name` of details.tar.gz."""
         with tarfile.open(self.out / "details.tar.gz") as tar:
-            member = tar.extractfile("./steps.tsv")
-            assert member is not None
-            lines = member.read().decode().splitlines()
+            member = tar.extractfile(f"./{name}")
+            assert member is not None, name
+            return member.read().decode()
+
+    def steps(self) -> dict[str, dict[str, str]]:
+        lines = self.detail("steps.tsv").splitlines()
         header = lines[0].split("\t")
         rows = [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
         return {row["step"]: row for row in rows}
@@ -139,8 +144,8 @@ def _passes_within_a_bound(dry_run: Run) -> None:
     assert dry_run.done.returncode == 0, dry_run.output[-6000:]
     assert dry_run.seconds < 420, dry_run.seconds  # generous: about a minute unloaded
     steps = dry_run.steps()
-    assert list(steps) == ["env", "probe", "gpu-smoke", "allreduce-2ranks", "allreduce-4ranks",
-                           "allreduce-2ranks-large", "allreduce-4ranks-large",
+    assert list(steps) == ["env", "kernels", "probe", "gpu-smoke", "allreduce-2ranks",
+                           "allreduce-4ranks", "allreduce-2ranks-large", "allreduce-4ranks-large",
                            "small-2ranks-kernel", "small-2ranks-rounds", "small-2ranks-graph",
                            "graph-2ranks-pieces", "tune-chunk2M-ch2"]
     assert {row["status"] for row in steps.values()} == {"ok"}, steps
@@ -151,6 +156,8 @@ def _leaves_at_most_8_files(dry_run: Run) -> None:
     assert files == ["details.tar.gz", "probe.json", "summary.txt"]
     with tarfile.open(dry_run.out / "details.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
+    kernels_log = dry_run.detail("kernels.log")  # the CUBIN was built before the probe
+    assert "GPU 0: all " in kernels_log and " kernels loaded" in kernels_log, kernels_log
     for name in ("steps.tsv", "env.txt", "probe.log", "gpu-tests.log", "allreduce-2ranks.txt",
                  "allreduce-2ranks.json", "allreduce-4ranks-large.json",
                  "tune-chunk2M-ch2.json"):
@@ -282,11 +289,12 @@ def test_mps_is_started_for_the_ping_pongs_and_stopped(check_env: dict[str, str]
     fake.chmod(0o755)
     calls = tmp_path / "calls"
     env = dict(check_env, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
-               FAKE_MPS_CALLS=str(calls), GPURING_PROBE_MPS_DIR=str(tmp_path / "mps"))
+               FAKE_MPS_CALLS=str(calls), GPURING_PROBE_MPS_DIR=str(tmp_path / "mps"),
+               GPURING_PROBE_ROUND_TRIPS="20", GPURING_PROBE_BATCH="10")  # (not measured)
     code = ("import json, sys, time; from gpuring.bench.probe import run_mps; "
-            "json.dump(run_mps(time.monotonic() + 200, 3.0, {}), sys.stdout)")
+            f"json.dump(run_mps(time.monotonic() + 400, {SCALE}, {{}}), sys.stdout)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-4000:]
     record = json.loads(done.stdout)
     pipe, logs = tmp_path / "mps" / "pipe", tmp_path / "mps" / "log"

@@ -41,6 +41,23 @@ def test_every_data_kernel_fits_the_fallback_occupancy(cubins: dict[str, bytes],
         assert fit >= cuda._FALLBACK_BLOCKS_PER_SM, (name, registers[name], fit)
 
 
+def test_the_kernels_command_builds_into_the_cache_collectives_load(
+        cubins: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpuring kernels --arch ARCH` (for images and job prologues) leaves the CUBIN where
+    CudaDevice looks first; an architecture NVRTC does not know is an error with its log."""
+    from gpuring import _cli
+
+    assert _cli.main(["kernels", "--arch", "sm_80", "--arch", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    for arch in ARCHS:
+        path = _kernels.cubin_path(arch)
+        assert f"{arch}: {path} (ready in " in out
+        assert path.read_bytes() == cubins[arch]
+    assert _cli.main(["kernels", "--arch", "sm_1"]) == 1
+    err = capsys.readouterr().err
+    assert "NVRTC could not compile reduce.cu for sm_1" in err and "nvrtc: error" in err, err
+
+
 def test_every_op_dtype_pair_has_a_kernel() -> None:
     source = _kernels.kernel_source()
     for dtype in SUPPORTED_DTYPES:
