@@ -41,7 +41,12 @@ def _kernels(args: argparse.Namespace) -> int:
         if not archs:
             import cupy
 
-            archs = [f"sm_{cupy.cuda.Device(0).compute_capability}"]
+            try:
+                archs = [f"sm_{cupy.cuda.Device(0).compute_capability}"]
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                print(f"gpuring kernels: no GPU here ({exc}); name one with --arch",
+                      file=sys.stderr)
+                return 1
         for arch in archs:
             start = time.perf_counter()
             kernels.cubin_for(arch)
