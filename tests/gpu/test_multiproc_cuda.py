@@ -202,18 +202,20 @@ def test_survivors_of_a_killed_rank_keep_their_gpu():
     assert took < grace, f"the survivors were stopped by the launcher after {took:.0f} s"
 
 
-def test_gpus_without_peer_access_run_on_nccl(tmp_path):
-    """2 ranks on 2 GPUs that cannot access each other peer to peer: CUDA IPC cannot map
-    their buffers, so their CuPy collectives run on NCCL, bit for bit alike on both ranks.
-    Simulator only: it alone can take peer access away (GPURING_CUDASIM_NO_P2P)."""
+@pytest.mark.parametrize("n", [2, 3])
+def test_gpus_without_peer_access_run_on_nccl(tmp_path, n):
+    """n ranks on n GPUs that cannot access each other peer to peer: CUDA IPC cannot map
+    their buffers, so their CuPy collectives and messages run on NCCL (on 3 ranks a
+    sendrecv's two pairs' channels at once, from two threads), bit for bit alike on every
+    rank. Simulator only: it alone can take peer access away (GPURING_CUDASIM_NO_P2P)."""
     if not _on_simulator():
         pytest.skip("needs GPUs without peer access: the simulator's GPURING_CUDASIM_NO_P2P")
-    proc = launch("gpuring", 2, [str(WORKER), "without_peer_access", str(tmp_path), "cuda"],
-                  env={"GPURING_JITTER": "0", "GPURING_CUDASIM_DEVICES": "2",
+    proc = launch("gpuring", n, [str(WORKER), "without_peer_access", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDASIM_DEVICES": str(n),
                        "GPURING_CUDASIM_NO_P2P": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    digests = [(tmp_path / f"without_peer_access-{r}.txt").read_text() for r in range(2)]
-    assert digests[0] == digests[1], "ranks differ bitwise"
+    digests = [(tmp_path / f"without_peer_access-{r}.txt").read_text() for r in range(n)]
+    assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
 def test_nccl_refuses_ranks_that_share_a_gpu_alike(tmp_path):
