@@ -13,14 +13,16 @@
 #                   to look at (and bench/device_check_notes.txt); printed last
 # Exit status 1 when a step failed, timed out or found no time left.
 #
-# Steps, each under `timeout` (seconds; 420 in all, and a shared deadline cuts the last):
-#   env 15 | kernels 60 (gpuring kernels: the CUBIN for this GPU, built once into the on-disk
-#   cache outside the probe's and the tests' time boxes) | probe 85 | GPU tests 100 (pytest
-#   tests/gpu; without pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside NCCL and gloo: 2 ranks
-#   50, 4 ranks 60 | gpuring alone 512M..1G: 2 ranks 25, 4 ranks 25 | all_reduce 8..64K on 2
-#   ranks beside NCCL as one kernel, in rounds, and as one kernel replayed from a CUDA graph,
-#   and 1M..16M replayed from a graph as one kernel per piece: 4 x 15 | piece size and channels at 256 MiB on 4 ranks: 4 x 12 (the deadline may cut the
-#   last) | summary and archive: the last 10
+# Steps, each under `timeout` (seconds); their boxes add up to more than the 420 s deadline,
+# which cuts the last steps short when the earlier ones use their whole boxes:
+#   env 15 | kernels 90 (gpuring kernels: the CUBIN for this GPU, built into the on-disk cache
+#   outside the probe's and the tests' time boxes) | probe 85 | GPU tests 100 (pytest
+#   tests/gpu; without pytest a 2-rank all_reduce smoke test) | all_reduce 1K..256M beside
+#   NCCL and gloo: 2 ranks 50, 4 ranks 60 | gpuring alone 512M..1G: 2 ranks 25, 4 ranks 25 |
+#   all_reduce 8..64K on 2 ranks beside NCCL as one kernel, in rounds, and as one kernel
+#   replayed from a CUDA graph, and 1M..16M replayed from a graph as one kernel per piece:
+#   4 x 15 | piece size and channels at 256 MiB on 4 ranks: 4 x 12 | summary and archive:
+#   the last 10
 #
 # Settings: $PYTHON (default python3), GPURING_DEVICE_CHECK_MAXBYTES (largest size, 1G), and
 # for dry runs (tests/multiproc/test_device_check.py runs one on the CUDA simulator):
@@ -160,7 +162,7 @@ trap 'status=1; record interrupted - - 0 0 - "signal"; finish; exit 1' TERM INT
 
 # 1. environment, 2. the kernels, 3. the probe (writes probe.json straight into OUTDIR)
 step env 15 env.txt bash -c collect_env
-step kernels 60 kernels.log "$py" -m gpuring kernels
+step kernels 90 kernels.log "$py" -m gpuring kernels
 step probe 85 probe.log "$py" -m gpuring.bench.probe "$out/probe.json"
 stop_mps  # in case the probe was killed before it could
 

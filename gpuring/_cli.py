@@ -4,6 +4,7 @@ tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 __all__ = ["main"]
@@ -30,6 +31,13 @@ def _tune(args: argparse.Namespace) -> int:
     return tune_main(args)
 
 
+def _arch(value: str) -> str:
+    """An --arch value: a real GPU architecture (NVRTC builds a CUBIN only for those)."""
+    if not re.fullmatch(r"sm_\d+[a-z]?", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a GPU architecture such as sm_90")
+    return value
+
+
 def _kernels(args: argparse.Namespace) -> int:
     """Build reduce.cu's CUBIN for each --arch, or for GPU 0 here and load every kernel."""
     import time
@@ -41,27 +49,27 @@ def _kernels(args: argparse.Namespace) -> int:
         if not archs:
             import cupy
 
-            try:
-                archs = [f"sm_{cupy.cuda.Device(0).compute_capability}"]
-            except cupy.cuda.runtime.CUDARuntimeError as exc:
-                print(f"gpuring kernels: no GPU here ({exc}); name one with --arch",
-                      file=sys.stderr)
-                return 1
+            archs = [f"sm_{cupy.cuda.Device(0).compute_capability}"]
         for arch in archs:
             start = time.perf_counter()
             kernels.cubin_for(arch)
-            print(f"{arch}: {kernels.cubin_path(arch)} "
-                  f"(ready in {time.perf_counter() - start:.1f} s)")
+            path = kernels.cubin_path(arch)
+            if not path.is_file():
+                print(f"gpuring kernels: built the {arch} CUBIN but could not write {path}",
+                      file=sys.stderr)
+                return 1
+            print(f"{arch}: {path} (ready in {time.perf_counter() - start:.1f} s)")
         if not args.arch:
             for name in kernels.ALL_KERNEL_NAMES:
                 kernels.get_function(name, 0)
             print(f"GPU 0: all {len(kernels.ALL_KERNEL_NAMES)} kernels loaded")
     except ImportError as exc:
-        print(f"gpuring kernels: {exc.name or exc} is not installed (NVRTC comes with "
-              "cuda-bindings; without --arch, CuPy finds the GPU)", file=sys.stderr)
+        print(f"gpuring kernels: {exc} (NVRTC comes with cuda-bindings; without --arch, CuPy "
+              "finds the GPU)", file=sys.stderr)
         return 1
-    except (kernels.KernelCompileError, ValueError) as exc:
-        print(f"gpuring kernels: {exc}", file=sys.stderr)
+    except Exception as exc:  # no GPU, an NVRTC that fails to load or compile, the driver
+        hint = "" if args.arch else "; without a GPU here, name an architecture with --arch"
+        print(f"gpuring kernels: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
         return 1
     return 0
 
@@ -106,12 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=_tune)
     kernels = commands.add_parser(
         "kernels", help="build the CUDA kernels now, not in the first collective",
-        description="Compile kernels/reduce.cu with NVRTC (about a minute of CPU) into the "
+        description="Compile kernels/reduce.cu with NVRTC (tens of seconds of CPU) into the "
                     "on-disk cache the collectives load from (~/.cache/gpuring/cubin, or "
                     "under $XDG_CACHE_HOME), for GPU 0 here (then load every kernel on it) "
                     "or for each --arch (no GPU needed): for container images and job "
                     "prologues. Example: gpuring kernels --arch sm_90")
-    kernels.add_argument("--arch", action="append", default=[],
+    kernels.add_argument("--arch", action="append", default=[], type=_arch,
                          help="an architecture such as sm_90; may be repeated")
     kernels.set_defaults(func=_kernels)
     return parser

@@ -6,7 +6,7 @@ is named after a hash of its inputs, so a directory serves as a cache.
 
 A simulated GPU loads the CUBIN NVRTC builds for `COMPUTE_CAPABILITY` too (for its kernels'
 register counts): `simulator_env` builds it into gpuring's on-disk cache first, so that no
-simulated process pays for that build (a minute of CPU) inside a time box of its own.
+simulated process pays for that build (tens of seconds of CPU) inside a time box of its own.
 """
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def simulator_env(directory: Path, **extra: str) -> dict[str, str]:
     """The environment of a process that runs on the CUDA simulator: this directory first on
     PYTHONPATH (so `import cupy` finds the simulator) and the kernels' host build, made in
     `directory`, and the CUBIN a simulated GPU loads in gpuring's on-disk cache. Raises
-    Unavailable as `build` does, or when NVRTC cannot build that CUBIN."""
+    Unavailable as `build` does, or where cuda-bindings has no NVRTC."""
     lib = build(directory)
     try:
         _kernels.cubin_for(f"sm_{COMPUTE_CAPABILITY}")
-    except Exception as exc:  # no NVRTC here: a simulated GPU could not load its kernels
-        raise Unavailable(f"NVRTC could not build the simulated GPU's CUBIN: {exc}") from exc
+    except ImportError as exc:  # no NVRTC here (a compile error is an error, not this)
+        raise Unavailable(f"no NVRTC to build the simulated GPU's CUBIN: {exc}") from exc
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, GPURING_CUDASIM_LIB=str(lib), **extra)
 

@@ -1288,10 +1288,12 @@ def case_without_peer_access(c: Checker) -> None:
     case_dtypes_ops(c, ("float32", "int16", "complex64"))
     case_exchange(c, blocks=3)
     case_p2p(c)  # on more than 2 ranks, a sendrecv's two pairs' channels on NCCL at once
-    channels = comm._pairs.values()
-    assert len(channels) == min(comm.size - 1, 2), comm._pairs  # (the ring's two neighbours)
-    assert all(ch._path.last_schedule == "nccl" for ch in channels), \
-        [ch._path.last_schedule for ch in channels]
+    n, rank = comm.size, comm.rank
+    partner = rank ^ 1 if rank ^ 1 < n else rank
+    peers = {(rank + 1) % n, (rank - 1) % n, partner} | (set(range(n)) if rank == 0 else {0})
+    assert set(comm._pairs) == peers - {rank}, comm._pairs  # (every pair case_p2p used)
+    assert all(ch._path.last_schedule == "nccl" for ch in comm._pairs.values()), \
+        [ch._path.last_schedule for ch in comm._pairs.values()]
     stream = c.xp.cuda.Stream(non_blocking=True)
     with stream:  # NCCL's route is refused under capture, harmlessly
         x = dev(c, np.ones(3, np.float32))  # (written on `stream`, before the call reads it)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
@@ -42,20 +44,37 @@ def test_every_data_kernel_fits_the_fallback_occupancy(cubins: dict[str, bytes],
 
 
 def test_the_kernels_command_builds_into_the_cache_collectives_load(
-        cubins: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
-    """`gpuring kernels --arch ARCH` (for images and job prologues) leaves the CUBIN where
-    CudaDevice looks first; an architecture NVRTC does not know is an error with its log."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpuring kernels --arch ARCH` (for job prologues) leaves each CUBIN where CudaDevice
+    looks first (here an empty cache, and NVRTC's compile stood in for); a cache it cannot
+    write, and a name that is no GPU architecture, are errors."""
     from gpuring import _cli
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built: list[str] = []
+
+    def compile_for(arch: str, source: str | None = None) -> bytes:
+        built.append(arch)
+        return f"CUBIN for {arch}".encode()
+
+    monkeypatch.setattr(_kernels, "nvrtc_compile", compile_for)
     assert _cli.main(["kernels", "--arch", "sm_80", "--arch", "sm_90"]) == 0
     out = capsys.readouterr().out
     for arch in ARCHS:
         path = _kernels.cubin_path(arch)
-        assert f"{arch}: {path} (ready in " in out
-        assert path.read_bytes() == cubins[arch]
-    assert _cli.main(["kernels", "--arch", "sm_1"]) == 1
-    err = capsys.readouterr().err
-    assert "NVRTC could not compile reduce.cu for sm_1" in err and "nvrtc: error" in err, err
+        assert path.is_relative_to(tmp_path) and f"{arch}: {path} (ready in " in out, out
+        assert path.read_bytes() == f"CUBIN for {arch}".encode()
+    assert built == ARCHS
+    assert _cli.main(["kernels", "--arch", "sm_90"]) == 0 and built == ARCHS  # (cached)
+    capsys.readouterr()
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/self/no-such-directory")
+    assert _cli.main(["kernels", "--arch", "sm_90"]) == 1
+    assert "could not write" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["kernels", "--arch", "compute_90"])
+    assert exited.value.code == 2
+    assert "is not a GPU architecture" in capsys.readouterr().err
 
 
 def test_every_op_dtype_pair_has_a_kernel() -> None:
