@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import builtins  # this module defines any, all, sum, abs ... as cupy does: use the builtins
 import ctypes
+import importlib
 import itertools
 import mmap
 import os
@@ -800,7 +801,7 @@ class Device:
         if not 0 <= self.id < runtime.getDeviceCount():
             raise CUDARuntimeError("cudaErrorInvalidDevice", str(self.id))
         self.attributes = _Attributes(MultiProcessorCount=_SM_COUNT)
-        self.compute_capability = _host_build().COMPUTE_CAPABILITY
+        self.compute_capability = _sibling("kernels_host_build").COMPUTE_CAPABILITY
         self.pci_bus_id = f"0000:{0x18 + self.id:02x}:00.0"
 
     def __enter__(self) -> Device:
@@ -894,7 +895,7 @@ def _kernel_library() -> ctypes.CDLL:
     global _lib
     with _lib_lock:
         if _lib is None:
-            kernels_host_build = _host_build()
+            kernels_host_build = _sibling("kernels_host_build")
             path = os.environ.get("GPURING_CUDASIM_LIB")
             if not path:
                 cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -956,29 +957,19 @@ class Module:
     def load(self, cubin: bytes) -> None:
         if not isinstance(cubin, bytes) or not cubin.startswith(b"\x7fELF"):
             raise CUDARuntimeError("CUDA_ERROR_INVALID_IMAGE", "not a CUBIN")
-        self._registers = _cubin().registers(cubin)
+        self._registers = _sibling("cubin").registers(cubin)
 
     def get_function(self, name: str) -> RawKernel:
         return RawKernel(name, getattr(self, "_registers", {}).get(name))
 
 
-def _cubin() -> Any:
-    """tests/cudasim/cubin.py (register counts of a CUBIN, CUDA's occupancy rules)."""
+def _sibling(name: str) -> Any:
+    """A module next to this file: cubin (register counts of a CUBIN, CUDA's occupancy
+    rules) or kernels_host_build (the kernels built for the CPU; the simulated GPUs' compute
+    capability)."""
     if str(_HERE) not in sys.path:
         sys.path.insert(0, str(_HERE))
-    import cubin
-
-    return cubin
-
-
-def _host_build() -> Any:
-    """tests/cudasim/kernels_host_build.py (the kernels built for the CPU; the simulated
-    GPUs' compute capability)."""
-    if str(_HERE) not in sys.path:
-        sys.path.insert(0, str(_HERE))
-    import kernels_host_build
-
-    return kernels_host_build
+    return importlib.import_module(name)
 
 
 def _occupancy(handle: int, block_size: int, dynamic_shared: int) -> tuple[str, int]:
@@ -992,7 +983,7 @@ def _occupancy(handle: int, block_size: int, dynamic_shared: int) -> tuple[str, 
         return "CUDA_ERROR_INVALID_HANDLE", 0
     if not 1 <= block_size <= 1024 or dynamic_shared:
         return "CUDA_ERROR_INVALID_VALUE", 0
-    return "CUDA_SUCCESS", _cubin().blocks_per_sm(kernel.registers, block_size)
+    return "CUDA_SUCCESS", _sibling("cubin").blocks_per_sm(kernel.registers, block_size)
 
 
 class RawModule:
