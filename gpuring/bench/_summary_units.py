@@ -1,0 +1,38 @@
+"""Units of summary.txt (`gpuring.bench.check_summary`): each measured value as text, "n/a"
+for one that is missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["us", "size_text", "gbps", "ratio"]
+
+
+def us(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "n/a"
+    if value >= 1e6:
+        return f"{value / 1e6:.2f} s"
+    if value >= 1e3:
+        return f"{value / 1e3:.2f} ms"
+    return f"{value:.1f} us"
+
+
+def size_text(n: Any) -> str:
+    if not isinstance(n, int):
+        return str(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def gbps(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "n/a"
+    return f"{value:.0f} GB/s" if value >= 100 else f"{value:.{1 if value >= 1 else 3}f} GB/s"
+
+
+def ratio(a: Any, b: Any) -> str:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
+    return f"{a / b:.1f}x" if ok else "n/a"
