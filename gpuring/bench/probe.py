@@ -297,7 +297,7 @@ def run_probe(out: Path) -> dict[str, Any]:
 def _part_main(name: str, result: str, budget: float) -> int:
     """In a part's child process: run the part, recording an error or a hang."""
     from ._probe_gpu import Hang, Recorder, Settings, describe
-    from ._probe_parts import PARTS
+    from ._probe_registry import PARTS
 
     rec = Recorder(result)
     try:
@@ -317,7 +317,7 @@ def _peer_main(role: str) -> int:
     """In a peer process: the channel is stdin and the original stdout; stray output from
     libraries goes to stderr instead."""
     from ._probe_gpu import Channel, describe
-    from ._probe_parts import PEERS
+    from ._probe_registry import PEERS
 
     wfile = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
