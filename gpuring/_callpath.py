@@ -286,6 +286,7 @@ class CallPath:
             except BaseException as exc:
                 self.give_up(exc, name)
                 raise
+            self.life.completed(self.seq)
         elif self.config.verify and name in _VERIFIED:
             self._verify(name, out)
         return out
@@ -323,6 +324,8 @@ class CallPath:
             raise error from None
         finally:
             watchdog.leave()
+        if engine.device.blocking:  # its work (and all before) completed without error
+            self.life.completed(seq)
         if finished is not None:
             watchdog.track(finished, name, seq, engine.device.check)
 
@@ -466,8 +469,8 @@ class CallPath:
         unblock every wait of this rank. Any thread."""
         watchdog = self.watchdog
         # a failure that reached no collective of this rank (all had completed) lost nothing
-        busy = watchdog is not None and watchdog.busy()
-        if not self.life.fail(error, busy=busy, by_user=by_user):
+        in_flight = None if watchdog is None else watchdog.in_flight()
+        if not self.life.fail(error, in_flight=in_flight, by_user=by_user):
             return
         if watchdog is not None:
             watchdog.note_failure(error)

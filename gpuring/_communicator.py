@@ -465,13 +465,15 @@ class Communicator:
         failure. CUDA collectives return once queued: their errors reach the host here, in the
         next call, or in `close()`; results read before then are not checked."""
         self._drain_async()
-        self._path.life.check("synchronize", self._path.seq)
+        seq = self._path.seq
+        self._path.life.check("synchronize", seq)
         self._path.wait_engines("synchronize")
         _transport_routes.sync_levels(self._path, "synchronize")
         if self._pairs:
             from ._groups import synchronize_channels
 
             synchronize_channels(self)
+        self._path.life.completed(seq)
 
     # -- training features: async, timeline --------------------------------------------
     def start_timeline(self, path: str | os.PathLike[str]) -> None:

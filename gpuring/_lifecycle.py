@@ -62,7 +62,10 @@ class Lifecycle:
         self.cause: GpuringError | None = None
         self.error: BaseException | None = None
         self.by_user = False  #: abort() was called: close() need not report the failure
-        self.hit_work = False  #: the failure came while a collective was in flight
+        #: the oldest collective that was in flight when the failure came (None: none was)
+        self.lost_from: int | None = None
+        #: every collective up to this one is known to have completed without error
+        self.completed_through = 0
         #: what closing needs to know, apart from the rest (no error or traceback in it, so
         #: the communicator's finalizer can hold it without holding the communicator)
         self.outcome = Outcome()
@@ -72,19 +75,27 @@ class Lifecycle:
     def orderly(self) -> bool:
         return self.outcome.orderly
 
-    def fail(self, cause: GpuringError, *, busy: bool, by_user: bool = False) -> bool:
-        """Record a failure from outside a call; True for the first one (the caller then
-        unblocks every wait of this rank), False when one was recorded already."""
+    def fail(self, cause: GpuringError, *, in_flight: int | None,
+             by_user: bool = False) -> bool:
+        """Record a failure from outside a call, which came while collective `in_flight`
+        and those after it had not completed (None: all had); True for the first one (the
+        caller then unblocks every wait of this rank), False when one was recorded already."""
         with self._lock:
             self.by_user = self.by_user or by_user
             if self.cause is not None:
                 return False
             self.cause = cause
-            self.hit_work = busy
+            self.lost_from = in_flight
             self.outcome.orderly = False
             if self.state is State.OPEN:
                 self.state = State.FAILED
             return True
+
+    def completed(self, seq: int) -> None:
+        """Every collective up to `seq` completed without error: a failure that came while
+        one of them was in flight lost nothing after all (its call was about to return)."""
+        with self._lock:
+            self.completed_through = max(self.completed_through, seq)
 
     def raised(self, error: BaseException) -> None:
         """A call raised `error`: the communicator cannot run collectives any more."""
@@ -122,9 +133,10 @@ class Lifecycle:
         ) from broken
 
     def unraised(self, seq: int) -> GpuringError | None:
-        """At close: a failure no call has raised, that hit work in flight (and was not the
-        user's own abort), as close's error."""
-        if self.state is State.FAILED and not self.by_user and self.hit_work:
+        """At close: a failure no call has raised, that hit work in flight which did not
+        complete after all (and was not the user's own abort), as close's error."""
+        lost = self.lost_from is not None and self.lost_from > self.completed_through
+        if self.state is State.FAILED and not self.by_user and lost:
             assert self.cause is not None
             return in_context(self.cause, "close", seq, self.rank)
         return None

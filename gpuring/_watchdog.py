@@ -86,15 +86,25 @@ class Watchdog:
 
     def busy(self) -> bool:
         """Whether this rank has a collective in flight: on the host, or queued on the GPU."""
-        if self._current is not None:
-            return True
-        for event, _deadline, _name, _seq, _check in list(self._pending):
+        return self.in_flight() is not None
+
+    def in_flight(self) -> int | None:
+        """The oldest of this rank's collectives that may not have completed (the one its
+        host is in, or one queued on the GPU; work that failed counts as not completed), or
+        None when every one has."""
+        current = self._current
+        oldest = None if current is None else current[0]
+        completed: int | None = None  # the newest collective known to have completed
+        for event, _deadline, _name, seq, _check in list(self._pending):
             try:
-                if not event.query():
-                    return True
+                done = event.query()
             except Exception:  # a failed kernel: its results are lost
-                return True
-        return False
+                done = False
+            if not done:  # (held events stand for the ones between them: see `track`)
+                first = seq if completed is None else completed + 1
+                return first if oldest is None else min(oldest, first)
+            completed = seq
+        return oldest
 
     def track(self, event: Event, name: str, seq: int,
               check: Callable[[], None] | None = None) -> None:

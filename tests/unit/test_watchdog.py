@@ -122,3 +122,42 @@ def test_a_rank_that_learns_of_a_failure_says_whom_it_blames() -> None:
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_the_oldest_collective_in_flight() -> None:
+    """What a failure that comes now may have hit: the oldest collective not known complete
+    (a held event stands for those it replaced, which run before it)."""
+    watchdog, failures, _ = _watchdog(timeout=600)
+    try:
+        watchdog.track(_Event("done"), "all_reduce", 1)
+        assert watchdog.in_flight() is None
+        watchdog.track(_Event("running"), "all_reduce", 2)
+        assert watchdog.in_flight() == 2
+        for seq in (3, 4):  # held: the watched one (2) and the latest (4)
+            watchdog.track(_Event("running"), "all_reduce", seq)
+        assert watchdog.in_flight() == 2
+        assert failures == []
+    finally:
+        watchdog.close()
+
+
+def test_a_failure_close_reports_only_for_work_it_lost() -> None:
+    """A failure that came while collective 5 was in flight is close's error, unless every
+    collective through 5 then completed without error (its call was about to return)."""
+    from gpuring import PeerFailureError
+    from gpuring._lifecycle import Lifecycle
+
+    def life(completed: int) -> Lifecycle:
+        one = Lifecycle(rank=1)
+        one.completed(4)
+        assert one.fail(PeerFailureError("rank 0 failed: recovering", peer=0), in_flight=5)
+        one.completed(completed)
+        return one
+
+    assert life(completed=5).unraised(seq=5) is None
+    lost = life(completed=4).unraised(seq=5)
+    assert isinstance(lost, PeerFailureError) and lost.peer == 0
+    assert "close #5 on rank 1: rank 0 failed" in str(lost)
+    idle = Lifecycle(rank=1)
+    idle.fail(PeerFailureError("rank 0 failed", peer=0), in_flight=None)
+    assert idle.unraised(seq=5) is None
