@@ -174,11 +174,32 @@ class PiecedKernel(Direct):
 
 
 class _Operands(NamedTuple):
-    """A staged all_reduce's operands: the input's address as the staging kernel takes it,
-    and per epoch parity the arguments of each launch of the fold into the output."""
+    """A staged all_reduce's operands, per epoch parity: the staging kernel's arguments up to
+    the epoch, and the arguments of each launch of the fold into the output."""
 
-    inp_ptr: np.uint64
+    stage: tuple[tuple[Any, ...], tuple[Any, ...]]
     folds: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]
+
+
+_ONE = np.uint64(1)
+
+
+class HostEpoch:
+    """The stream-memory-operation form's calls so far on one GPU, as the host counts them
+    (`value`) and as the staging kernel takes the count (`arg`, a NumPy uint64 kept up by
+    adding one: making one from a Python int costs several times as much)."""
+
+    __slots__ = ("arg", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.arg = np.uint64(0)
+
+    def advance(self) -> int:
+        """Count one more call; its epoch."""
+        self.value += 1
+        self.arg = self.arg + _ONE
+        return self.value
 
 
 class StagedAllReduce(Direct):
@@ -255,7 +276,9 @@ class StagedAllReduce(Direct):
                                  np.int64(self._divisor if last else 1),
                                  np.uint64(self._device.abort_ptr)))
             folds.append(tuple(launches))
-        return _Operands(np.uint64(inp.ptr), (folds[0], folds[1]))
+        inp_ptr = np.uint64(inp.ptr)
+        stage = tuple((at, inp_ptr, self._nbytes_arg, *self._told) for at in self._stage_at)
+        return _Operands((stage[0], stage[1]), (folds[0], folds[1]))
 
     def run(self, stream: Stream, operands: _Operands, *, captured: bool = False) -> None:
         assert isinstance(stream, _CudaStream)
@@ -263,12 +286,11 @@ class StagedAllReduce(Direct):
         dev.check()
         if captured:
             raise ValueError("the stream-memory-operation form cannot be captured")
-        dev.fused_epoch += 1
-        epoch = dev.fused_epoch
+        counter = dev.fused_epoch
+        epoch = counter.advance()
         parity = epoch & 1
         with dev.scope():
-            self._enqueue(stream, (self._stage_at[parity], operands.inp_ptr, self._nbytes_arg,
-                                   *self._told, np.uint64(epoch), *self._stage_rest))
+            self._enqueue(stream, operands.stage[parity] + (counter.arg, *self._stage_rest))
             dev.operations += 1
             for flag, tag in self._waits:
                 stream.waits.append((flag, epoch, tag))

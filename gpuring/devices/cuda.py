@@ -66,7 +66,7 @@ from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
 from . import _kernels, _topology
-from ._cuda_direct import prepare_direct
+from ._cuda_direct import HostEpoch, prepare_direct
 from ._cuda_driver import (
     FLAGS_ENV,
     Scope,
@@ -295,7 +295,8 @@ class CudaDevice(Device):
         #: all_reduce ("kernel", "memops" or "off"), for the job (`schedule`)
         self.fused_blocks = 0
         self.fused_form = "off"
-        self.fused_epoch = 0  #: the stream-memory-operation form's calls so far
+        #: the stream-memory-operation form's calls so far
+        self.fused_epoch = HostEpoch()
 
     # -- helpers ------------------------------------------------------------------------------
     def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]:
@@ -463,7 +464,7 @@ class CudaDevice(Device):
 
     def capturing(self) -> bool:
         with self.scope():
-            return bool(_cupy().cuda.get_current_stream(self.device_id).is_capturing())
+            return bool(self._current_stream(self.device_id).is_capturing())
 
     def caller_stream(self) -> _CudaStream:
         """The caller's current CuPy stream on this GPU, wrapped once per stream handle, so
