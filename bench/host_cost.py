@@ -64,7 +64,7 @@ def _without_driver() -> None:
     _cuda_direct.StagedAllReduce._enqueue = (  # type: ignore[method-assign]
         lambda self, stream, args: None)
     _cuda_direct.StagedAllReduce._wait = (  # type: ignore[method-assign]
-        lambda self, driver, cu: None)
+        lambda self, driver, cu, params: None)
     _cuda_direct.StagedAllReduce._fold = (  # type: ignore[method-assign]
         lambda self, stream, args: None)
     cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]

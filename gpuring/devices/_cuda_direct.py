@@ -248,6 +248,7 @@ class StagedAllReduce(Direct):
         self._params: list[Any] | None = None  # the wait's parameters, made on first use
 
     def _wait_params(self) -> list[Any]:
+        """The wait's parameters but the value, made on first use (and kept)."""
         from cuda.bindings import driver
 
         params = []
@@ -257,6 +258,7 @@ class StagedAllReduce(Direct):
             param.waitValue.address = driver.CUdeviceptr(_flag_addr(flag))
             param.waitValue.flags = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
             params.append(param)
+        self._params = params
         return params
 
     def bind(self, out: Memory, inp: Memory) -> _Operands:
@@ -289,22 +291,20 @@ class StagedAllReduce(Direct):
         counter = dev.fused_epoch
         epoch = counter.advance()
         parity = epoch & 1
+        folds = operands.folds[parity]
         with dev.scope():
             self._enqueue(stream, operands.stage[parity] + (counter.arg, *self._stage_rest))
-            dev.operations += 1
-            for flag, tag in self._waits:
-                stream.waits.append((flag, epoch, tag))
             driver, cu = stream._driver_stream()
-            if self._params is None:
-                self._params = self._wait_params()
+            params = self._params or self._wait_params()
             value = driver.cuuint64_t(epoch)  # each parameter copies it
-            for param in self._params:
+            waits = stream.waits
+            for (flag, tag), param in zip(self._waits, params, strict=True):
+                waits.append((flag, epoch, tag))
                 param.waitValue.value64 = value
-            self._wait(driver, cu)
-            dev.operations += 1
-            for args in operands.folds[parity]:
+            self._wait(driver, cu, params)
+            for args in folds:
                 self._fold(stream, args)
-                dev.operations += 1
+        dev.operations += 2 + len(folds)
 
     def _fold(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """One launch of the fold (a driver call)."""
@@ -314,8 +314,6 @@ class StagedAllReduce(Direct):
         """The staging kernel's launch (a driver call)."""
         self._kernel(self._grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
 
-    def _wait(self, driver: Any, cu: Any) -> None:
+    def _wait(self, driver: Any, cu: Any, params: list[Any]) -> None:
         """The stream memory operation (a driver call)."""
-        assert self._params is not None
-        check_cu(driver.cuStreamBatchMemOp(cu, len(self._params), self._params, 0),
-                 "cuStreamBatchMemOp")
+        check_cu(driver.cuStreamBatchMemOp(cu, len(params), params, 0), "cuStreamBatchMemOp")
