@@ -286,7 +286,7 @@ class CallPath:
             except BaseException as exc:
                 self.give_up(exc, name)
                 raise
-            self.life.completed(self.seq)
+            self._completed(self.seq, engine)
         elif self.config.verify and name in _VERIFIED:
             self._verify(name, out)
         return out
@@ -325,9 +325,17 @@ class CallPath:
         finally:
             watchdog.leave()
         if engine.device.blocking:  # its work (and all before) completed without error
-            self.life.completed(seq)
+            self._completed(seq, engine)
         if finished is not None:
             watchdog.track(finished, name, seq, engine.device.check)
+
+    def _completed(self, seq: int, engine: Engine) -> None:
+        """`engine`'s work up to collective `seq` completed without error: so did all of
+        this rank's, unless another engine may still be running some (a GPU's)."""
+        for other in self.engines.values():
+            if other is not engine and not other.device.blocking:
+                return
+        self.life.completed(seq)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
     def _agree(self, signature: Signature, *, remember: bool = True) -> None:

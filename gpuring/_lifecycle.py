@@ -62,8 +62,8 @@ class Lifecycle:
         self.cause: GpuringError | None = None
         self.error: BaseException | None = None
         self.by_user = False  #: abort() was called: close() need not report the failure
-        #: the oldest collective that was in flight when the failure came (None: none was)
-        self.lost_from: int | None = None
+        #: the newest collective that was in flight when the failure came (None: none was)
+        self.lost_through: int | None = None
         #: every collective up to this one is known to have completed without error
         self.completed_through = 0
         #: what closing needs to know, apart from the rest (no error or traceback in it, so
@@ -77,15 +77,15 @@ class Lifecycle:
 
     def fail(self, cause: GpuringError, *, in_flight: int | None,
              by_user: bool = False) -> bool:
-        """Record a failure from outside a call, which came while collective `in_flight`
-        and those after it had not completed (None: all had); True for the first one (the
+        """Record a failure from outside a call, which came while collectives up to
+        `in_flight` may not have completed (None: all had); True for the first one (the
         caller then unblocks every wait of this rank), False when one was recorded already."""
         with self._lock:
             self.by_user = self.by_user or by_user
             if self.cause is not None:
                 return False
             self.cause = cause
-            self.lost_from = in_flight
+            self.lost_through = in_flight
             self.outcome.orderly = False
             if self.state is State.OPEN:
                 self.state = State.FAILED
@@ -135,7 +135,7 @@ class Lifecycle:
     def unraised(self, seq: int) -> GpuringError | None:
         """At close: a failure no call has raised, that hit work in flight which did not
         complete after all (and was not the user's own abort), as close's error."""
-        lost = self.lost_from is not None and self.lost_from > self.completed_through
+        lost = self.lost_through is not None and self.lost_through > self.completed_through
         if self.state is State.FAILED and not self.by_user and lost:
             assert self.cause is not None
             return in_context(self.cause, "close", seq, self.rank)

@@ -42,6 +42,8 @@ class Watchdog:
         self._failure: tuple[str, int] | None = None  # why this rank failed, whom it
         # blames, when known
         self._current: tuple[int, str, float] | None = None
+        #: a collective whose work failed on the GPU (its event may have completed)
+        self._failed_seq: int | None = None
         #: (seq, name, what) of the call this rank agrees on with its peers, if it does
         self._expecting: tuple[int, str, str] | None = None
         self._warned_seq = 0
@@ -89,22 +91,21 @@ class Watchdog:
         return self.in_flight() is not None
 
     def in_flight(self) -> int | None:
-        """The oldest of this rank's collectives that may not have completed (the one its
-        host is in, or one queued on the GPU; work that failed counts as not completed), or
-        None when every one has."""
-        current = self._current
-        oldest = None if current is None else current[0]
-        completed: int | None = None  # the newest collective known to have completed
+        """The newest of this rank's collectives that may not have completed (the one its
+        host is in, one queued on the GPU, or one whose work failed), or None when every
+        one has. (A held event stands for the ones it replaced, which complete before it.)"""
+        current, failed = self._current, self._failed_seq
+        newest = -1 if current is None else current[0]
+        if failed is not None:
+            newest = max(newest, failed)
         for event, _deadline, _name, seq, _check in list(self._pending):
             try:
                 done = event.query()
             except Exception:  # a failed kernel: its results are lost
                 done = False
-            if not done:  # (held events stand for the ones between them: see `track`)
-                first = seq if completed is None else completed + 1
-                return first if oldest is None else min(oldest, first)
-            completed = seq
-        return oldest
+            if not done:
+                newest = max(newest, seq)
+        return None if newest < 0 else newest
 
     def track(self, event: Event, name: str, seq: int,
               check: Callable[[], None] | None = None) -> None:
@@ -245,6 +246,7 @@ class Watchdog:
             try:
                 done = event.query()
             except Exception as exc:  # the GPU reported an error: the collective is lost
+                self._failed_seq = seq
                 message = f"{name} #{seq} failed on rank {self.rank}: {exc}"
                 self.board.give_up(GAVE_UP, message)
                 self._fail(GpuringError(message))
@@ -271,6 +273,7 @@ class Watchdog:
         except FlagWaitAborted:
             return False
         except Exception as exc:
+            self._failed_seq = seq
             message = f"{name} #{seq} failed on rank {self.rank}: {exc}"
             self.board.give_up(TIMED_OUT, message)
             self._fail(CollectiveTimeoutError(message, collective=name, seq=seq))

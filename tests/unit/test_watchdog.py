@@ -124,19 +124,35 @@ def test_a_rank_that_learns_of_a_failure_says_whom_it_blames() -> None:
         rank1.close()
 
 
-def test_the_oldest_collective_in_flight() -> None:
-    """What a failure that comes now may have hit: the oldest collective not known complete
-    (a held event stands for those it replaced, which run before it)."""
+def test_the_newest_collective_in_flight() -> None:
+    """What a failure that comes now may have hit: every collective up to the newest one not
+    known complete (a held event stands for those it replaced; completed ones stay held until
+    the watchdog's next tick, here never)."""
     watchdog, failures, _ = _watchdog(timeout=600)
+    watchdog._stop.set()  # no tick from now on
+    watchdog._thread.join()
     try:
-        watchdog.track(_Event("done"), "all_reduce", 1)
+        for seq in (3, 4, 5):
+            watchdog.track(_Event("done"), "all_reduce", seq)
         assert watchdog.in_flight() is None
-        watchdog.track(_Event("running"), "all_reduce", 2)
-        assert watchdog.in_flight() == 2
-        for seq in (3, 4):  # held: the watched one (2) and the latest (4)
-            watchdog.track(_Event("running"), "all_reduce", seq)
-        assert watchdog.in_flight() == 2
+        watchdog.track(_Event("running"), "all_reduce", 6)  # replaces 5: held are 3 and 6
+        assert watchdog.in_flight() == 6
         assert failures == []
+    finally:
+        watchdog.close()
+
+
+def test_work_that_failed_by_itself_counts_as_in_flight() -> None:
+    """A collective whose kernel gave up by itself completes, but its work is lost."""
+    watchdog, failures, failed = _watchdog(timeout=600)
+
+    def check() -> None:
+        raise RuntimeError("a wait timed out in the kernel")
+
+    try:
+        watchdog.track(_Event("done"), "broadcast", 7, check)
+        assert failed.wait(10) and "broadcast #7 failed" in str(failures[0])
+        assert watchdog.in_flight() == 7
     finally:
         watchdog.close()
 
@@ -161,3 +177,22 @@ def test_a_failure_close_reports_only_for_work_it_lost() -> None:
     idle = Lifecycle(rank=1)
     idle.fail(PeerFailureError("rank 0 failed", peer=0), in_flight=None)
     assert idle.unraised(seq=5) is None
+
+
+def test_only_a_rank_whose_every_engine_is_done_vouches_for_its_work() -> None:
+    """A blocking engine's call (or a barrier on one engine) that returns says that engine's
+    work completed: all of the rank's only where no other engine may still be running some
+    (a GPU's queued collectives)."""
+    from types import SimpleNamespace
+
+    from gpuring._callpath import CallPath
+    from gpuring._lifecycle import Lifecycle
+
+    def engine(blocking: bool) -> SimpleNamespace:
+        return SimpleNamespace(device=SimpleNamespace(blocking=blocking))
+
+    host, gpu = engine(True), engine(False)
+    for engines, vouched in (({"cpu": host}, 2), ({"cpu": host, "cuda": gpu}, 0)):
+        path = SimpleNamespace(engines=engines, life=Lifecycle(rank=0))
+        CallPath._completed(path, 2, host)  # type: ignore[arg-type]
+        assert path.life.completed_through == vouched
