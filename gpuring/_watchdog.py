@@ -49,6 +49,7 @@ class Watchdog:
         self._warned_seq = 0
         self._pending: collections.deque[
             tuple[Event, float, str, int, Callable[[], None] | None]] = collections.deque()
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpuring-watchdog", daemon=True)
         self._thread.start()
@@ -117,9 +118,12 @@ class Watchdog:
         event completes after every earlier one's (each is ordered after the one before), so
         a newer one stands for those it replaces, its deadline a little later; and holding
         few events lets the device reuse them (making one is a driver call)."""
-        if len(self._pending) >= 2:
-            self._pending.pop()  # the latest so far: this one completes after it
-        self._pending.append((event, time.monotonic() + self._timeout, name, seq, check))
+        entry = (event, time.monotonic() + self._timeout, name, seq, check)
+        pending = self._pending
+        with self._pending_lock:  # (the watchdog's thread takes completed ones meanwhile)
+            if len(pending) >= 2:
+                pending.pop()  # the latest so far: this one completes after it
+            pending.append(entry)
 
     def blame(self, error: CollectiveTimeoutError, name: str,
               seq: int) -> CollectiveTimeoutError:
@@ -250,10 +254,10 @@ class Watchdog:
                 message = f"{name} #{seq} failed on rank {self.rank}: {exc}"
                 self.board.give_up(GAVE_UP, message)
                 self._fail(GpuringError(message))
-                self._pending.popleft()
+                self._forget_first()
                 return
             if done:
-                self._pending.popleft()
+                self._forget_first()
                 if check is not None and self._failed_by_itself(check, name, seq):
                     return
             elif time.monotonic() > deadline:
@@ -264,6 +268,12 @@ class Watchdog:
                 return
             else:
                 return
+
+    def _forget_first(self) -> None:
+        """Stop holding the watched collective (only this thread removes it: `track`
+        replaces the latest, and only where there are two)."""
+        with self._pending_lock:
+            self._pending.popleft()
 
     def _failed_by_itself(self, check: Callable[[], None], name: str, seq: int) -> bool:
         """Run a completed collective's `check`; fail the communicator if it raises (an
