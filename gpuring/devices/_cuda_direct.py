@@ -9,6 +9,7 @@ memory operation (`StagedAllReduce`), and a collective larger than one slot as o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -17,7 +18,7 @@ from .._ops import ReduceOp
 from . import _kernels
 from ._cuda_driver import check_cu
 from ._cuda_streams import THREADS, CudaMemory, _addr, _CudaStream, _flag_addr, _inbox
-from .base import Direct, Flag, Memory, Span, Stream
+from .base import Direct, Memory, Span, Stream
 
 if TYPE_CHECKING:
     from .cuda import CudaDevice
@@ -187,19 +188,14 @@ _ONE = np.uint64(1)
 class HostEpoch:
     """The stream-memory-operation form's calls so far on one GPU, as the host counts them
     (`value`) and as the staging kernel takes the count (`arg`, a NumPy uint64 kept up by
-    adding one: making one from a Python int costs several times as much)."""
+    adding one: making one from a Python int costs several times as much). Each call adds
+    one to both (`StagedAllReduce.run`)."""
 
     __slots__ = ("arg", "value")
 
     def __init__(self) -> None:
         self.value = 0
         self.arg = np.uint64(0)
-
-    def advance(self) -> int:
-        """Count one more call; its epoch."""
-        self.value += 1
-        self.arg = self.arg + _ONE
-        return self.value
 
 
 class StagedAllReduce(Direct):
@@ -214,7 +210,7 @@ class StagedAllReduce(Direct):
 
     __slots__ = ("_device", "_divisor", "_elements", "_fold_grid", "_fold_kernel", "_grid",
                  "_kernel", "_nbytes", "_nbytes_arg", "_params", "_rank", "_stage_at",
-                 "_stage_rest", "_staged", "_told", "_waits")
+                 "_stage_rest", "_staged", "_told", "_wait_flags", "_wait_tags")
 
     def __init__(self, device: CudaDevice, regions: Sequence[Span], rank: int, slot: int,
                  dtype: str, op: ReduceOp, divisor: int, nbytes: int):
@@ -229,10 +225,10 @@ class StagedAllReduce(Direct):
         peers = [q for q in range(len(regions)) if q != rank]
         told = [np.uint64(_flag_addr(_inbox(regions[q], rank))) for q in peers]
         self._told = (*told, *[np.uint64(0)] * (8 - len(told)), np.int32(len(told)))
-        self._waits: tuple[tuple[Flag, Any], ...] = tuple(
-            (_inbox(regions[rank], q), (q, "its part of a one-operation all_reduce"))
-            for q in peers)
-        for flag, _ in self._waits:
+        #: what this rank waits for, per peer: the flag, and the tag its timeout names
+        self._wait_flags = tuple(_inbox(regions[rank], q) for q in peers)
+        self._wait_tags = tuple((q, "its part of a one-operation all_reduce") for q in peers)
+        for flag in self._wait_flags:
             device.note_wait_word(_flag_addr(flag))
         self._fold_kernel, itemsize = device.reduce_n_kernel(dtype, op)
         if nbytes % itemsize:
@@ -252,7 +248,7 @@ class StagedAllReduce(Direct):
         from cuda.bindings import driver
 
         params = []
-        for flag, _ in self._waits:
+        for flag in self._wait_flags:
             param = driver.CUstreamBatchMemOpParams()
             param.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
             param.waitValue.address = driver.CUdeviceptr(_flag_addr(flag))
@@ -288,19 +284,19 @@ class StagedAllReduce(Direct):
         dev.check()
         if captured:
             raise ValueError("the stream-memory-operation form cannot be captured")
-        counter = dev.fused_epoch
-        epoch = counter.advance()
+        counter = dev.fused_epoch  # (no method: this is on every call's path)
+        counter.value = epoch = counter.value + 1
+        counter.arg = arg = counter.arg + _ONE
         parity = epoch & 1
         folds = operands.folds[parity]
         with dev.scope():
-            self._enqueue(stream, operands.stage[parity] + (counter.arg, *self._stage_rest))
-            driver, cu = stream._driver_stream()
+            self._enqueue(stream, operands.stage[parity] + (arg, *self._stage_rest))
+            driver, cu = stream._cu or stream._driver_stream()
             params = self._params or self._wait_params()
             value = driver.cuuint64_t(epoch)  # each parameter copies it
-            waits = stream.waits
-            for (flag, tag), param in zip(self._waits, params, strict=True):
-                waits.append((flag, epoch, tag))
+            for param in params:
                 param.waitValue.value64 = value
+            stream.waits.extend(zip(self._wait_flags, repeat(epoch), self._wait_tags))
             self._wait(driver, cu, params)
             for args in folds:
                 self._fold(stream, args)
