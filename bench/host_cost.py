@@ -12,7 +12,9 @@ CuPy calls it makes (the current stream, whether it captures, the current device
 no-op Python call per driver call it would make (an event record still runs gpuring's own
 wrapper, reuse and bookkeeping, with a raw event that records nothing). Reported per rank:
 the median of 5 runs of the loop and the best, the driver calls one all_reduce makes
-(`comm.device_operations`), and how the median splits between gpuring's own code, CuPy's
+(`comm.device_operations`), the Python bytecode instructions run in gpuring's own frames per
+call (counted by a tracer: exact whatever the machine's speed, which timings here are not),
+and how the median splits between gpuring's own code, CuPy's
 and the no-op stand-ins with the loop: a statistical profile of more runs (SIGPROF every
 100 us of CPU time, or as often as the kernel's clock allows; each sample goes to the
 innermost frame of gpuring, CuPy or this script, so standard-library and C calls count for
@@ -29,6 +31,7 @@ import argparse
 import collections
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -109,6 +112,31 @@ def _profile(loop: Callable[[], None], samples_wanted: int = 2000,
     return samples
 
 
+def _opcodes(call: Callable[[], None], calls: int = 20) -> float:
+    """Python bytecode instructions run in gpuring's own frames per `call()`: what its host
+    cost is made of, counted exactly (a tracer, so not timed), whatever the machine's speed."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Callable[..., object] | None:
+        nonlocal count
+        if event == "call":
+            module = frame.f_globals.get("__name__") or ""
+            if module != "gpuring" and not module.startswith("gpuring."):
+                return None
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        elif event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        sys.settrace(None)
+    return count / calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1K", help="bytes of float32 (default 1K)")
@@ -136,6 +164,7 @@ def main() -> None:
         _without_driver()
         runs = []
         samples: collections.Counter[str] = collections.Counter()
+        opcodes = 0.0
 
         def loop() -> None:
             for _ in range(args.iters):
@@ -150,6 +179,7 @@ def main() -> None:
                 loop()
                 runs.append((time.perf_counter() - t0) / args.iters * 1e6)
             samples = _profile(loop)
+            opcodes = _opcodes(lambda: comm.all_reduce(x, out=out))
             if args.profile and comm.rank == 0:
                 import cProfile
                 import pstats
@@ -167,7 +197,8 @@ def main() -> None:
         print(f"rank {comm.rank}: all_reduce of {n * 4} B float32 on {comm.size} ranks: "
               f"{median:.2f} us of host time per call without the driver, best run "
               f"{min(runs):.2f} (runs: {', '.join(f'{r:.2f}' for r in runs)}), "
-              f"{calls:.0f} driver calls per call; of the median ({total} samples): {split}",
+              f"{calls:.0f} driver calls and {opcodes:.0f} Python opcodes of gpuring per call; "
+              f"of the median ({total} samples): {split}",
               flush=True)
 
 
