@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .report import size_label
+
 __all__ = ["us", "size_text", "gbps", "ratio"]
 
 
@@ -19,12 +21,10 @@ def us(value: Any) -> str:
 
 
 def size_text(n: Any) -> str:
+    """A byte count as the bench's report labels sizes; anything else as it is."""
     if not isinstance(n, int):
         return str(n)
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
+    return size_label(n) if n else "0 B"
 
 
 def gbps(value: Any) -> str:
