@@ -179,9 +179,11 @@ class Watchdog:
 
     # -- the watchdog thread ------------------------------------------------------------------
     def _fail(self, error: GpuringError) -> None:
-        if not self._failed:
+        with self._pending_lock:  # (two checks may fail at once: report one)
+            if self._failed:
+                return
             self._failed = True
-            self._on_failure(error)
+        self._on_failure(error)
 
     def _watch(self) -> None:
         while not self._stop.wait(_TICK):
@@ -221,8 +223,9 @@ class Watchdog:
         current, expecting = self._current, self._expecting
         waiting = current[:2] if current is not None else (
             expecting[:2] if expecting is not None else None)
-        if waiting is None and self._pending:
-            _event, _deadline, name, seq, _check = self._pending[0]
+        first = self._first() if waiting is None else None
+        if first is not None:
+            _event, _deadline, name, seq, _check = first
             waiting = (seq, name)
         if waiting is not None:
             gone = self.board.left_before(waiting[0])
@@ -245,8 +248,8 @@ class Watchdog:
         self._check_stall()
 
     def _check_pending(self) -> None:
-        while self._pending:
-            event, deadline, name, seq, check = self._pending[0]
+        while (entry := self._first()) is not None:
+            event, deadline, name, seq, check = entry
             try:
                 done = event.query()
             except Exception as exc:  # the GPU reported an error: the collective is lost
@@ -254,10 +257,10 @@ class Watchdog:
                 message = f"{name} #{seq} failed on rank {self.rank}: {exc}"
                 self.board.give_up(GAVE_UP, message)
                 self._fail(GpuringError(message))
-                self._forget_first()
+                self._forget(entry)
                 return
             if done:
-                self._forget_first()
+                self._forget(entry)
                 if check is not None and self._failed_by_itself(check, name, seq):
                     return
             elif time.monotonic() > deadline:
@@ -269,11 +272,20 @@ class Watchdog:
             else:
                 return
 
-    def _forget_first(self) -> None:
-        """Stop holding the watched collective (only this thread removes it: `track`
-        replaces the latest, and only where there are two)."""
+    # The held collectives change under `_pending_lock`: `track` (the caller's thread) replaces
+    # the latest where there are two, or adds one; the checks (the watchdog's thread, and the
+    # caller's through `check`, possibly at once) remove the first once they dealt with it.
+    def _first(self) -> tuple[Event, float, str, int, Callable[[], None] | None] | None:
+        """The watched collective: the first held, if any."""
         with self._pending_lock:
-            self._pending.popleft()
+            return self._pending[0] if self._pending else None
+
+    def _forget(self, entry: tuple[Event, float, str, int, Callable[[], None] | None]
+                ) -> None:
+        """Stop holding `entry`, the watched collective, unless another check did already."""
+        with self._pending_lock:
+            if self._pending and self._pending[0] is entry:
+                self._pending.popleft()
 
     def _failed_by_itself(self, check: Callable[[], None], name: str, seq: int) -> bool:
         """Run a completed collective's `check`; fail the communicator if it raises (an

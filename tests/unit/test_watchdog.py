@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from gpuring import GpuringError
 from gpuring._watchdog import Watchdog
 from gpuring.devices.base import Event
@@ -196,3 +198,41 @@ def test_only_a_rank_whose_every_engine_is_done_vouches_for_its_work() -> None:
         path = SimpleNamespace(engines=engines, life=Lifecycle(rank=0))
         CallPath._completed(path, 2, host)  # type: ignore[arg-type]
         assert path.life.completed_through == vouched
+
+
+@pytest.mark.parametrize("later", [True, False])
+def test_two_checks_at_once_deal_with_each_collective_once(later: bool) -> None:
+    """The caller's thread (`Watchdog.check`) and the watchdog's may check the held
+    collectives at once, both finding the watched one complete: it is let go once, and a
+    later one stays watched."""
+    watchdog, failures, _ = _watchdog(timeout=600)
+    watchdog._stop.set()  # the two checks below are the only ones
+    watchdog._thread.join()
+    both = threading.Barrier(2, timeout=30)
+
+    class _SeenByBoth(_Event):
+        def query(self) -> bool:
+            both.wait()  # each check is inside this query when the other is
+            return True
+
+    errors: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            watchdog._check_pending()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        watchdog.track(_SeenByBoth("done"), "all_reduce", 1)
+        if later:
+            watchdog.track(_Event("running"), "all_reduce", 2)
+        threads = [threading.Thread(target=check) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == [] and failures == []
+        assert watchdog.in_flight() == (2 if later else None)
+    finally:
+        watchdog.close()
