@@ -13,10 +13,10 @@ no-op Python call per driver call it would make (an event record still runs gpur
 wrapper, reuse and bookkeeping, with a raw event that records nothing). Reported per rank:
 the median of 5 runs of the loop and the best, the driver calls one all_reduce makes
 (`comm.device_operations`), the Python bytecode instructions run in gpuring's own frames per
-call (counted by a tracer: exact whatever the machine's speed, which timings here are not),
-and how the median splits between gpuring's own code, CuPy's
-and the no-op stand-ins with the loop: a statistical profile of more runs (SIGPROF every
-100 us of CPU time, or as often as the kernel's clock allows; each sample goes to the
+call (counted by a tracer: the same on a fast or a slow machine, which timings here are not,
+though not weighted by what each costs), and how the median splits between gpuring's own
+code, CuPy's and the no-op stand-ins with the loop: a statistical profile of more runs
+(SIGPROF every 100 us of CPU time, or as often as the kernel's clock allows; each sample goes to the
 innermost frame of gpuring, CuPy or this script, so standard-library and C calls count for
 their caller; on a GPU, CuPy's Cython has no frames, so its time counts as gpuring's).
 The ranks take turns, so that each times its calls while the others wait idle (2 ranks on
@@ -35,12 +35,16 @@ import sys
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import gpuring
 from gpuring._config import parse_size
 from gpuring.devices import _cuda_direct, cuda
+
+if TYPE_CHECKING:
+    from _typeshed import TraceFunction
 
 
 class _RawEvent:
@@ -113,11 +117,13 @@ def _profile(loop: Callable[[], None], samples_wanted: int = 2000,
 
 
 def _opcodes(call: Callable[[], None], calls: int = 20) -> float:
-    """Python bytecode instructions run in gpuring's own frames per `call()`: what its host
-    cost is made of, counted exactly (a tracer, so not timed), whatever the machine's speed."""
+    """Python bytecode instructions run in gpuring's own frames per `call()`, counted by a
+    tracer (so not timed): the same from run to run on any machine for one Python version
+    (give or take the watchdog's timing), though not weighted by cost (work done in C, NumPy
+    or the CUDA bindings counts as one instruction or none)."""
     count = 0
 
-    def trace(frame: FrameType, event: str, arg: object) -> Callable[..., object] | None:
+    def trace(frame: FrameType, event: str, arg: Any) -> TraceFunction | None:
         nonlocal count
         if event == "call":
             module = frame.f_globals.get("__name__") or ""
@@ -128,12 +134,13 @@ def _opcodes(call: Callable[[], None], calls: int = 20) -> float:
             count += 1
         return trace
 
+    previous = sys.gettrace()
     sys.settrace(trace)
     try:
         for _ in range(calls):
             call()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return count / calls
 
 
