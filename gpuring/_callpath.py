@@ -1,6 +1,7 @@
-"""The one call path of a communicator: prepare a checked call once (agree on its signature
-across ranks, pick its route, plan it), then run it by its route; and what happens on the
-path when something fails (the lifecycle's transitions, telling the peers, releasing waits).
+"""The one call path of a communicator: prepare a checked call once (`_prepare`: agree on
+its signature across ranks, pick its route, plan it), then run it by its route; and what
+happens on the path when something fails (the lifecycle's transitions, telling the peers,
+releasing waits).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import _arrays, _capture
 from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
-from ._choices import FOLDS, Choices
+from ._choices import Choices
 from ._config import Config
 from ._errors import (
     CollectiveMismatchError,
@@ -25,12 +26,11 @@ from ._errors import (
 from ._hierarchy import Layout, Levels
 from ._launch import Launch, RegistrationError
 from ._lifecycle import Lifecycle, State, in_context, weakly
-from ._registry import Placement, Registry
+from ._prepare import prepare
+from ._registry import Registry
 from ._scheduler import Engine
-from ._status import signature_hash
 from ._timeline import Timeline
 from ._watchdog import Watchdog
-from .algorithms.collectives import plan_collective
 from .devices import device_class
 from .devices.base import FlagWaitAborted, FlagWaitTimeout, Memory
 from .devices.host import SHM_PREFIX, HostDevice
@@ -98,7 +98,7 @@ class CallPath:
             if prepared is None:
                 if _arrays.capturing(call.x):  # (a barrier was refused above)
                     raise _capture.first_call_refused(call.collective)
-                prepared = self._prepare(call)
+                prepared = prepare(self, call)
                 if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
                     self.prepared.clear()
                 self.prepared[key] = prepared
@@ -123,116 +123,6 @@ class CallPath:
             if prepared.route is Route.ENGINE:  # the common route, without a dict lookup
                 return self._run_engine(prepared, call)
             return _ROUTES[prepared.route](self, prepared, call)
-
-    def _prepare(self, call: Call) -> PreparedCall:
-        """Agree with the peers on the call's signature (every setting that shapes the plan
-        included), pick its route, and for the engine, the engine and the plan."""
-        name, x, config = call.collective, call.x, self.config
-        chunk: int | None
-        if x is None:  # a barrier: no array, on an engine this rank has (else the host's)
-            kind = next(iter(self.engines), "cpu")
-            plain = Signature(name, None, (), None, None, 0)
-            dtype, shape, count, itemsize, chunk, nchannels = "uint8", (), 0, 1, 1, 1
-        else:
-            kind, dtype = _arrays.device_kind(x), _arrays.dtype_name(x)
-            shape, count, itemsize = tuple(x.shape), x.size, x.dtype.itemsize
-            plain = Signature(name, kind, shape, dtype, call.op.value, call.root,
-                              deterministic=config.deterministic)
-        picked = self.choices.pick(call, kind, count * itemsize)
-        algorithm = picked.algorithm
-        plain = plain._replace(algorithm=algorithm, tuning=self.choices.digest,
-                               transport=config.transport)
-        if self.size == 1:
-            self._agree(plain)
-            return PreparedCall(Route.ALONE, schedule="alone")
-        across = not self.control.single_node
-        if x is not None and _routes.asks_reach(self, kind):
-            self._ensure_watchdog()  # (whichever route follows: the ranks share a node)
-            self._agree(plain, remember=False)  # (every rank asks on the same call)
-            self.mappable[kind] = _routes.peers_reachable(self, kind, name)
-        if x is None and across and config.transport == "auto":  # every call agrees first:
-            return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
-        if x is not None and _routes.nodes_route(self, name) and (
-                kind != "cpu" or _routes.via_mpi(self)):
-            plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
-            if config.deterministic and algorithm == "ring":
-                self._agree(plain, remember=False)
-                raise GpuringError(_RING_REFUSED.format(name=name))
-            return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
-        flat = "mpi" if x is None or kind == "cpu" else "nccl"
-        if (flat == "mpi" and _routes.via_mpi(self)) or (flat == "nccl" and (
-                across or config.transport == "nccl" or not self.mappable.get(kind, True))):
-            refusal = None  # refused on every rank once agreed (the communicator goes on)
-            if config.deterministic and name in FOLDS:
-                reach = "across nodes" if flat == "mpi" else \
-                    "across nodes or between GPUs without peer access"
-                refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
-                           f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {reach}, or "
-                           f"GPURING_TRANSPORT={flat}): its reduction order is its own")
-            self._agree(plain, remember=refusal is None)
-            if refusal is not None:
-                raise GpuringError(refusal)
-            return PreparedCall(Route.MPI if flat == "mpi" else Route.NCCL, schedule=flat)
-        devices = device_class(kind)
-        if x is not None:  # chunk None: the engine's default (the device's, for this job)
-            chunk = picked.chunk_bytes
-            nchannels = picked.channels or devices.default_channels
-            Config(chunk_bytes=chunk, channels=nchannels).validate()
-        capacity = self._capacity(kind)
-        placement = call.placement
-        if x is None:
-            signature = plain._replace(chunk_bytes=1, channels=1, verify=config.verify)
-        else:
-            signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
-                                       one_shot_bytes=config.one_shot_bytes,
-                                       buffer_bytes=capacity, verify=config.verify,
-                                       device_settings=devices.schedule_settings())
-            if placement is not None:
-                signature = signature._replace(registered=placement)
-        self._ensure_watchdog()
-        refused = config.deterministic and algorithm == "ring"
-        self._agree(signature, remember=not refused)
-        if refused:  # agreed: every rank refuses it
-            raise GpuringError(_RING_REFUSED.format(name=name))
-        try:
-            engine = self._engine(kind, capacity)
-            piece = chunk or engine.default_chunk_bytes
-            where = placement or _PLAIN
-            peer_in, peer_out = where.inp is not None, where.out is not None
-            in_place = call.in_place or (peer_in and where.inp == where.out)
-            folds = engine.device.in_place_fold_sources
-            if name in FOLDS and 0 < folds < self.size:  # an in-place fold could not run
-                peer_in = peer_out = False  # (staged on every rank, in place or not)
-            rounds = plan_collective(
-                name, self.size, self.rank, count, itemsize=itemsize,
-                capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
-                root=call.root, one_shot_bytes=config.one_shot_bytes, in_place=in_place,
-                algorithm=algorithm, peer_in=peer_in, peer_out=peer_out, order=engine.ring)
-            registered = any(plan.registered for plan in rounds)
-            peers = self.registry.peer_arrays(where, self.size, count * itemsize) \
-                if registered else ()
-            fused = name in engine.fused_kinds and algorithm != "ring" and \
-                0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
-            launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
-                                    inline=nchannels == 1, fused=fused, collective=name,
-                                    root=call.root, nbytes=count * itemsize, peers=peers)
-            # what a CUDA graph records (made now, outside any capture)
-            captured = None if config.verify or x is None else \
-                engine.prepare_captured(launch, count * itemsize)
-        except BaseException as exc:  # after agreement the peers go on: tell them
-            self.give_up(exc, name)
-            raise
-        text = "barrier()" if x is None else (
-            f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
-            f"device={kind}, chunk_bytes={piece}, channels={nchannels}, "
-            f"algorithm={algorithm})")
-        if fused:
-            text += " as one operation"
-        elif registered:
-            text += f" in registered memory {tuple(where)}"
-        schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
-        return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
-                            schedule)
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
         x, out = call.x, call.out
@@ -549,15 +439,6 @@ class CallPath:
         if isinstance(error, GpuringError):
             return in_context(error, name, seq, self.rank)
         return error
-
-
-#: a ring asked for in deterministic mode (refused on every rank once agreed)
-_RING_REFUSED = ("{name}: deterministic mode folds every element in rank order, which the "
-                 "ring does not (its order depends on the segment): ask for 'direct' or "
-                 "'one_shot', or for none")
-
-#: where a call on plain arrays lies: nowhere registered
-_PLAIN = Placement(None, None)
 
 
 def _described(signature: Signature) -> str:

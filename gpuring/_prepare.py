@@ -1,0 +1,143 @@
+"""Preparing a checked call, once per key (`CallPath.run`): agree with the peers on its
+signature (every setting that shapes the plan included), pick its route, and for gpuring's
+own engines, the engine and the plan."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import _arrays
+from . import _transport_routes as _routes
+from ._call import Call, PreparedCall, Route, Signature
+from ._choices import FOLDS
+from ._config import Config
+from ._errors import GpuringError
+from ._registry import Placement
+from ._status import signature_hash
+from .algorithms.collectives import plan_collective
+from .devices import device_class
+
+if TYPE_CHECKING:
+    from ._callpath import CallPath
+
+__all__ = ["prepare"]
+
+
+def prepare(path: CallPath, call: Call) -> PreparedCall:
+    """Agree with the peers on the call's signature (every setting that shapes the plan
+    included), pick its route, and for the engine, the engine and the plan."""
+    name, x, config = call.collective, call.x, path.config
+    chunk: int | None
+    if x is None:  # a barrier: no array, on an engine this rank has (else the host's)
+        kind = next(iter(path.engines), "cpu")
+        plain = Signature(name, None, (), None, None, 0)
+        dtype, shape, count, itemsize, chunk, nchannels = "uint8", (), 0, 1, 1, 1
+    else:
+        kind, dtype = _arrays.device_kind(x), _arrays.dtype_name(x)
+        shape, count, itemsize = tuple(x.shape), x.size, x.dtype.itemsize
+        plain = Signature(name, kind, shape, dtype, call.op.value, call.root,
+                          deterministic=config.deterministic)
+    picked = path.choices.pick(call, kind, count * itemsize)
+    algorithm = picked.algorithm
+    plain = plain._replace(algorithm=algorithm, tuning=path.choices.digest,
+                           transport=config.transport)
+    if path.size == 1:
+        path._agree(plain)
+        return PreparedCall(Route.ALONE, schedule="alone")
+    across = not path.control.single_node
+    if x is not None and _routes.asks_reach(path, kind):
+        path._ensure_watchdog()  # (whichever route follows: the ranks share a node)
+        path._agree(plain, remember=False)  # (every rank asks on the same call)
+        path.mappable[kind] = _routes.peers_reachable(path, kind, name)
+    if x is None and across and config.transport == "auto":  # every call agrees first:
+        return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
+    if x is not None and _routes.nodes_route(path, name) and (
+            kind != "cpu" or _routes.via_mpi(path)):
+        plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
+        if config.deterministic and algorithm == "ring":
+            path._agree(plain, remember=False)
+            raise GpuringError(_RING_REFUSED.format(name=name))
+        return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
+    flat = "mpi" if x is None or kind == "cpu" else "nccl"
+    if (flat == "mpi" and _routes.via_mpi(path)) or (flat == "nccl" and (
+            across or config.transport == "nccl" or not path.mappable.get(kind, True))):
+        refusal = None  # refused on every rank once agreed (the communicator goes on)
+        if config.deterministic and name in FOLDS:
+            reach = "across nodes" if flat == "mpi" else \
+                "across nodes or between GPUs without peer access"
+            refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
+                       f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {reach}, or "
+                       f"GPURING_TRANSPORT={flat}): its reduction order is its own")
+        path._agree(plain, remember=refusal is None)
+        if refusal is not None:
+            raise GpuringError(refusal)
+        return PreparedCall(Route.MPI if flat == "mpi" else Route.NCCL, schedule=flat)
+    devices = device_class(kind)
+    if x is not None:  # chunk None: the engine's default (the device's, for this job)
+        chunk = picked.chunk_bytes
+        nchannels = picked.channels or devices.default_channels
+        Config(chunk_bytes=chunk, channels=nchannels).validate()
+    capacity = path._capacity(kind)
+    placement = call.placement
+    if x is None:
+        signature = plain._replace(chunk_bytes=1, channels=1, verify=config.verify)
+    else:
+        signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
+                                   one_shot_bytes=config.one_shot_bytes,
+                                   buffer_bytes=capacity, verify=config.verify,
+                                   device_settings=devices.schedule_settings())
+        if placement is not None:
+            signature = signature._replace(registered=placement)
+    path._ensure_watchdog()
+    refused = config.deterministic and algorithm == "ring"
+    path._agree(signature, remember=not refused)
+    if refused:  # agreed: every rank refuses it
+        raise GpuringError(_RING_REFUSED.format(name=name))
+    try:
+        engine = path._engine(kind, capacity)
+        piece = chunk or engine.default_chunk_bytes
+        where = placement or _PLAIN
+        peer_in, peer_out = where.inp is not None, where.out is not None
+        in_place = call.in_place or (peer_in and where.inp == where.out)
+        folds = engine.device.in_place_fold_sources
+        if name in FOLDS and 0 < folds < path.size:  # an in-place fold could not run
+            peer_in = peer_out = False  # (staged on every rank, in place or not)
+        rounds = plan_collective(
+            name, path.size, path.rank, count, itemsize=itemsize,
+            capacity_bytes=capacity, chunk_bytes=piece, channels=nchannels,
+            root=call.root, one_shot_bytes=config.one_shot_bytes, in_place=in_place,
+            algorithm=algorithm, peer_in=peer_in, peer_out=peer_out, order=engine.ring)
+        registered = any(plan.registered for plan in rounds)
+        peers = path.registry.peer_arrays(where, path.size, count * itemsize) \
+            if registered else ()
+        fused = name in engine.fused_kinds and algorithm != "ring" and \
+            0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
+        launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
+                                inline=nchannels == 1, fused=fused, collective=name,
+                                root=call.root, nbytes=count * itemsize, peers=peers)
+        # what a CUDA graph records (made now, outside any capture)
+        captured = None if config.verify or x is None else \
+            engine.prepare_captured(launch, count * itemsize)
+    except BaseException as exc:  # after agreement the peers go on: tell them
+        path.give_up(exc, name)
+        raise
+    text = "barrier()" if x is None else (
+        f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
+        f"device={kind}, chunk_bytes={piece}, channels={nchannels}, "
+        f"algorithm={algorithm})")
+    if fused:
+        text += " as one operation"
+    elif registered:
+        text += f" in registered memory {tuple(where)}"
+    schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
+    return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
+                        schedule)
+
+
+#: a ring asked for in deterministic mode (refused on every rank once agreed)
+_RING_REFUSED = ("{name}: deterministic mode folds every element in rank order, which the "
+                 "ring does not (its order depends on the segment): ask for 'direct' or "
+                 "'one_shot', or for none")
+
+#: where a call on plain arrays lies: nowhere registered
+_PLAIN = Placement(None, None)
