@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
 
 
-@dataclass(slots=True)
+@dataclass
 class Call:
     """One collective, its arguments already checked: `x` the input (None for a barrier),
     `out` the output (allocated when the user gave none; None off the root of a reduce), and
@@ -46,9 +46,10 @@ class Call:
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout and placement (what it worked out
         kept)."""
-        return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
-                    self.channels, self.in_place, self.algorithm, self.known_key, self.bound,
-                    self.placement)
+        call = object.__new__(Call)  # (every field copied at once: on every call's path)
+        call.__dict__.update(self.__dict__)
+        call.x, call.out = x, out
+        return call
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""

@@ -116,12 +116,13 @@ class CallPath:
                 self.last_schedule = "kernels" if captured is not launch \
                     else prepared.schedule
                 return self._run_engine(prepared, call, captured)
-            if prepared.route is not Route.ENGINE:
-                _capture.refuse_route(prepared, call.collective, call.x)
+            if prepared.route is Route.ENGINE:  # the common route, decided first
+                self.seq += 1
+                self.last_schedule = prepared.schedule
+                return self._run_engine(prepared, call)
+            _capture.refuse_route(prepared, call.collective, call.x)
             self.seq += 1
             self.last_schedule = prepared.schedule
-            if prepared.route is Route.ENGINE:  # the common route, without a dict lookup
-                return self._run_engine(prepared, call)
             return _ROUTES[prepared.route](self, prepared, call)
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:

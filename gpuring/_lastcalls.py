@@ -34,8 +34,9 @@ class _Last(NamedTuple):
     x: weakref.ref[Any]
     out: weakref.ref[Any] | None
     args: tuple[Any, ...]
-    #: shape, strides and dtype of x, then of out (x's again where there is none)
-    layouts: tuple[Any, ...]
+    #: shape, strides and dtype of x, and of out (x's again where there is none)
+    x_layout: tuple[Any, ...]
+    out_layout: tuple[Any, ...]
     call: Call
     #: where the checked call's output came from: "given" (`out`), "x" (in place), "none"
     output: str
@@ -58,17 +59,18 @@ class LastCalls:
         arrays, compared by identity: an equal value of another type, `root=True` for
         `root=1`, must be checked anew) if its last call on `x` had the same, else None."""
         last = self._last.get((verb, id(x)))
-        if last is None or not all(map(operator.is_, args, last.args)):
+        if last is None or last.x() is not x or not all(map(operator.is_, args, last.args)):
             return None
-        held, held_out = last.x(), last.out
-        if held is None or held is not x or (held_out is None) != (out is None) or (
-                held_out is not None and held_out() is not out):
+        held_out = last.out
+        if held_out is None:
+            if out is not None:
+                return None
+        elif out is None or held_out() is not out:
             return None
-        layout = last.layouts
         a: Any = x  # (x as given: mypy takes it for the weakly held array's type here)
-        if a.shape != layout[0] or a.strides != layout[1] or a.dtype != layout[2] or (
-                out is not None and out is not a and (
-                    out.shape != layout[3] or out.strides != layout[4] or out.dtype != layout[5])):
+        if (a.shape, a.strides, a.dtype) != last.x_layout or (
+                out is not None and out is not a
+                and (out.shape, out.strides, out.dtype) != last.out_layout):
             return None
         output = last.output
         return last.call.with_arrays(x, out if output == "given" else x if output == "x" else None)
@@ -88,8 +90,8 @@ class LastCalls:
         else:
             return
         try:
-            entry = _Last(weakref.ref(x), _ref(out), args,
-                          (*_layout(x), *_layout(out if out is not None else x)),
+            entry = _Last(weakref.ref(x), _ref(out), args, _layout(x),
+                          _layout(out if out is not None else x),
                           call.with_arrays(None, None), output)
         except TypeError:  # an array type that cannot be held weakly: not remembered
             return

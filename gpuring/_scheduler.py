@@ -226,12 +226,12 @@ class Engine:
                         "stream's capture holds one already: capture the communicator's "
                         "collectives on one stream")
                 self._captured_on = stream
-                direct.run(stream, bound, captured=True)
-                return None
+                return direct.run(stream, bound, captured=True)
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            direct.run(stream, bound)
-            self._last, self._last_stream = stream.record(), stream
+            finished = direct.run(stream, bound)
+            assert finished is not None  # (only a captured run has no event)
+            self._last, self._last_stream = finished, stream
         except FlagWaitTimeout as exc:
             raise self._timeout_error(exc, name, collective_seq) from None
         except FlagWaitAborted as exc:

@@ -64,6 +64,9 @@ class StatusBoard:
         self._pages: list[HostMemory] = [
             local if r == self.rank else open_peer(host, h, r)  # type: ignore[misc]
             for r, h in enumerate(handles)]
+        #: every peer's rank, page and words (what `enter` reads on every call)
+        self._peer_words = [(r, page, _words(page)) for r, page in enumerate(self._pages)
+                            if r != self.rank]
         control.barrier(timeout, "setup (status pages mapped)")
         host.seal(local)
         self._mine = local
@@ -90,11 +93,7 @@ class StatusBoard:
         words[_SEQ] = seq
         with self._fence:  # a locked instruction: our stores are visible before we read
             pass
-        for peer, page in enumerate(self._pages):
-            if peer == self.rank:
-                continue
-            theirs = page.i64
-            assert theirs is not None
+        for peer, page, theirs in self._peer_words:
             if theirs[slot] == seq and theirs[slot + 1] != digest:
                 return peer, self._text(page, _SIG_AT, _SIG_LEN) if theirs[_SEQ] == seq else "?"
         return None
@@ -194,7 +193,13 @@ class StatusBoard:
                 and page.i64[_SEQ] < seq]  # type: ignore[index]
 
     def close(self) -> None:
-        self._pages = []
+        self._pages, self._peer_words = [], []
+
+
+def _words(page: HostMemory) -> memoryview:
+    words = page.i64
+    assert words is not None
+    return words
 
 
 def _alive(pid: int) -> bool:

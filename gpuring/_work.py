@@ -202,10 +202,13 @@ def public_verb(method: F) -> F:
         executor = self._executor
         if executor is not None and executor.busy():
             executor.drain()
+        if args:  # the common case first: a CuPy or NumPy array (and out of its type)
+            kind = type(args[0])
+            if kind in _native_types:
+                out = kwargs.get("out")
+                if out is None or type(out) is kind:
+                    return method(self, *args, **kwargs)
         out = kwargs.get("out")
-        if args and type(args[0]) in _native_types and (out is None or type(out) is type(
-                args[0])):
-            return method(self, *args, **kwargs)  # the common case, decided first
         if args and not (_native(args[0]) and (out is None or _native(out))):
             from . import interop
 

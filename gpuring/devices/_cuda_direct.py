@@ -18,7 +18,7 @@ from .._ops import ReduceOp
 from . import _kernels
 from ._cuda_driver import check_cu
 from ._cuda_streams import THREADS, CudaMemory, _addr, _CudaStream, _flag_addr, _inbox
-from .base import Direct, Memory, Span, Stream
+from .base import Direct, Event, Memory, Span, Stream
 
 if TYPE_CHECKING:
     from .cuda import CudaDevice
@@ -93,14 +93,19 @@ class DirectKernel(Direct):
         return np.uint64(out.ptr), np.uint64(inp.ptr)
 
     def run(self, stream: Stream, operands: tuple[np.uint64, np.uint64], *,
-            captured: bool = False) -> None:
+            captured: bool = False) -> Event | None:
         dev = self._device
         dev.check()
         if captured:
             dev.captured = True  # the graph holds the device's memory from now on
         with dev.scope():
-            self._enqueue(stream, operands + self._rest)
-        dev.operations += 1
+            self.launch(stream, operands)
+            return None if captured else stream.record_in_scope()  # type: ignore[attr-defined]
+
+    def launch(self, stream: Stream, operands: tuple[np.uint64, np.uint64]) -> None:
+        """Only the launch, inside `device.scope()` (`run` checks the device first)."""
+        self._enqueue(stream, operands + self._rest)
+        self._device.operations += 1
 
     def _enqueue(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """The driver call."""
@@ -120,7 +125,7 @@ class PiecedKernel(Direct):
     the peers' same piece: pipelining is left to the GPU's queue (the next piece's copy
     starts as soon as this one's blocks finish)."""
 
-    __slots__ = ("_block", "_kernels", "_mine", "_nbytes", "_piece", "_two_shot")
+    __slots__ = ("_block", "_device", "_kernels", "_mine", "_nbytes", "_piece", "_two_shot")
 
     def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
@@ -146,6 +151,7 @@ class PiecedKernel(Direct):
         self._kernels = {size: DirectKernel(device, kind, regions, rank, root, slot, dtype, op,
                                             divisor, size * staged, block)
                          for size in sizes - {0}}
+        self._device = device
         self._nbytes, self._block, self._piece = nbytes, block, piece
         self._mine = rank * (piece // nranks)  # this rank's segment of a two-shot piece
 
@@ -169,9 +175,15 @@ class PiecedKernel(Direct):
         return tuple(launches)
 
     def run(self, stream: Stream, operands: tuple[tuple[DirectKernel, Any], ...], *,
-            captured: bool = False) -> None:
-        for kernel, pair in operands:
-            kernel.run(stream, pair, captured=captured)
+            captured: bool = False) -> Event | None:
+        dev = self._device
+        dev.check()
+        if captured:
+            dev.captured = True
+        with dev.scope():
+            for kernel, pair in operands:
+                kernel.launch(stream, pair)
+            return None if captured else stream.record_in_scope()  # type: ignore[attr-defined]
 
 
 class _Operands(NamedTuple):
@@ -278,7 +290,8 @@ class StagedAllReduce(Direct):
         stage = tuple((at, inp_ptr, self._nbytes_arg, *self._told) for at in self._stage_at)
         return _Operands((stage[0], stage[1]), (folds[0], folds[1]))
 
-    def run(self, stream: Stream, operands: _Operands, *, captured: bool = False) -> None:
+    def run(self, stream: Stream, operands: _Operands, *, captured: bool = False
+            ) -> Event | None:
         assert isinstance(stream, _CudaStream)
         dev = self._device
         dev.check()
@@ -300,7 +313,8 @@ class StagedAllReduce(Direct):
             self._wait(driver, cu, params)
             for args in folds:
                 self._fold(stream, args)
-        dev.operations += 2 + len(folds)
+            dev.operations += 2 + len(folds)
+            return stream.record_in_scope()
 
     def _fold(self, stream: Stream, args: tuple[Any, ...]) -> None:
         """One launch of the fold (a driver call)."""

@@ -104,6 +104,16 @@ def warn_spin_waits(reason: str) -> None:
         RuntimeWarning, stacklevel=4)
 
 
+class _Thread(threading.local):
+    """Per thread: `nothing`, set once the thread had a context on the device (see
+    `Scope.enter`), and the devices to restore, innermost last."""
+
+    nothing: Any = None
+
+    def __init__(self) -> None:
+        self.stack: list[int | None] = []
+
+
 class Scope:
     """`with device.scope():` this device is current in the calling thread for the block.
     The previous device is restored only if the thread had a CUDA context before: making a
@@ -112,22 +122,19 @@ class Scope:
 
     def __init__(self, device_id: int):
         self._id = device_id
-        self._local = threading.local()
-        self._runtime: Any = None  # cupy.cuda.runtime, looked up on first use
+        self._local = _Thread()
+        self._get_device = _cupy().cuda.runtime.getDevice
 
     def enter(self) -> contextlib.AbstractContextManager[Any]:
         """What `with` enters: nothing to do where the device is current already and this
         thread was seen with its context (the common case, on every call's path: one runtime
         call), else this scope's switch. Nothing is this thread's own uncontended lock, whose
         enter and exit are C calls (a nullcontext's are Python calls, and this is on every
-        call's path three times). A thread whose context other code pops with the driver API
+        call's path). A thread whose context other code pops with the driver API
         (cuCtxPopCurrent) while the runtime still names this device would then get
         CUDA_ERROR_INVALID_CONTEXT from a driver call, raised as such."""
-        runtime = self._runtime
-        if runtime is None:
-            runtime = self._runtime = _cupy().cuda.runtime
-        nothing = getattr(self._local, "nothing", None)  # set once this thread had a context
-        if nothing is not None and runtime.getDevice() == self._id:
+        nothing = self._local.nothing
+        if nothing is not None and self._get_device() == self._id:
             return nothing  # type: ignore[no-any-return]
         return self
 
@@ -141,12 +148,10 @@ class Scope:
             runtime.setDevice(self._id)
         elif cuda.driver.ctxGetCurrent() == 0:
             runtime.setDevice(self._id)  # a current context, for driver API calls
-        if getattr(self._local, "nothing", None) is None:  # a context on the device from now on
-            self._local.nothing = threading.RLock()
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        stack.append(restore)
+        local = self._local
+        if local.nothing is None:  # a context on the device from now on
+            local.nothing = threading.RLock()
+        local.stack.append(restore)
 
     def __exit__(self, *exc: object) -> None:
         restore = self._local.stack.pop()

@@ -259,10 +259,14 @@ class _CudaStream(Stream):
             return bool(self.raw.is_capturing())
 
     def record(self) -> Event:
+        with self._device.scope():
+            return self.record_in_scope()
+
+    def record_in_scope(self) -> _CudaEvent:
+        """`record()` where the device is current already (inside `device.scope()`)."""
         dev = self._device
-        with dev.scope():
-            raw = dev._event()
-            raw.record(self.raw)
+        raw = dev._event()
+        raw.record(self.raw)
         dev.operations += 1
         event = _CudaEvent(raw, dev, reuse=True)
         if self._caller:

@@ -222,9 +222,12 @@ class Direct(abc.ABC):
         runs)."""
 
     @abc.abstractmethod
-    def run(self, stream: Stream, operands: Any, *, captured: bool = False) -> None:
-        """Enqueue the collective of `operands` (from `bind`) on `stream` (the caller's).
-        `captured`: the stream records it into a graph, whose replays run it again."""
+    def run(self, stream: Stream, operands: Any, *, captured: bool = False) -> Event | None:
+        """Enqueue the collective of `operands` (from `bind`) on `stream` (the caller's), and
+        return an event that completes with it (`stream.record()`, made in the same step;
+        the scheduler orders and watches later work by it). `captured`: the stream records
+        it into a graph, whose replays run it again; None then, and only then (the host
+        never waits for a graph's work)."""
 
 
 class Device(abc.ABC):

@@ -282,7 +282,7 @@ class CudaDevice(Device):
         with self.scope():  # a few made with the device, so that calls seldom make one
             self._spare_events += [cupy.cuda.Event(block=False, disable_timing=True)
                                    for _ in range(_SPARE_EVENTS_AT_START)]
-        self._callers: dict[tuple[int, int], _CudaStream] = {}  # caller's streams
+        self._callers: dict[int | tuple[int, int], _CudaStream] = {}  # caller's streams
         #: the last event recorded on a caller's stream after a one-kernel collective (each
         #: such call orders after the one before: this one covers them all)
         self.last_on_caller: _CudaEvent | None = None
@@ -475,7 +475,9 @@ class CudaDevice(Device):
         be). The per-thread default stream is one handle for every thread, but each thread's
         own stream: its wrappers are per thread."""
         raw = self._current_stream(self.device_id)
-        key = (raw.ptr, threading.get_ident() if raw.ptr == _PER_THREAD_STREAM else 0)
+        key = raw.ptr
+        if key == _PER_THREAD_STREAM:
+            key = (key, threading.get_ident())
         stream = self._callers.get(key)
         if stream is None:
             with self._lock:

@@ -66,7 +66,16 @@ class _Rank:
 
 
 class _Stream:
+    """The caller's stream: counts the events recorded on it (standing for them with
+    None: these launches ran by the time one would be recorded)."""
+
     raw = None
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def record_in_scope(self) -> None:
+        self.records += 1
 
 
 def _memory(array: np.ndarray) -> CudaMemory:
@@ -109,8 +118,9 @@ def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np
         assert isinstance(direct, PiecedKernel)
         launches = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
         assert len(launches) > 2 and all(isinstance(k, DirectKernel) for k, _ in launches)
-        direct.run(_Stream(), launches, captured=True)  # type: ignore[arg-type]
-        assert ranks[r].captured
+        stream = _Stream()
+        assert direct.run(stream, launches, captured=True) is None  # type: ignore[arg-type]
+        assert ranks[r].captured and stream.records == 0  # no event under capture
 
     _on_threads(ranks, work)
 
@@ -211,7 +221,9 @@ def test_one_kernel_copies_of_blocks(lib: ctypes.CDLL, kind: str, nranks: int) -
                                     root, "float32", ReduceOp.SUM, 1, inputs[r].nbytes)
             assert isinstance(direct, DirectKernel)
             operands = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
-            direct.run(_Stream(), operands)  # type: ignore[arg-type]
+            stream = _Stream()
+            direct.run(stream, operands)  # type: ignore[arg-type]
+            assert stream.records == 1  # the one event, after the launch
 
         _on_threads(ranks, work)
         for r in range(nranks):

@@ -168,8 +168,11 @@ class _Direct:
     def bind(self, out: Any, inp: Any) -> tuple[Any, Any]:
         return out, inp
 
-    def run(self, stream: _Caller, operands: Any, *, captured: bool = False) -> None:
+    def run(self, stream: _Caller, operands: Any, *, captured: bool = False
+            ) -> _Event | None:
+        """Enqueued, and the event recorded after it (none under capture)."""
         stream.log.append(("captured" if captured else self.kind, stream))
+        return None if captured else stream.record()
 
 
 class _FusedDevice(_Device):
