@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One collective, its arguments already checked: `x` the input (None for a barrier),
     `out` the output (allocated when the user gave none; None off the root of a reduce), and
@@ -42,14 +42,17 @@ class Call:
     bound: Any = None
     #: where the arrays lie in registered memory (None: plain arrays), worked out with the key
     placement: Placement | None = None
+    #: the prepared call of `key()`, once looked up, and the generation of the call path's
+    #: prepared calls it belongs to (`CallPath.generation`: a stale one is looked up anew)
+    prepared: PreparedCall | None = None
+    generation: int = -1
 
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout and placement (what it worked out
         kept)."""
-        call = object.__new__(Call)  # (every field copied at once: on every call's path)
-        call.__dict__.update(self.__dict__)
-        call.x, call.out = x, out
-        return call
+        return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
+                    self.channels, self.in_place, self.algorithm, self.known_key, self.bound,
+                    self.placement, self.prepared, self.generation)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""

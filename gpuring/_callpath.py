@@ -61,6 +61,8 @@ class CallPath:
         self.life = Lifecycle(control.rank)
         self.engines: dict[str, Engine] = {}
         self.prepared: dict[tuple[Any, ...], PreparedCall] = {}
+        #: counts the times `prepared` was forgotten (a call's own `prepared` is of one)
+        self.generation = 0
         self.agreed: set[Signature] = set()  #: the signatures the ranks agreed on
         self.registry = Registry()  #: registered memory (`register`)
         self.choices = Choices(config, control.size)  #: what calls that ask for nothing run
@@ -87,21 +89,10 @@ class CallPath:
             self.life.check(call.collective, self.seq + 1)
         if call.x is None:
             _capture.refuse_barrier()
-        key = call.known_key
-        if key is None:
-            if self.registry and call.x is not None:
-                call.placement = self.registry.placement(call.collective, call.x, call.out,
-                                                         self.rank)
-            key = call.key()
         with self.lock:
-            prepared = self.prepared.get(key)
-            if prepared is None:
-                if _arrays.capturing(call.x):  # (a barrier was refused above)
-                    raise _capture.first_call_refused(call.collective)
-                prepared = prepare(self, call)
-                if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
-                    self.prepared.clear()
-                self.prepared[key] = prepared
+            prepared = call.prepared
+            if prepared is None or call.generation != self.generation:
+                prepared = self._prepared(call)
             launch = prepared.launch
             if launch is not None and (prepared.captured is not launch or
                                        self.timeline is not None) \
@@ -124,6 +115,34 @@ class CallPath:
             self.seq += 1
             self.last_schedule = prepared.schedule
             return _ROUTES[prepared.route](self, prepared, call)
+
+    def _prepared(self, call: Call) -> PreparedCall:
+        """The prepared call of `call`'s key (prepared now if there is none), kept on the
+        call with this generation (a call that comes again, `LastCalls`, finds it there).
+        Under the lock."""
+        key = call.known_key
+        if key is None:
+            if self.registry and call.x is not None:
+                call.placement = self.registry.placement(call.collective, call.x, call.out,
+                                                         self.rank)
+            key = call.key()
+        prepared = self.prepared.get(key)
+        if prepared is None:
+            if _arrays.capturing(call.x):  # (a barrier was refused before)
+                raise _capture.first_call_refused(call.collective)
+            prepared = prepare(self, call)
+            if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
+                self._forget_prepared()
+            self.prepared[key] = prepared
+        if prepared is not call.prepared:
+            call.prepared, call.bound = prepared, None  # (operands of another launch)
+        call.generation = self.generation
+        return prepared
+
+    def _forget_prepared(self) -> None:
+        """Drop every prepared call, and those calls keep (a new generation)."""
+        self.prepared.clear()
+        self.generation += 1
 
     def _run_alone(self, prepared: PreparedCall, call: Call) -> Any:
         x, out = call.x, call.out
@@ -196,7 +215,8 @@ class CallPath:
             if self.life.cause is not None:
                 raise self.life.cause
             watchdog.enter(seq, name, prepared.text, prepared.digest)
-            finished = engine.run(launch, in_mem, out_mem, name, seq, bound)
+            finished = engine.run_fused(launch, bound, name, seq) if bound is not None \
+                else engine.run(launch, in_mem, out_mem, name, seq)
         except BaseException as exc:  # whatever it is, the round counters are now unusable
             error: BaseException = exc
             if self.life.cause is not None:
@@ -240,7 +260,7 @@ class CallPath:
         check_alike(signatures, name, self.rank)
         if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
             self.agreed.clear()  # on every rank at once (the same calls agreed on);
-            self.prepared.clear()  # a prepared call is only reused while still agreed
+            self._forget_prepared()  # a prepared call is only reused while still agreed
         if remember:
             self.agreed.add(signature)
 

@@ -287,7 +287,11 @@ class Communicator:
         last_calls = self._last_calls
         call = last_calls.find(verb, x, out, args)
         if call is not None:
-            return self._path.run(call)
+            generation = call.generation
+            result = self._path.run(call)
+            if call.generation != generation:  # prepared anew: keep what it worked out
+                last_calls.remember(verb, x, out, args, call)
+            return result
         call = check()
         result = self._path.run(call)
         last_calls.remember(verb, x, out, args, call)

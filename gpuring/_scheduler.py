@@ -193,17 +193,18 @@ class Engine:
             if bound is None:
                 assert in_mem is not None
                 bound = self.bind(launch, in_mem, out_mem)
-            return self._run_fused(launch, bound, name, collective_seq)
+            return self.run_fused(launch, bound, name, collective_seq)
         finished = self._run_rounds(launch, in_mem, out_mem, name, collective_seq,
                                     self.device.caller_event())
         if finished is not None:
             self.device.order_caller_after(finished)
         return finished
 
-    def _run_fused(self, launch: Launch, bound: Any, name: str,
-                   collective_seq: int) -> Event | None:
-        """The collective as one operation on the caller's stream, after this engine's
-        previous collective where that ran on another stream.
+    def run_fused(self, launch: Launch, bound: Any, name: str,
+                  collective_seq: int) -> Event | None:
+        """`run` of a fused launch's operands `bound`: the collective as one operation on the
+        caller's stream, after this engine's previous collective where that ran on another
+        stream.
 
         While the stream captures a graph, the operation is recorded there, with no event
         (the host could never wait for it), and None is returned. A rank's one-kernel

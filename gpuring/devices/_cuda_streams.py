@@ -49,6 +49,8 @@ class CudaMemory(Memory):
         return f"CudaMemory({self.kind}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
 
 
+_new = object.__new__
+
 #: events kept for reuse per device (creating one is a driver call)
 _SPARE_EVENTS = 64
 
@@ -268,7 +270,9 @@ class _CudaStream(Stream):
         raw = dev._event()
         raw.record(self.raw)
         dev.operations += 1
-        event = _CudaEvent(raw, dev, reuse=True)
+        # _CudaEvent(raw, dev, reuse=True) without the call of __init__ (on every call's path)
+        event = _new(_CudaEvent)
+        event.raw, event._device, event._spare = raw, dev, dev._spare_events
         if self._caller:
             dev.last_on_caller = event
         return event

@@ -689,7 +689,9 @@ def case_again(c: Checker) -> None:
     (one operation on a GPU) and large, out of place and in place; a new op on the same
     arrays, and an array reshaped in place, are new calls; a rank that changes the op on
     the same arrays while the others run the call agreed before fails them all with a
-    mismatch, within a watchdog tick (the communicator is then unusable: data had moved)."""
+    mismatch, within a watchdog tick (the communicator is then unusable: data had moved).
+    Once the prepared calls are forgotten (on every rank at once), a call that comes again is
+    prepared anew, and kept so."""
     comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
     root = n - 1
     for size in (100, 50000):
@@ -701,10 +703,16 @@ def case_again(c: Checker) -> None:
             ins = c.inputs("float32", (n * size,), seed)
             x[...] = dev(c, ins[rank])
             op = "max" if call == 3 else "sum"  # the same arrays, another op: a new call
+            generation = comm._path.generation
+            if call == 2:  # every rank forgets its prepared calls at once (as its bounds do)
+                comm._path._forget_prepared()
             got = comm.all_reduce(x, op=op, out=out)
             assert got is out
-            assert (comm._last_calls.find("all_reduce", x, out, (op, None, None))
-                    is not None), "the call was not kept"
+            kept = comm._last_calls.find("all_reduce", x, out, (op, None, None))
+            assert kept is not None, "the call was not kept"
+            if call == 2:  # prepared anew, and kept so for the next call
+                assert kept.generation == generation + 1, (kept.generation, generation)
+                assert kept.prepared is comm._path.prepared[kept.known_key]
             c.expect(out, c.reduce_reference(ins, op), f"again all_reduce {size} {call}")
             if call == 1:  # in place: a call of its own
                 comm.all_reduce(x, out=x)
