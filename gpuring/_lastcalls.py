@@ -1,12 +1,12 @@
 """Calls that come again: a verb called with the very same arrays and arguments as its last
 call on that input (persistent buffers: a training step's gradient buckets, an inference loop's
-activations) reuses that call's checks, plan key and bound operands instead of working them
-out anew.
+activations) reuses that call's checks, plan key, prepared call and bound operands instead of
+working them out anew.
 
 Nothing here keeps an array alive: the arrays are held weakly, and what is kept of the call
-(`Call` less its arrays, with the operands it bound, which hold addresses only) refers to
-none. An array counts as the same when it is the same object with the same shape, strides
-and dtype (NumPy lets all three be set in place)."""
+(`Call` less its arrays, with its prepared call and the operands it bound, which hold
+addresses only) refers to none. An array counts as the same when it is the same object
+with the same shape, strides and dtype (NumPy lets all three be set in place)."""
 
 from __future__ import annotations
 

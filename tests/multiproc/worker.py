@@ -704,13 +704,15 @@ def case_again(c: Checker) -> None:
             x[...] = dev(c, ins[rank])
             op = "max" if call == 3 else "sum"  # the same arrays, another op: a new call
             generation = comm._path.generation
-            if call == 2:  # every rank forgets its prepared calls at once (as its bounds do)
+            if call == 1:  # a call that comes again (call 0's), after every rank forgot its
+                # prepared calls at once (as its bounds make it)
+                assert comm._last_calls.find("all_reduce", x, out, (op, None, None, None))
                 comm._path._forget_prepared()
             got = comm.all_reduce(x, op=op, out=out)
             assert got is out
-            kept = comm._last_calls.find("all_reduce", x, out, (op, None, None))
+            kept = comm._last_calls.find("all_reduce", x, out, (op, None, None, None))
             assert kept is not None, "the call was not kept"
-            if call == 2:  # prepared anew, and kept so for the next call
+            if call == 1:  # prepared anew, and kept so for the next call
                 assert kept.generation == generation + 1, (kept.generation, generation)
                 assert kept.prepared is comm._path.prepared[kept.known_key]
             c.expect(out, c.reduce_reference(ins, op), f"again all_reduce {size} {call}")
