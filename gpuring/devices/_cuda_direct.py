@@ -221,7 +221,7 @@ class StagedAllReduce(Direct):
 
     __slots__ = ("_device", "_divisor", "_elements", "_fold_grid", "_fold_kernel", "_grid",
                  "_kernel", "_nbytes", "_nbytes_arg", "_params", "_rank", "_stage_at",
-                 "_stage_rest", "_staged", "_told", "_wait_flags", "_waits")
+                 "_stage_rest", "_staged", "_told", "_waits")
 
     def __init__(self, device: CudaDevice, regions: Sequence[Span], rank: int, slot: int,
                  dtype: str, op: ReduceOp, divisor: int, nbytes: int):
@@ -239,8 +239,7 @@ class StagedAllReduce(Direct):
         #: what this rank waits for, per peer: the flag, and the tag its timeout names
         self._waits = tuple((_inbox(regions[rank], q), (q, "its part of a one-operation "
                                                           "all_reduce")) for q in peers)
-        self._wait_flags = tuple(flag for flag, _tag in self._waits)
-        for flag in self._wait_flags:
+        for flag, _tag in self._waits:
             device.note_wait_word(_flag_addr(flag))
         self._fold_kernel, itemsize = device.reduce_n_kernel(dtype, op)
         if nbytes % itemsize:
@@ -260,7 +259,7 @@ class StagedAllReduce(Direct):
         from cuda.bindings import driver
 
         params = []
-        for flag in self._wait_flags:
+        for flag, _tag in self._waits:
             param = driver.CUstreamBatchMemOpParams()
             param.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
             param.waitValue.address = driver.CUdeviceptr(_flag_addr(flag))
