@@ -1,6 +1,6 @@
 """gpuring's own host time per small CuPy all_reduce, driver calls excluded.
 
-    gpuring run -n 2 python bench/host_cost.py [--size 1K] [--iters 5000]
+    gpuring run -n 2 python bench/host_cost.py [--size 1K] [--iters 5000] [--persistent]
 
 Every rank first runs real collectives (warm-up, and a check of the result), then replaces
 each driver call CudaDevice makes (kernel launches, copies, stream memory operations, event
@@ -148,6 +148,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1K", help="bytes of float32 (default 1K)")
     p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--persistent", action="store_true",
+                   help="time a persistent all_reduce's start and wait (comm.all_reduce_init, "
+                        "then op() per call) instead of the plain call")
     p.add_argument("--profile", action="store_true",
                    help="rank 0 also prints where the time goes (cProfile, top 25)")
     args = p.parse_args()
@@ -162,9 +165,20 @@ def main() -> None:
             comm.all_reduce(x, out=out)
         cupy.cuda.Device().synchronize()
         assert float(abs(out - want).max()) < 1e-3, "a wrong result before timing"
+
+        def plain() -> None:
+            comm.all_reduce(x, out=out)
+
+        call: Callable[[], Any] = comm.all_reduce_init(x, out=out) if args.persistent \
+            else plain
+        form = "persistent " if args.persistent else ""
+        out.fill(0)
+        call()
+        cupy.cuda.Device().synchronize()
+        assert float(abs(out - want).max()) < 1e-3, f"a wrong {form}result before timing"
         before = comm.device_operations
         for _ in range(100):
-            comm.all_reduce(x, out=out)
+            call()
         calls = (comm.device_operations - before) / 100
         comm.barrier()
         cupy.cuda.Device().synchronize()
@@ -175,7 +189,7 @@ def main() -> None:
 
         def loop() -> None:
             for _ in range(args.iters):
-                comm.all_reduce(x, out=out)
+                call()
 
         for turn in range(comm.size):  # one rank at a time: the others wait, idle
             comm._control.barrier(60.0, "host_cost turn")
@@ -186,7 +200,7 @@ def main() -> None:
                 loop()
                 runs.append((time.perf_counter() - t0) / args.iters * 1e6)
             samples = _profile(loop)
-            opcodes = _opcodes(lambda: comm.all_reduce(x, out=out))
+            opcodes = _opcodes(call)
             if args.profile and comm.rank == 0:
                 import cProfile
                 import pstats
@@ -194,7 +208,7 @@ def main() -> None:
                 profiler = cProfile.Profile()
                 profiler.enable()
                 for _ in range(args.iters):
-                    comm.all_reduce(x, out=out)
+                    call()
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         # every rank makes as many calls as the busiest one (the profile ran for a while): the
@@ -202,12 +216,12 @@ def main() -> None:
         # peer closed without entering a collective it entered)
         calls_so_far = comm._control.exchange("host_cost calls", comm._path.seq, 60.0)
         for _ in range(max(calls_so_far) - comm._path.seq):
-            comm.all_reduce(x, out=out)
+            call()
         comm._control.barrier(60.0, "host_cost done")
         median, total = statistics.median(runs), samples.total() or 1
         split = ", ".join(f"{owner} {median * count / total:.2f} us ({count / total:.0%})"
                           for owner, count in samples.most_common())
-        print(f"rank {comm.rank}: all_reduce of {n * 4} B float32 on {comm.size} ranks: "
+        print(f"rank {comm.rank}: {form}all_reduce of {n * 4} B float32 on {comm.size} ranks: "
               f"{median:.2f} us of host time per call without the driver, best run "
               f"{min(runs):.2f} (runs: {', '.join(f'{r:.2f}' for r in runs)}), "
               f"{calls:.0f} driver calls and {opcodes:.0f} Python opcodes of gpuring per call; "

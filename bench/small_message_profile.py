@@ -9,6 +9,8 @@ repetitions of the per-call mean; each line is rank 0's view):
   runners     gpuring's compiled steps of the prepared collective, called directly
   engine.run  the scheduler's entry (plus ordering and the program lookup)
   all_reduce  the public call (argument checks, the call path, the status board, wrapping)
+  persistent  a persistent all_reduce's start and wait (`comm.all_reduce_init`): the prepared
+              call run again, without argument checks or look-ups
   MPI         mpi4py's Allreduce on the same arrays
 Each layer includes the ones above it; the difference is that layer's own cost. Two ranks on
 two cores: the time of one call is the slower rank's path plus the hand-over between them.
@@ -94,7 +96,9 @@ def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int, iters: int,
     if not layers:
         return {"floor": nan, "runners": nan, "engine": nan,
                 "all_reduce": per_call_us(mpi, lambda: comm.all_reduce(x, out=out), iters),
+                "persistent": nan,
                 "mpi": per_call_us(mpi, lambda: mpi.Allreduce(x, expected), iters)}
+    persistent = comm.all_reduce_init(x, out=out)
     prepared = next(p for k, p in comm._path.prepared.items()
                     if k[0] == "all_reduce" and k[1] == x.shape)
     launch = prepared.launch
@@ -116,6 +120,7 @@ def measure(mpi: MPI.Comm, comm: gpuring.Communicator, nbytes: int, iters: int,
         "runners": per_call_us(mpi, runners, iters),
         "engine": per_call_us(mpi, engine_run, iters),
         "all_reduce": per_call_us(mpi, lambda: comm.all_reduce(x, out=out), iters),
+        "persistent": per_call_us(mpi, persistent, iters),
         "mpi": per_call_us(mpi, lambda: mpi.Allreduce(x, expected), iters),
     }
     assert np.array_equal(out, expected), "gpuring and MPI disagree"
@@ -139,13 +144,16 @@ def main() -> None:
               f"{MPI.Get_library_version().splitlines()[0].strip()}")
         print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
         print(f"{'bytes':>6} {'floor':>7} {'runners':>8} {'engine':>7} {'all_reduce':>11} "
-              f"{'MPI':>6} {'ratio':>6}   (us per call; ratio = all_reduce / MPI)")
+              f"{'persistent':>11} {'MPI':>6} {'ratio':>6} {'p-ratio':>8}   (us per call; "
+              "ratio = all_reduce / MPI, p-ratio = persistent / MPI)")
     for nbytes in (8, 256, 4096):
         times = measure(mpi, comm, nbytes, args.iters, layers=not args.public_only)
         if mpi.rank == 0:
             print(f"{nbytes:6d} {times['floor']:7.2f} {times['runners']:8.2f} "
-                  f"{times['engine']:7.2f} {times['all_reduce']:11.2f} {times['mpi']:6.2f} "
-                  f"{times['all_reduce'] / times['mpi']:6.2f}", flush=True)
+                  f"{times['engine']:7.2f} {times['all_reduce']:11.2f} "
+                  f"{times['persistent']:11.2f} {times['mpi']:6.2f} "
+                  f"{times['all_reduce'] / times['mpi']:6.2f} "
+                  f"{times['persistent'] / times['mpi']:8.2f}", flush=True)
     mpi.Barrier()
     comm.close()
 

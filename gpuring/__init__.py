@@ -16,6 +16,7 @@ from ._errors import (
     PeerFailureError,
 )
 from ._ops import ReduceOp
+from ._persistent import PersistentCollective
 from ._work import Work
 from ._world import (
     all_gather,
@@ -66,6 +67,7 @@ __all__ = [
     "all_reduce_async",
     "all_reduce_many",
     "Work",
+    "PersistentCollective",
     "GpuringError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",

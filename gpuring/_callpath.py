@@ -83,16 +83,19 @@ class CallPath:
         #: (decided with the first collective of that kind; else the collectives run on NCCL)
         self.mappable: dict[str, bool] = {}
 
-    def run(self, call: Call) -> Any:
-        """Run a checked call: prepare it once per key, then run it by its route."""
+    def run(self, call: Call, prepared: PreparedCall | None = None) -> Any:
+        """Run a checked call: prepare it once per key, then run it by its route. A caller
+        that holds the call's prepared call (a persistent collective) passes it: it runs as
+        it is, and nothing is looked up."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
         if call.x is None:
             _capture.refuse_barrier()
         with self.lock:
-            prepared = call.prepared
-            if prepared is None or call.generation != self.generation:
-                prepared = self._prepared(call)
+            if prepared is None:
+                prepared = call.prepared
+                if prepared is None or call.generation != self.generation:
+                    prepared = self._prepared(call)
             launch = prepared.launch
             if launch is not None and (prepared.captured is not launch or
                                        self.timeline is not None) \
@@ -115,6 +118,17 @@ class CallPath:
             self.seq += 1
             self.last_schedule = prepared.schedule
             return _ROUTES[prepared.route](self, prepared, call)
+
+    def prepare(self, call: Call) -> PreparedCall:
+        """Prepare `call` now, as its first run would (the ranks agree on it, so every rank
+        calls this alike, as a collective), without running it: what a persistent collective
+        holds."""
+        if self.life.state is not State.OPEN:
+            self.life.check(call.collective, self.seq + 1)
+        if call.x is None:
+            _capture.refuse_barrier()
+        with self.lock:
+            return self._prepared(call)
 
     def _prepared(self, call: Call) -> PreparedCall:
         """The prepared call of `call`'s key (prepared now if there is none), kept on the

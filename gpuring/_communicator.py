@@ -18,7 +18,7 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from . import _argcheck, _arrays, _transport_routes, interop
+from . import _argcheck, _arrays, _persistent, _transport_routes, interop
 from ._call import Call
 from ._callpath import CallPath
 from ._config import Config
@@ -28,6 +28,7 @@ from ._errors import (
 )
 from ._lastcalls import LastCalls
 from ._lifecycle import Outcome, State, weakly
+from ._persistent import PersistentCollective
 from ._ops import ReduceOp, check_op_dtype
 from ._scheduler import Engine
 from ._timeline import Timeline, write_trace
@@ -342,6 +343,76 @@ class Communicator:
             self._path.life.check("barrier", self._path.seq + 1)
             return
         self._path.run(Call("barrier"))
+
+    # -- persistent collectives (MPI_Allreduce_init and its twins) -----------------------
+    def all_reduce_init(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
+                        chunk_bytes: int | None = None, channels: int | None = None,
+                        algorithm: str | None = None) -> PersistentCollective:
+        """`all_reduce` as a persistent collective: arguments checked and agreed on now (a
+        collective call), then `op.start()` / `op.wait()` (or `op()`) any number of times
+        on these arrays. See `PersistentCollective`; the twins below are alike."""
+        return self._init("all_reduce", x, out, lambda x, out: _argcheck.all_reduce(
+            x, op, out, chunk_bytes, channels, algorithm))
+
+    def reduce_scatter_init(self, x: Any, *, op: ReduceOp | str = "sum", out: Any = None,
+                            chunk_bytes: int | None = None, channels: int | None = None,
+                            algorithm: str | None = None) -> PersistentCollective:
+        """`reduce_scatter` as a persistent collective (see `all_reduce_init`)."""
+        return self._init("reduce_scatter", x, out, lambda x, out: _argcheck.reduce_scatter(
+            x, op, out, chunk_bytes, channels, self.size, self.rank, algorithm))
+
+    def all_gather_init(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
+                        channels: int | None = None) -> PersistentCollective:
+        """`all_gather` as a persistent collective (see `all_reduce_init`)."""
+        return self._init("all_gather", x, out, lambda x, out: _argcheck.all_gather(
+            x, out, chunk_bytes, channels, self.size, self.rank))
+
+    def broadcast_init(self, x: Any, *, root: int = 0, out: Any = None,
+                       chunk_bytes: int | None = None,
+                       channels: int | None = None) -> PersistentCollective:
+        """`broadcast` as a persistent collective (see `all_reduce_init`)."""
+        return self._init("broadcast", x, out, lambda x, out: _argcheck.broadcast(
+            x, root, out, chunk_bytes, channels, self.size))
+
+    def reduce_init(self, x: Any, *, op: ReduceOp | str = "sum", root: int = 0,
+                    out: Any = None, chunk_bytes: int | None = None,
+                    channels: int | None = None,
+                    algorithm: str | None = None) -> PersistentCollective:
+        """`reduce` as a persistent collective (see `all_reduce_init`); `wait()` gives None
+        off the root."""
+        return self._init("reduce", x, out, lambda x, out: _argcheck.reduce(
+            x, op, root, out, chunk_bytes, channels, self.size, self.rank, algorithm),
+            returns=self.rank == root)
+
+    def gather_init(self, x: Any, *, root: int = 0, out: Any = None,
+                    chunk_bytes: int | None = None,
+                    channels: int | None = None) -> PersistentCollective:
+        """`gather` as a persistent collective (see `all_reduce_init`); `wait()` gives None
+        off the root."""
+        return self._init("gather", x, out, lambda x, out: _argcheck.gather(
+            x, root, out, chunk_bytes, channels, self.size, self.rank),
+            returns=self.rank == root)
+
+    def scatter_init(self, x: Any, *, root: int = 0, out: Any = None,
+                     chunk_bytes: int | None = None,
+                     channels: int | None = None) -> PersistentCollective:
+        """`scatter` as a persistent collective (see `all_reduce_init`)."""
+        return self._init("scatter", x, out, lambda x, out: _argcheck.scatter(
+            x, root, out, chunk_bytes, channels, self.size))
+
+    def all_to_all_init(self, x: Any, *, out: Any = None, chunk_bytes: int | None = None,
+                        channels: int | None = None) -> PersistentCollective:
+        """`all_to_all` as a persistent collective (see `all_reduce_init`)."""
+        return self._init("all_to_all", x, out, lambda x, out: _argcheck.all_to_all(
+            x, out, chunk_bytes, channels, self.size))
+
+    def barrier_init(self) -> PersistentCollective:
+        """`barrier` as a persistent collective (MPI_Barrier_init; see `all_reduce_init`)."""
+        return self._init("barrier", None, None, lambda x, out: Call("barrier"))
+
+    def _init(self, name: str, x: Any, out: Any, check: Callable[[Any, Any], Call],
+              returns: bool = True) -> PersistentCollective:
+        return _persistent.init(self._path, self._drain_async, name, x, out, check, returns)
 
     all_reduce_async = _in_background(all_reduce)
     reduce_scatter_async = _in_background(reduce_scatter)

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_native", "from_native", "device_kind", "convert", "call", "caller_stream"]
+__all__ = ["to_native", "from_native", "is_native", "device_kind", "convert", "call",
+           "caller_stream"]
 
 _DL_CPU = 1
 _DL_CUDA = 2
@@ -37,7 +38,8 @@ def _cupy() -> Any:
     return cupy
 
 
-def _is_native(x: Any) -> bool:
+def is_native(x: Any) -> bool:
+    """Whether `x` is a NumPy or CuPy array (which the collectives take as it is)."""
     if isinstance(x, np.ndarray):
         return True
     cupy = sys.modules.get("cupy")
@@ -61,7 +63,7 @@ def device_kind(x: Any) -> str | None:
 
 def to_native(x: Any) -> Any:
     """`x` as a NumPy or CuPy array sharing its memory (`x` itself when it is one)."""
-    if _is_native(x):
+    if is_native(x):
         return x
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         kind = int(x.__dlpack_device__()[0])
@@ -80,7 +82,7 @@ def to_native(x: Any) -> Any:
 
 def from_native(result: Any, like: Any) -> Any:
     """`result` (NumPy/CuPy) as the type of `like`, through its package's `from_dlpack`."""
-    if result is None or _is_native(like):
+    if result is None or is_native(like):
         return result
     package = sys.modules.get(type(like).__module__.partition(".")[0])
     maker: Callable[[Any], Any] | None = getattr(package, "from_dlpack", None)
