@@ -28,8 +28,8 @@ from ._errors import (
 )
 from ._lastcalls import LastCalls
 from ._lifecycle import Outcome, State, weakly
-from ._persistent import PersistentCollective
 from ._ops import ReduceOp, check_op_dtype
+from ._persistent import PersistentCollective
 from ._scheduler import Engine
 from ._timeline import Timeline, write_trace
 from ._watchdog import Watchdog
