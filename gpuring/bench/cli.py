@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="1: every array in registered memory (Communicator.empty), which "
                         "gpuring's peers read in place; peers run on the same arrays "
                         "(default 0: plain arrays)")
+    p.add_argument("-P", "--persistent", action="store_true",
+                   help="also time gpuring's persistent form (comm.all_reduce_init and its "
+                        "twins: checked and agreed on once, then op() per call), as the "
+                        "system 'persist' beside the plain calls")
     p.add_argument("--off-cache", dest="off_cache", action="store_true",
                    help="rotate the timed calls over buffer sets twice the size of the "
                         "largest cache, so no call finds its data in cache")
@@ -159,6 +163,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         device=args.device, peers=parse_peers(args.peers),
         chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
         channels=args.channels, off_cache=args.off_cache, overlap=args.overlap,
+        persistent=args.persistent,
         registered=bool(args.registered), json=args.json, csv=args.csv, plot=args.plot)
 
 
@@ -171,7 +176,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
             "-N", str(args.repeats), "-z", str(args.blocking), "-G", str(args.graph_launches),
             "-R", str(args.registered)]
     for flag, on in (("-I", args.per_iteration), ("--off-cache", args.off_cache),
-                     ("--overlap", args.overlap)):
+                     ("--overlap", args.overlap), ("-P", args.persistent)):
         if on:
             argv.append(flag)
     for flag, value in (("-i", args.stepbytes), ("--peers", args.peers), ("--json", args.json),

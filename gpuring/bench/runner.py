@@ -25,7 +25,7 @@ from .metrics import (
 from .peers import select_peers
 from .progress import Output, stream_path_from_env
 from .stats import Summary, combine_ranks, summarize
-from .systems import Gpuring, System
+from .systems import Gpuring, GpuringPersistent, System
 from .timing import Backend, cuda_backend, host_backend
 
 __all__ = ["Settings", "run", "CORRUPT_ENV", "combine_ranks", "cases_of"]
@@ -58,6 +58,7 @@ class Settings:
     off_cache: bool = False
     registered: bool = False  # -R 1: every array in registered memory (comm.empty)
     overlap: bool = False
+    persistent: bool = False  # -P: gpuring's persistent form too, as the system "persist"
     json: str | None = None
     csv: str | None = None
     plot: str | None = None
@@ -141,6 +142,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     found, peer_notes = select_peers(s.peers, comm, s.device)
     peers.extend(found)
     systems: list[System] = [Gpuring(comm, s.chunk_bytes, s.channels), *peers]
+    if s.persistent:
+        systems.insert(1, GpuringPersistent(comm, s.chunk_bytes, s.channels))
     blocks = cases_of(s, n)
     cases = [c for block in blocks for c in block]
     comm.all_reduce(backend.to_device(np.ones(1, np.float32)))  # the engine, for _in_force

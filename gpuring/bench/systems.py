@@ -12,7 +12,8 @@ from .data import poison
 from .metrics import IN_PLACE, OUT_OF_PLACE
 from .timing import Backend
 
-__all__ = ["Buffers", "Arena", "make_buffers", "Unsupported", "System", "Gpuring"]
+__all__ = ["Buffers", "Arena", "make_buffers", "Unsupported", "System", "Gpuring",
+           "GpuringPersistent"]
 
 
 class Unsupported(Exception):
@@ -158,21 +159,43 @@ class Gpuring(System):
 
     def _verb(self, kind: str, b: Buffers, op: str, root: int,
               suffix: str) -> Callable[[], Any]:
+        """The call of `kind` + `suffix` (the verb, its `_async` twin or its `_init` form)
+        on these buffers, ready to call (for `_init`, called once here: what it made)."""
         comm, t = self.comm, self.tuning
         if kind == "barrier":
-            if suffix:
+            if suffix == "_async":
                 raise Unsupported("gpuring has no barrier_async")
-            return comm.barrier
+            return comm.barrier_init() if suffix == "_init" else comm.barrier
         verb = getattr(comm, kind + suffix, None)
         if verb is None:
             raise Unsupported(f"unknown collective {kind!r}")
         if kind == "all_gather":
-            return lambda: verb(b.x, out=b.out, **t)
-        if kind == "broadcast":
-            return lambda: verb(b.x, root=root, out=b.out, **t)
-        if kind == "reduce":
-            return lambda: verb(b.x, op=op, root=root, out=b.out, **t)
-        return lambda: verb(b.x, op=op, out=b.out, **t)
+            args: dict[str, Any] = {"out": b.out}
+        elif kind == "broadcast":
+            args = {"root": root, "out": b.out}
+        elif kind == "reduce":
+            args = {"op": op, "root": root, "out": b.out}
+        else:
+            args = {"op": op, "out": b.out}
+        if suffix == "_init":
+            made: Callable[[], Any] = verb(b.x, **args, **t)
+            return made
+        return lambda: verb(b.x, **args, **t)
 
     def sync(self) -> None:
         self.comm.barrier()
+
+
+class GpuringPersistent(Gpuring):
+    """gpuring's persistent form (`-P`): each measurement makes its collective once on its
+    arrays (`comm.all_reduce_init` and its twins: checked and agreed on there) and times
+    `op()`, a start and a wait, per call."""
+
+    name = "persist"
+
+    def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
+        return self._verb(kind, b, op, root, "_init")
+
+    def overlap(self, kind: str, b: Buffers, op: str,
+                root: int) -> Callable[[], Callable[[], object]]:
+        raise Unsupported("the persistent form is measured without --overlap")

@@ -258,3 +258,23 @@ def test_a_killed_rank_on_a_simulated_node(tmp_path):
         assert found and found.group(1) == "PeerFailureError", out[-4000:]
         assert found.group(2) == "1" and float(found.group(3)) < 30, out[-4000:]
         assert f"RECOVERED {rank} " in done[rank].stdout, out[-4000:]
+
+
+PERSISTENT = WORKER.parent / "worker_persistent.py"
+
+
+@pytest.mark.parametrize(("case", "mode"), [
+    (f"persistent_{verb}", "kernel") for verb in (
+        "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
+        "scatter", "all_to_all", "barrier")] + [
+    ("persistent_all_reduce", "auto"), ("persistent_cuda", "kernel"),
+    ("persistent_cuda", "auto")])
+def test_persistent_collectives(case, mode, tmp_path):
+    """Persistent collectives on CuPy arrays, 2 ranks on one GPU: every verb in the kernel
+    form, all_reduce in the stream-memory-operation form; a small start's driver calls (at
+    most 2 in the kernel form) and starts captured into a CUDA graph (persistent_cuda)."""
+    proc = launch("gpuring", 2, [str(PERSISTENT), case, str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(2)]
+    assert digests[0] == digests[1], "ranks differ bitwise"

@@ -1,0 +1,36 @@
+"""Persistent collectives (`comm.all_reduce_init` and its twins): every verb started several
+times on refilled inputs, checked by every rank against the reference, on 2 and 3 ranks;
+under mpiexec too; and the errors around them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ..conftest import run_worker
+
+WORKER = Path(__file__).resolve().parent / "worker_persistent.py"
+
+VERBS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
+         "scatter", "all_to_all", "barrier"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("verb", VERBS)
+def test_persistent_verb(verb, n, tmp_path):
+    run_worker(WORKER, "gpuring", n, f"persistent_{verb}", tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("verb", ["all_reduce", "broadcast"])
+def test_persistent_verb_under_mpiexec(verb, tmp_path):
+    run_worker(WORKER, "mpiexec", 2, f"persistent_{verb}", tmp_path)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_persistent_refusals_and_close(n, tmp_path):
+    """A start again before wait() and a strided input are refused with a clear error;
+    plain calls interleave with starts; a start after close() raises
+    CommunicatorClosedError."""
+    run_worker(WORKER, "gpuring", n, "persistent_lifecycle", tmp_path)

@@ -1,0 +1,278 @@
+"""Runs as every rank of the persistent-collective tests: `worker_persistent.py CASE OUTDIR
+[cpu|cuda]`. Each case `persistent_VERB` makes that verb's persistent form
+(`comm.VERB_init`) on fresh random inputs of several dtypes, out of place and in place where
+the verb has both, refills the inputs in place and starts it several times, and checks every
+result against the float64 or exact-integer reference (`Checker.expect`: the first wrong
+element named); `persistent_lifecycle` checks the errors around it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from worker import Checker, dev, host, rank_order_fold, run_case
+
+import gpuring
+
+#: a small size (one operation on a GPU) and one in pieces, per rank
+SIZES = (7, 30001)
+#: one dtype of each kind the reductions treat apart
+DTYPES = ("float32", "int64", "float64")
+STARTS = 3
+
+
+def _fill(c: Checker, target, values: np.ndarray) -> None:
+    target[...] = dev(c, values)
+
+
+def case_persistent_all_reduce(c: Checker) -> None:
+    comm, rank = c.comm, c.comm.rank
+    for size in SIZES:
+        for dtype in DTYPES:
+            for op in ("sum", "max"):
+                for in_place in (False, True):
+                    x = c.xp.zeros(size, dtype)
+                    out = x if in_place else c.xp.zeros(size, dtype)
+                    persistent = comm.all_reduce_init(x, op=op, out=out)
+                    for start in range(STARTS):
+                        ins = c.inputs(dtype, (size,), 100 + start + 7 * size)
+                        _fill(c, x, ins[rank])
+                        persistent.start()
+                        assert persistent.wait() is out
+                        c.expect(out, c.reduce_reference(ins, op),
+                                 f"all_reduce {dtype} {op} {size} "
+                                 f"{'in place' if in_place else 'out of place'} start {start}")
+
+
+def case_persistent_reduce_scatter(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    for size in SIZES:
+        for dtype in DTYPES:
+            for in_place in (False, True):
+                x = c.xp.zeros(n * size, dtype)
+                out = x.reshape(n, size)[rank] if in_place else c.xp.zeros(size, dtype)
+                persistent = comm.reduce_scatter_init(x, out=out)
+                for start in range(STARTS):
+                    ins = c.inputs(dtype, (n * size,), 200 + start + 7 * size)
+                    _fill(c, x, ins[rank])
+                    assert persistent() is out
+                    c.expect(out, c.reduce_reference(ins, "sum").reshape(n, -1)[rank],
+                             f"reduce_scatter {dtype} {size} in_place={in_place} "
+                             f"start {start}", shared=False)
+
+
+def case_persistent_all_gather(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    for size in SIZES:
+        for dtype in DTYPES:
+            for in_place in (False, True):
+                out = c.xp.zeros((n, size), dtype)
+                x = out[rank] if in_place else c.xp.zeros(size, dtype)
+                persistent = comm.all_gather_init(x, out=out)
+                for start in range(STARTS):
+                    ins = c.inputs(dtype, (size,), 300 + start + 7 * size)
+                    _fill(c, x, ins[rank])
+                    assert persistent() is out
+                    c.expect(out, np.stack(ins), f"all_gather {dtype} {size} "
+                             f"in_place={in_place} start {start}", copy=True)
+
+
+def case_persistent_broadcast(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    for root in sorted({0, n - 1}):
+        for size in SIZES:
+            for dtype in DTYPES:
+                for in_place in (False, True):
+                    x = c.xp.zeros(size, dtype)
+                    out = None if in_place else c.xp.zeros(size, dtype)
+                    persistent = comm.broadcast_init(x, root=root, out=out)
+                    for start in range(STARTS):
+                        ins = c.inputs(dtype, (size,), 400 + start + 7 * size + root)
+                        _fill(c, x, ins[rank])
+                        got = persistent()
+                        assert got is (x if in_place else out)
+                        c.expect(got, ins[root], f"broadcast root {root} {dtype} {size} "
+                                 f"in_place={in_place} start {start}", copy=True)
+
+
+def case_persistent_reduce(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    for root in sorted({0, n - 1}):
+        for size in SIZES:
+            for dtype in DTYPES:
+                x = c.xp.zeros(size, dtype)
+                out = c.xp.zeros(size, dtype) if rank == root else None
+                persistent = comm.reduce_init(x, root=root, out=out)
+                for start in range(STARTS):
+                    ins = c.inputs(dtype, (size,), 500 + start + 7 * size + root)
+                    _fill(c, x, ins[rank])
+                    got = persistent()
+                    if rank != root:
+                        assert got is None, "reduce gave a result off the root"
+                        continue
+                    assert got is out
+                    c.expect(got, c.reduce_reference(ins, "sum"),
+                             f"reduce root {root} {dtype} {size} start {start}", shared=False)
+
+
+def case_persistent_gather(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    root = n - 1
+    for size in SIZES:
+        for dtype in DTYPES:
+            x = c.xp.zeros(size, dtype)
+            persistent = comm.gather_init(x, root=root)
+            for start in range(STARTS):
+                ins = c.inputs(dtype, (size,), 600 + start + 7 * size)
+                _fill(c, x, ins[rank])
+                got = persistent()
+                if rank != root:
+                    assert got is None, "gather gave a result off the root"
+                    continue
+                c.expect(got, np.stack(ins), f"gather {dtype} {size} start {start}",
+                         copy=True, shared=False)
+
+
+def case_persistent_scatter(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    root = n - 1
+    for size in SIZES:
+        for dtype in DTYPES:
+            x = c.xp.zeros((n, size), dtype)
+            persistent = comm.scatter_init(x, root=root)
+            for start in range(STARTS):
+                ins = c.inputs(dtype, (n, size), 700 + start + 7 * size)
+                _fill(c, x, ins[rank])
+                c.expect(persistent(), ins[root][rank], f"scatter {dtype} {size} start {start}",
+                         copy=True, shared=False)
+
+
+def case_persistent_all_to_all(c: Checker) -> None:
+    comm, n, rank = c.comm, c.comm.size, c.comm.rank
+    for size in SIZES:
+        for dtype in DTYPES:
+            x, out = c.xp.zeros((n, size), dtype), c.xp.zeros((n, size), dtype)
+            persistent = comm.all_to_all_init(x, out=out)
+            for start in range(STARTS):
+                ins = c.inputs(dtype, (n, size), 800 + start + 7 * size)
+                _fill(c, x, ins[rank])
+                assert persistent() is out
+                c.expect(out, np.stack([ins[j][rank] for j in range(n)]),
+                         f"all_to_all {dtype} {size} start {start}", copy=True, shared=False)
+
+
+def case_persistent_barrier(c: Checker) -> None:
+    comm = c.comm
+    persistent = comm.barrier_init()
+    for _ in range(STARTS):
+        assert persistent() is None
+    # a barrier's worth: a result every rank reads after it was written by the last rank
+    x = c.xp.zeros(3, "int64")
+    total = comm.all_reduce_init(x, out=x)
+    for start in range(STARTS):
+        _fill(c, x, np.arange(3) + comm.rank + start)
+        persistent.start()
+        persistent.wait()
+        c.expect(total(), np.arange(3) * comm.size + sum(range(comm.size)) + comm.size * start,
+                 f"barrier then all_reduce start {start}")
+
+
+def case_persistent_lifecycle(c: Checker) -> None:
+    """What is refused, and said clearly: a start again before wait(), an input that is not
+    C-contiguous; plain calls and persistent starts of the same collective interleave; a
+    start once the communicator closed raises its error."""
+    comm, n, rank, xp = c.comm, c.comm.size, c.comm.rank, c.xp
+    x, out = xp.zeros(64, "float32"), xp.zeros(64, "float32")
+    persistent = comm.all_reduce_init(x, out=out)
+    assert "all_reduce" in repr(persistent)
+    ins = c.inputs("float32", (64,), 900)
+    _fill(c, x, ins[rank])
+    persistent.start()
+    try:
+        persistent.start()
+    except RuntimeError as exc:
+        assert "before wait()" in str(exc), exc
+    else:
+        raise AssertionError("a second start() before wait() was taken")
+    persistent.wait()
+    c.expect(out, c.reduce_reference(ins, "sum"), "lifecycle first start")
+    strided = xp.zeros(128, "float32")[::2]
+    try:
+        comm.all_reduce_init(strided)
+    except ValueError as exc:
+        assert "C-contiguous" in str(exc), exc
+    else:
+        raise AssertionError("a strided input was taken")
+    for i in range(4):  # plain and persistent calls of the same collective, interleaved
+        ins = c.inputs("float32", (64,), 910 + i)
+        _fill(c, x, ins[rank])
+        if i % 2:
+            persistent()
+        else:
+            comm.all_reduce(x, out=out)
+        c.expect(out, c.reduce_reference(ins, "sum"), f"lifecycle interleaved {i}")
+    assert host(out).shape == (64,)
+    comm.close()
+    try:
+        persistent.start()
+    except gpuring.CommunicatorClosedError:
+        pass
+    else:
+        raise AssertionError("a start after close() was taken")
+    assert n >= 1
+
+
+def case_persistent_cuda(c: Checker) -> None:
+    """CuPy only: a small persistent all_reduce's start makes at most 2 driver calls in the
+    kernel form (GPURING_CUDA_FUSED=kernel), and persistent starts captured into a CUDA
+    graph replay with fresh inputs (the rank-order fold's bits, on every rank)."""
+    comm, rank, xp = c.comm, c.comm.rank, c.xp
+    assert xp is not np, "a CuPy case"
+    fused = os.environ.get("GPURING_CUDA_FUSED")
+    x, out = xp.zeros(4096, "float32"), xp.zeros(4096, "float32")  # 16 KiB: one operation
+    persistent = comm.all_reduce_init(x, out=out)
+    persistent()
+    before = comm.device_operations
+    for _ in range(10):
+        persistent()
+    calls = (comm.device_operations - before) / 10
+    if fused == "kernel":
+        assert calls <= 2, f"a persistent start made {calls} driver calls"
+        assert comm.last_schedule == "one operation", comm.last_schedule
+    print(f"rank {rank}: {calls:g} driver calls per persistent start ({fused})")
+    stream = xp.cuda.Stream(non_blocking=True)
+    big_x, big_out = xp.zeros(300_001, "float32"), xp.zeros(300_001, "float32")
+    with stream:
+        small = comm.all_reduce_init(x, out=out)
+        big = comm.all_reduce_init(big_x, out=big_out)  # in pieces: one kernel per piece
+        gather = comm.all_gather_init(x[:5], out=xp.zeros((comm.size, 5), "float32"))
+        for op in (small, big, gather):
+            op()
+        stream.synchronize()
+        if fused != "kernel":  # only the kernel form can be captured where ranks share a GPU
+            return
+        stream.begin_capture()
+        for op in (small, big, gather):
+            op.start()
+        graph = stream.end_capture()
+        for replay in range(3):
+            ins = c.inputs("float32", (4096,), 1000 + replay)
+            bigs = c.inputs("float32", (300_001,), 1100 + replay)
+            x[...], big_x[...] = dev(c, ins[rank]), dev(c, bigs[rank])
+            graph.launch(stream)
+            stream.synchronize()
+            c.expect(small.wait(), rank_order_fold(ins, "sum"), f"graph replay {replay} small",
+                     copy=True)
+            c.expect(big.wait(), rank_order_fold(bigs, "sum"), f"graph replay {replay} big",
+                     copy=True)
+            c.expect(gather.wait(), np.stack([a[:5] for a in ins]),
+                     f"graph replay {replay} all_gather", copy=True)
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+if __name__ == "__main__":
+    run_case(CASES)
