@@ -4,7 +4,9 @@ tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import sys
 
 __all__ = ["main"]
@@ -16,7 +18,29 @@ def _run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    problem = _run_problem(command, args.nranks)
+    if problem is not None:
+        print(f"gpuring run: {problem}", file=sys.stderr)
+        return 2
     return run(command, args.nranks, grace=args.grace, host=args.host)
+
+
+def _run_problem(command: list[str], nranks: int) -> str | None:
+    """What is wrong with `gpuring run`'s arguments, in one line (None: nothing)."""
+    if nranks < 1:
+        return f"-n must be at least 1, got {nranks}"
+    if not command:
+        return "nothing to run: give a command, e.g. gpuring run -n 2 python script.py"
+    program = command[0]
+    if program.endswith(".py"):
+        if not os.path.isfile(program):
+            return f"no such file: {program}"
+    elif os.sep in program:
+        if not os.access(program, os.X_OK) or os.path.isdir(program):
+            return f"not an executable file: {program}"
+    elif shutil.which(program) is None:
+        return f"command not found: {program}"
+    return None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -75,7 +99,10 @@ def _kernels(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="gpuring", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gpuring {__version__}")
     commands = parser.add_subparsers(dest="subcommand", required=True)
     run = commands.add_parser(
         "run", help="start N ranks of a program on this node",

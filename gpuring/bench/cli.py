@@ -150,6 +150,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise ValueError(f"-r takes a rank or all, not {args.root!r}") from None
         if roots[0] < 0:
             raise ValueError("-r must be a rank (0 or more) or all")
+    if parse_size(args.minbytes) > parse_size(args.maxbytes):
+        raise ValueError(f"-b {args.minbytes} is larger than -e {args.maxbytes}: the sweep "
+                         "would be empty")
     step = parse_size(args.stepbytes) if args.stepbytes else None
     if step is not None and step < 1:
         raise ValueError("-i must be at least 1 byte")

@@ -42,13 +42,15 @@ def plot(path: str, summary: Sequence[Summary], floors: Sequence[Floor], title: 
             """busbw had the call taken `us`."""
             return r.busbw_GBps * r.time_us / us if us > 0 else 0.0
 
+        # (bars never below 0: with one repeat, bus(r, slowest) may round above busbw)
         busbw = [r.busbw_GBps for r in points]
-        bw.errorbar(sizes, busbw, yerr=[[r.busbw_GBps - bus(r, r.slowest_us) for r in points],
-                                        [bus(r, r.fastest_us) - r.busbw_GBps for r in points]],
+        bw.errorbar(sizes, busbw,
+                    yerr=[[max(0.0, r.busbw_GBps - bus(r, r.slowest_us)) for r in points],
+                          [max(0.0, bus(r, r.fastest_us) - r.busbw_GBps) for r in points]],
                     fmt=style, marker="o", markersize=3, capsize=2, label=label)
         times = [r.time_us for r in points]
-        lat.errorbar(sizes, times, yerr=[[r.time_us - r.fastest_us for r in points],
-                                         [r.slowest_us - r.time_us for r in points]],
+        lat.errorbar(sizes, times, yerr=[[max(0.0, r.time_us - r.fastest_us) for r in points],
+                                         [max(0.0, r.slowest_us - r.time_us) for r in points]],
                      fmt=style, marker="o", markersize=3, capsize=2, label=label)
     drawn = sorted((f for f in floors if f.floor_us > 0), key=lambda f: f.size)
     if drawn:

@@ -188,6 +188,30 @@ def test_json_schema_and_csv(tmp_path):
     assert lines[0].startswith("system,collective,size") and len(lines) == 3
 
 
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_plot_draws_a_png(tmp_path, repeats):
+    """A real plot, with matplotlib: one sweep (whose bars are empty: the slowest repeat is
+    the median, and rounding must not make a bar negative) and several."""
+    pytest.importorskip("matplotlib")
+    from gpuring.bench.plot import plot
+    from gpuring.bench.stats import summarize
+
+    rows = []
+    for repeat in range(repeats):
+        # (at 256 MiB in 72301.48... us, busbw * t / t rounds above busbw)
+        for size, time_us in ((1 << 28, 72301.48511166534), (1 << 20, 250.0 - repeat)):
+            for placement in ("out-of-place", "in-place"):
+                r = result(placement)
+                r.size, r.time_us = size, time_us
+                r.algbw_GBps = r.busbw_GBps = size / time_us / 1e3
+                r.repeat = repeat
+                rows.append(r)
+    path = tmp_path / "p.png"
+    note = plot(str(path), summarize(rows), [], "t")
+    assert note == f"# plot written to {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
     from gpuring.bench.plot import plot
     from gpuring.bench.stats import summarize
