@@ -128,7 +128,14 @@ class MpiControl(ControlPlane):
 
     def __init__(self, comm: Any = None, alarm: _Alarm | None = None):
         super().__init__()
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ImportError(
+                "this process was started by an MPI launcher (mpiexec, srun), and gpuring "
+                "meets its peers through MPI there, but mpi4py is not installed: "
+                'pip install "gpuring[mpi]" (mpi4py with an MPI from PyPI), or run the ranks '
+                "with gpuring run -n N") from exc
 
         self._MPI = MPI
         self.comm = (comm or MPI.COMM_WORLD).Dup()

@@ -32,3 +32,15 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"gpuring {gpuring.__version__}"
+
+
+def test_mpiexec_without_mpi4py_says_what_to_install(monkeypatch):
+    """Under an MPI launcher without mpi4py, the control plane says to install gpuring[mpi]
+    (not a bare ModuleNotFoundError)."""
+    import sys
+
+    from gpuring.rendezvous.mpi import MpiControl
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(ImportError, match=r'pip install "gpuring\[mpi\]"'):
+        MpiControl()
