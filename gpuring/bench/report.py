@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import IN_PLACE, OUT_OF_PLACE
+from .metrics import IN_PLACE, OUT_OF_PLACE, REDUCING, ROOTED
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
            "footer_lines", "driver_lines", "repeat_lines", "overlap_lines", "peer_lines",
@@ -131,6 +131,7 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
     """The '#' lines above the table: what ran, when, where, with what settings in force,
     how it was timed, and the bandwidth the floor assumes."""
     v = machine.get("versions", {})
+    kind = settings["collective"]
     step = (f"+{settings['step_bytes']} B" if settings.get("step_bytes")
             else f"x{settings['factor']}")
     lines = [
@@ -138,8 +139,10 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
         f"{settings.get('launcher', '?')}, device {settings['device']}, "
         f"{settings.get('date', '')}",
         f"# sizes: {_sizes(settings.get('sizes', []))} ({step}); dtype "
-        f"{', '.join(settings['dtypes'])}; op {', '.join(settings['ops'])}; root "
-        f"{', '.join(map(str, settings['roots']))}; {settings['iters']} iterations, "
+        f"{', '.join(settings['dtypes'])}; op "
+        f"{', '.join(settings['ops']) if kind in REDUCING else 'none'}; root "
+        f"{', '.join(map(str, settings['roots'])) if kind in ROOTED else 'none'}; "
+        f"{settings['iters']} iterations, "
         f"{settings['warmup']} warm-up, {settings['check_iters']} checked, "
         f"{settings.get('repeats', 1)} repeat(s)",
         f"# machine: {machine.get('host')}, {machine.get('cpu')}, {machine.get('cpus')} CPUs, "

@@ -700,3 +700,17 @@ def test_every_dtype_and_every_root_on_request() -> None:
     assert s.roots == [] and s.step_bytes == 4096 and s.repeats == 3  # roots: every rank
     with pytest.raises(ValueError):
         cli.settings_from_args(p.parse_args(["broadcast", "-r", "x"]))
+
+
+@pytest.mark.parametrize(("collective", "op", "root"), [
+    ("all_reduce", "op sum", "root none"), ("broadcast", "op none", "root 0"),
+    ("all_gather", "op none", "root none"), ("reduce", "op sum", "root 0")])
+def test_the_header_names_op_and_root_only_where_the_collective_has_them(collective, op, root):
+    """The rows say "none" for an op a broadcast does not have (and -1 for a root an
+    all_reduce does not have): the header says the same."""
+    header = report.header_lines({}, {"collective": collective, "ranks": 2, "device": "cpu",
+                                      "dtypes": ["float32"], "ops": ["sum"], "roots": [0],
+                                      "factor": 2, "iters": 1, "warmup": 0,
+                                      "check_iters": 1})
+    sizes = next(line for line in header if line.startswith("# sizes"))
+    assert f"; {op}; {root};" in sizes, sizes
