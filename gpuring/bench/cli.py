@@ -221,7 +221,16 @@ def main(args: argparse.Namespace) -> int:
     if args.ranks is not None and args.ranks < 1:
         print("gpuring bench: --ranks must be at least 1", file=sys.stderr)
         return 2
-    if args.ranks is not None and not already_launched():
+    launched = already_launched()
+    if args.ranks is None and not launched:
+        print("gpuring bench: no --ranks and no launcher (gpuring run, mpiexec): measuring "
+              "1 rank in this process; pass --ranks N for N ranks", file=sys.stderr)
+    if args.ranks is not None and not launched:
+        cores = os.cpu_count() or 1
+        if args.ranks > cores:
+            print(f"gpuring bench: {args.ranks} ranks on {cores} cores: the ranks share "
+                  "cores, so times include waiting for one; compare ratios within a run, "
+                  "not times across runs", file=sys.stderr)
         problems = preflight.problems(settings, writes_files=True)
         for line in problems:
             print(f"gpuring bench: {line}", file=sys.stderr)

@@ -167,7 +167,14 @@ def test_tune_writes_a_table_the_collectives_follow(tmp_path):
     assert table.tables["all_reduce"][-1].max_bytes is None
     doc = json.loads((tmp_path / "t.json").read_text())
     assert {r["size"] for r in doc["measured"]} == {4096, 131072, 4194304}
-    assert {r["algorithm"] for r in doc["measured"]} == {"ring", "direct", "one_shot"}
+    assert {r["algorithm"] for r in doc["measured"]} == {"ring", "two_shot", "one_shot"}
     assert doc["machine"]["cpus"] and doc["machine"]["versions"]
     run_worker(WORKER, "gpuring", 2, "tuned", tmp_path,
                env={"GPURING_TUNING": str(tmp_path / "t.json")})
+
+
+def test_without_ranks_or_a_launcher_it_says_it_runs_one_rank(tmp_path):
+    done = bench(["barrier", "-n", "1", "-w", "0"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no --ranks and no launcher" in done.stderr and "--ranks N" in done.stderr
+    assert "1 ranks under one process" in done.stdout
