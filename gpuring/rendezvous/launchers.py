@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from .. import settings
 from .base import host_name
 from .store import ENV_KEY, StoreServer
-from .store_client import StoreClient
+from .store_client import StoreClient, waiting_line
 
 __all__ = ["Job", "from_environment", "first_host", "job_key", "meet", "serve"]
 
@@ -178,8 +178,11 @@ def meet(rank: int, size: int, host: str, port: int, key: bytes, timeout: float,
         serve(size, key, host, port, timeout, who)
     control = StoreClient(rank, size, 0, 1, (host, port), key, "pending", timeout=timeout)
     try:
-        met = control.exchange("meeting", (secrets.token_hex(8) if rank == 0 else None,
-                                           host_name()), timeout)
+        with waiting_line(f"gpuring: rank {rank} is waiting for all {size} ranks to meet at "
+                          f"{host}:{port} (up to {timeout:g} s): start the others with the "
+                          "same host, port and number of ranks"):
+            met = control.exchange("meeting", (secrets.token_hex(8) if rank == 0 else None,
+                                               host_name()), timeout)
     except BaseException:
         control.close()
         raise

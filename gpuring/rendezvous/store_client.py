@@ -4,11 +4,14 @@ exchanges."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Client, Connection  # type: ignore[attr-defined]
 from typing import Any
 
@@ -32,6 +35,19 @@ from .store import (
 __all__ = ["StoreClient"]
 
 
+@contextlib.contextmanager
+def waiting_line(line: str, after: float = 5.0) -> Iterator[None]:
+    """Print `line` on stderr if the block is still running `after` seconds in (a wait that
+    may be long says so, instead of waiting silently)."""
+    timer = threading.Timer(after, lambda: print(line, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 class _Link:
     """A rank's one connection to the launcher's store, shared by the job's control plane
     and the sub-groups made from it; closed once all of them are closed. Its reader routes
@@ -40,15 +56,21 @@ class _Link:
     def __init__(self, rank: int, address: tuple[str, int], key: bytes, generation: int,
                  timeout: float):
         self.rank = rank
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.conn = Client(address, family="AF_INET", authkey=key)
-                break
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        where = f"{address[0]}:{address[1]}"
+        with waiting_line(f"gpuring: rank {rank} is waiting to reach the control server at "
+                          f"{where} (up to {timeout:g} s)"):
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    self.conn = Client(address, family="AF_INET", authkey=key)
+                    break
+                except ConnectionRefusedError as exc:
+                    if time.monotonic() > deadline:
+                        raise ConnectionRefusedError(
+                            f"rank {rank} could not reach the control server at {where} "
+                            f"within {timeout:g} s: is rank 0 (which serves it) running, "
+                            "with the same host and port?") from exc
+                    time.sleep(0.05)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._groups: dict[str, StoreClient] = {}

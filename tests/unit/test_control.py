@@ -245,3 +245,19 @@ def test_sub_groups_share_the_connection_and_keep_their_exchanges_apart(
             client.close()
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_reach_rank_0_names_the_address_and_says_it_waits(capsys):
+    """gpuring.distributed without rank 0: the waiting rank says so after a few seconds,
+    and its error names the address and what to check."""
+    from gpuring import distributed
+
+    from ..conftest import free_port
+
+    port = free_port()
+    with pytest.raises(ConnectionRefusedError, match=rf"127\.0\.0\.1:{port} within 6 s: is "
+                                                     r"rank 0 .* running"):
+        distributed.init_process_group(2, 1, port=port, timeout=6)
+    err = capsys.readouterr().err
+    assert f"rank 1 is waiting to reach the control server at 127.0.0.1:{port}" in err
