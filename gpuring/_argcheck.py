@@ -9,6 +9,7 @@ from typing import Any
 from . import _arrays
 from ._call import Call
 from ._ops import ReduceOp, check_op_dtype
+from .algorithms.collectives import algorithm_name
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
            "scatter", "all_to_all", "input_array", "output_array", "check_algorithm"]
@@ -44,14 +45,17 @@ def _input_and_op(x: Any, op: ReduceOp | str) -> tuple[Any, ReduceOp]:
 
 
 #: the schedules a call may ask for, per collective
-_ALGORITHMS = {"all_reduce": ("ring", "direct", "one_shot"), "reduce_scatter": ("ring", "direct"),
-               "reduce": ("ring", "direct")}
+_ALGORITHMS = {"all_reduce": ("ring", "two_shot", "one_shot"),
+               "reduce_scatter": ("ring", "two_shot"), "reduce": ("ring", "two_shot")}
 
 
 def check_algorithm(name: str, algorithm: str | None) -> str | None:
-    """`algorithm` checked against what `name` offers (None: the communicator's choice)."""
+    """`algorithm` checked against what `name` offers (None: the communicator's choice),
+    under its current name: a former one ("direct": "two_shot") is translated with a
+    DeprecationWarning, so that the ranks compare (and the call runs) the current name."""
     if algorithm is None:
         return None
+    algorithm = algorithm_name(algorithm, name)
     offered = _ALGORITHMS[name]
     if algorithm not in offered:
         raise ValueError(f"{name}: algorithm must be one of {', '.join(map(repr, offered))} "

@@ -33,7 +33,7 @@ class Call:
     #: the output already holds the input where the plan would copy it (broadcast into x
     #: itself; all_gather with x as out's block of this rank), so that copy is left out
     in_place: bool = False
-    #: the schedule asked for ("ring", "direct", "one_shot"; None: the communicator's)
+    #: the schedule asked for ("ring", "two_shot", "one_shot"; None: the communicator's)
     algorithm: str | None = None
     #: `key()`, once worked out
     known_key: tuple[Any, ...] | None = None

@@ -73,7 +73,7 @@ class Choices:
         """The schedule of `call` (`plan_collective`'s `algorithm`): the call's, else the
         communicator's, else the tuning table's (`tuned`); in deterministic mode, where none
         is asked for (or the table's is the ring), one that folds in rank order (one-shot for
-        an all_reduce of up to GPURING_ONE_SHOT_BYTES, else direct). A ring asked for in
+        an all_reduce of up to GPURING_ONE_SHOT_BYTES, else two-shot). A ring asked for in
         deterministic mode is refused once the ranks agreed on it."""
         name, config = call.collective, self.config
         if name not in FOLDS:
@@ -86,5 +86,5 @@ class Choices:
             asked = "auto"
         if config.deterministic and asked == "auto":
             small = name == "all_reduce" and 0 < nbytes <= config.one_shot_bytes
-            asked = "one_shot" if small else "direct"
+            asked = "one_shot" if small else "two_shot"
         return asked

@@ -137,7 +137,7 @@ class Communicator:
 
         `out=x` reduces in place. Returns `out` (a new array when `out` is None).
         `compression="fp16"|"bf16"` sends float32/float64 through the ring in that format.
-        `algorithm="ring"|"direct"|"one_shot"` picks the schedule (GPURING_ALGORITHM).
+        `algorithm="ring"|"two_shot"|"one_shot"` picks the schedule (GPURING_ALGORITHM).
         """
         if compression is not None:
             return self._all_reduce_compressed(x, op, out, chunk_bytes, channels, compression,
@@ -151,7 +151,7 @@ class Communicator:
                        algorithm: str | None = None) -> Any:
         """Reduce `x` over all ranks and keep this rank's block: block `rank` of the flattened
         result split into `size` equal blocks. `x.size` must be divisible by `size`. In place:
-        `out=x.reshape(size, -1)[rank]`. `algorithm="ring"|"direct"` picks the schedule."""
+        `out=x.reshape(size, -1)[rank]`. `algorithm="ring"|"two_shot"` picks the schedule."""
         return self._run("reduce_scatter", x, out, (op, chunk_bytes, channels, algorithm),
                          lambda: _argcheck.reduce_scatter(x, op, out, chunk_bytes, channels,
                                                           self.size, self.rank, algorithm))
@@ -178,7 +178,7 @@ class Communicator:
                algorithm: str | None = None) -> Any:
         """Element-wise reduction of `x` over all ranks, delivered to `root` only: returns the
         result on root and None on the other ranks (`out` is only used on root).
-        `algorithm="ring"|"direct"` picks the schedule (ring: a chain)."""
+        `algorithm="ring"|"two_shot"` picks the schedule (ring: a chain)."""
         result = self._run("reduce", x, out, (op, root, chunk_bytes, channels, algorithm),
                            lambda: _argcheck.reduce(x, op, root, out, chunk_bytes, channels,
                                                     self.size, self.rank, algorithm))
@@ -454,10 +454,11 @@ class Communicator:
 
     @property
     def last_schedule(self) -> str:
-        """What this rank's last collective ran, in words: "ring", "chain", "direct",
+        """What this rank's last collective ran, in words: "ring", "chain", "two_shot",
         "one_shot", "registered two_shot" (and the other registered forms), "one operation"
         (a GPU collective as one kernel or stream operations), "kernels" (one kernel per
-        piece, recorded into a CUDA graph), "mpi", "alone", "barrier".
+        piece, recorded into a CUDA graph), "exchange" (gather, scatter, all_to_all), "mpi",
+        "alone", "barrier".
         `gpuring bench` reports it per size."""
         return self._path.last_schedule
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from . import settings
-from .algorithms.collectives import ALGORITHMS
+from .algorithms.collectives import ALGORITHMS, algorithm_name
 from .settings import parse_size
 
 __all__ = ["Config", "parse_size"]
@@ -52,6 +52,8 @@ class Config:
         env: dict[str, object] = {f.name: settings.get(_FROM[f.name]) for f in fields(cls)}
         for source in (env, overrides):
             changes = {k: v for k, v in source.items() if v is not None}
+            if "algorithm" in changes:  # a former name (GPURING_ALGORITHM's is translated)
+                changes["algorithm"] = algorithm_name(str(changes["algorithm"]), "init")
             config = replace(config, **changes)  # type: ignore[arg-type]
         config.validate()
         return config
@@ -71,6 +73,6 @@ class Config:
                              f"got {self.algorithm!r}")
         if self.deterministic and self.algorithm == "ring":
             raise ValueError("deterministic mode folds in rank order, which the ring does not: "
-                             "leave algorithm 'auto' or choose 'direct' or 'one_shot'")
+                             "leave algorithm 'auto' or choose 'two_shot' or 'one_shot'")
         if self.buffer_bytes is not None and self.buffer_bytes < 4096:
             raise ValueError(f"buffer_bytes must be at least 4096, got {self.buffer_bytes}")

@@ -136,7 +136,7 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
 
 #: a ring asked for in deterministic mode (refused on every rank once agreed)
 _RING_REFUSED = ("{name}: deterministic mode folds every element in rank order, which the "
-                 "ring does not (its order depends on the segment): ask for 'direct' or "
+                 "ring does not (its order depends on the segment): ask for 'two_shot' or "
                  "'one_shot', or for none")
 
 #: where a call on plain arrays lies: nowhere registered

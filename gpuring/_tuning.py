@@ -14,8 +14,9 @@ A table is JSON:
 Each collective's entries are ordered by `max_bytes`; a call of `nbytes` takes the first entry
 with `nbytes <= max_bytes` (null: any size). What a call or the communicator's settings ask
 for explicitly wins over the table; a table made for another device or rank count is not
-used (a warning says so). Every rank must load the same table: its digest is part of what the
-ranks agree on before a call first runs.
+used (a warning says so). An algorithm under its former name (tables written before
+`"direct"` became `"two_shot"`) is read as its current name. Every rank must load the same
+table: its digest is part of what the ranks agree on before a call first runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .algorithms.collectives import ALGORITHMS
+from .algorithms.collectives import ALGORITHMS, FORMER_NAMES
 
 __all__ = ["FORMAT", "TUNED", "Choice", "Tuning", "load"]
 
@@ -108,6 +109,9 @@ def from_dict(data: Any, path: str = "<table>") -> Tuning:
             except (KeyError, TypeError):
                 raise bad(f"{collective}: each entry needs max_bytes, algorithm, chunk_bytes "
                           f"and channels, not {entry!r}") from None
+            if isinstance(choice.algorithm, str) and choice.algorithm in FORMER_NAMES:
+                # a table written before the rename ("direct": "two_shot")
+                choice = choice._replace(algorithm=FORMER_NAMES[choice.algorithm])
             if choice.algorithm not in ALGORITHMS or (
                     choice.algorithm == "one_shot" and collective != "all_reduce"):
                 raise bad(f"{collective}: no algorithm {choice.algorithm!r}")

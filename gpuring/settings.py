@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .algorithms.collectives import ALGORITHMS
+from .algorithms.collectives import ALGORITHMS, FORMER_NAMES, algorithm_name
 
 __all__ = ["Setting", "SETTINGS", "get", "parse_size", "markdown_table"]
 
@@ -53,6 +53,15 @@ def _choice(*allowed: str) -> Callable[[str], str]:
             raise ValueError(f"use one of {', '.join(allowed)}")
         return value
     return parse
+
+
+def _algorithm(text: str) -> str:
+    """GPURING_ALGORITHM: one of `ALGORITHMS`, or a former name (`FORMER_NAMES`: "direct"),
+    translated with a DeprecationWarning."""
+    value = text.strip().lower()
+    if value in FORMER_NAMES:
+        return algorithm_name(value, f"GPURING_ALGORITHM={value}")
+    return _choice(*ALGORITHMS)(value)
 
 
 @dataclass(frozen=True)
@@ -92,14 +101,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_ONE_SHOT_BYTES", parse_size, 64 << 10, "64K",
             "all_reduce up to this size runs one-shot (lowest latency); on the GPU, any "
             "collective whose input is up to this size (and 4M) runs as one operation"),
-    Setting("GPURING_ALGORITHM", _choice(*ALGORITHMS), "auto", "auto",
-            "all_reduce, reduce_scatter and reduce: `ring` (a chain for reduce), `direct` "
-            "(two-shot: each rank reduces its segment of every rank's data in rank order, "
-            "then the segments are copied), `one_shot` (all_reduce: every rank reduces "
-            "everything), `auto` (all_reduce: one-shot up to `GPURING_ONE_SHOT_BYTES` where "
-            "that fits a buffer region, else the ring; the others: the ring; in deterministic "
-            "mode one-shot for a small all_reduce, else direct); a call's `algorithm=` "
-            "overrides it"),
+    Setting("GPURING_ALGORITHM", _algorithm, "auto", "auto",
+            "all_reduce, reduce_scatter and reduce: `ring` (a chain for reduce), `two_shot` "
+            "(each rank reduces its segment of every rank's data in rank order, then the "
+            "segments are copied; `direct`, its former name, is deprecated), `one_shot` "
+            "(all_reduce: every rank reduces everything), `auto` (all_reduce: one-shot up to "
+            "`GPURING_ONE_SHOT_BYTES` where that fits a buffer region, else the ring; the "
+            "others: the ring; in deterministic mode one-shot for a small all_reduce, else "
+            "two-shot); a call's `algorithm=` overrides it"),
     Setting("GPURING_DETERMINISTIC", _flag, False, "0",
             "1: every element of every all_reduce, reduce_scatter and reduce result is the "
             "fold of the ranks' values in rank order (across nodes node-major), the same bits "

@@ -4,8 +4,11 @@ algorithm per round. Pure and cached: the same arguments give the same plan obje
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import warnings
 
-from .direct import DIRECT_KINDS, direct_round
+from .direct import TWO_SHOT_KINDS, two_shot_round
 from .exchange import EXCHANGE_KINDS, exchange_rounds
 from .oneshot import barrier_round, one_shot_all_reduce
 from .plan import RoundPlan, relabel, split_even
@@ -21,13 +24,36 @@ from .ring import (
     ring_round,
 )
 
-__all__ = ["plan_collective", "ALGORITHMS"]
+__all__ = ["plan_collective", "ALGORITHMS", "FORMER_NAMES", "algorithm_name"]
 
 #: what `algorithm` may ask for: "auto" (all_reduce: one-shot up to `one_shot_bytes` where it
 #: fits one buffer region, else the ring; the others: the ring or chain),
-#: "ring" (the ring; a chain for reduce), "direct" (two-shot: `direct`), "one_shot" (every
-#: rank reduces everything, in rounds of a buffer region; all_reduce only)
-ALGORITHMS = ("auto", "ring", "direct", "one_shot")
+#: "ring" (the ring; a chain for reduce), "two_shot" (a reduce-scatter then an all-gather,
+#: every rank reading its peers directly: `direct`), "one_shot" (every rank reduces
+#: everything, in rounds of a buffer region; all_reduce only)
+ALGORITHMS = ("auto", "ring", "two_shot", "one_shot")
+
+#: the algorithms' former names, still accepted (with a DeprecationWarning) where a user names
+#: one: a call's `algorithm=`, GPURING_ALGORITHM, `init(algorithm=)`; tuning tables written
+#: before the rename are read without a warning
+FORMER_NAMES = {"direct": "two_shot"}
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def algorithm_name(algorithm: str, where: str) -> str:
+    """`algorithm` under its current name: a former one (`FORMER_NAMES`) is translated, with
+    a DeprecationWarning (`where` says who asked) pointing at the first caller outside
+    gpuring; any other name is returned as it is (checking it is the caller's business)."""
+    current = FORMER_NAMES.get(algorithm) if isinstance(algorithm, str) else None
+    if current is None:
+        return algorithm
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(f"{where}: algorithm {algorithm!r} is deprecated, use {current!r} (the "
+                  f"same two-shot schedule)", DeprecationWarning, stacklevel=level)
+    return current
 
 
 @functools.lru_cache(maxsize=512)
@@ -57,7 +83,7 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, not {algorithm!r}")
     if (algorithm == "one_shot" and kind != ALL_REDUCE) or (
-            algorithm == "direct" and kind not in DIRECT_KINDS):
+            algorithm == "two_shot" and kind not in TWO_SHOT_KINDS):
         raise ValueError(f"{kind} has no {algorithm} schedule")
     if n < 2:
         raise ValueError("collectives across one rank need no plan")
@@ -94,8 +120,8 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         for a in range(0, count, cap):
             length = min(cap, count - a)
             segs = tuple(Segment(a + s, s, a + s, k) for s, k in split_even(length, n))
-            rounds.append(direct_round(kind, n, rank, segs, chunk, channels)
-                          if algorithm == "direct" else
+            rounds.append(two_shot_round(kind, n, rank, segs, chunk, channels)
+                          if algorithm == "two_shot" else
                           _ring(kind, n, rank, segs, chunk, channels, order))
     elif kind == REDUCE_SCATTER:
         if count % n:
@@ -105,14 +131,14 @@ def plan_collective(kind: str, n: int, rank: int, count: int, *, itemsize: int,
         for j in range(0, block, step):
             length = min(step, block - j)
             segs = tuple(Segment(b * block + j, b * length, j, length) for b in range(n))
-            rounds.append(direct_round(kind, n, rank, segs, chunk, channels)
-                          if algorithm == "direct" else
+            rounds.append(two_shot_round(kind, n, rank, segs, chunk, channels)
+                          if algorithm == "two_shot" else
                           _ring(kind, n, rank, segs, chunk, channels, order))
-    elif kind == REDUCE and algorithm == "direct":
+    elif kind == REDUCE and algorithm == "two_shot":
         for a in range(0, count, cap):
             length = min(cap, count - a)
             segs = tuple(Segment(a + s, s, a + s, k) for s, k in split_even(length, n))
-            rounds.append(direct_round(kind, n, rank, segs, chunk, channels, root=root))
+            rounds.append(two_shot_round(kind, n, rank, segs, chunk, channels, root=root))
     elif kind == ALL_GATHER:
         step = cap // n
         for j in range(0, count, step):

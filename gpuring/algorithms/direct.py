@@ -1,4 +1,5 @@
-"""Direct (two-shot) schedules for one round: every rank reads its peers' buffers directly.
+"""Two-shot schedules (`algorithm="two_shot"`, formerly "direct") for one round: every rank
+reads its peers' buffers directly.
 
 All_reduce: rank r stages into its buffer the segments its peers reduce (segment q for rank
 q), reduces segment r of every rank's data in rank order 0, 1, ..., n-1 (one n-input reduce,
@@ -35,10 +36,10 @@ from .plan import (
 )
 from .ring import ALL_REDUCE, REDUCE, REDUCE_SCATTER, Segment, piece_ranges
 
-__all__ = ["direct_round", "DIRECT_KINDS"]
+__all__ = ["two_shot_round", "TWO_SHOT_KINDS"]
 
-#: the collectives with a direct schedule
-DIRECT_KINDS = frozenset({ALL_REDUCE, REDUCE_SCATTER, REDUCE})
+#: the collectives with a two-shot schedule
+TWO_SHOT_KINDS = frozenset({ALL_REDUCE, REDUCE_SCATTER, REDUCE})
 
 
 def _channel(kind: str, n: int, x: int, root: int, segs: tuple[Segment, ...], c: int,
@@ -98,18 +99,18 @@ def _channel(kind: str, n: int, x: int, root: int, segs: tuple[Segment, ...], c:
     return ops, published
 
 
-def direct_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: int,
-                 channels: int, *, root: int = 0) -> RoundPlan:
-    """One round of a direct all_reduce, reduce_scatter or reduce (to `root`) for `rank`.
+def two_shot_round(kind: str, n: int, rank: int, segs: tuple[Segment, ...], chunk: int,
+                   channels: int, *, root: int = 0) -> RoundPlan:
+    """One round of a two-shot all_reduce, reduce_scatter or reduce (to `root`) for `rank`.
     `segs[g]` is segment g, which rank g reduces (reduce_scatter: rank g's block)."""
-    if kind not in DIRECT_KINDS:
-        raise ValueError(f"no direct schedule for {kind}")
+    if kind not in TWO_SHOT_KINDS:
+        raise ValueError(f"no two-shot schedule for {kind}")
     if len(segs) != n or n < 2:
-        raise ValueError("a direct round needs n >= 2 and one segment per rank")
+        raise ValueError("a two-shot round needs n >= 2 and one segment per rank")
     plans: list[ChannelPlan] = []
     for c in range(channels):
         index = [_channel(kind, n, q, root, segs, c, channels, chunk, None)[1]
                  for q in range(n)]
         ops, _ = _channel(kind, n, rank, root, segs, c, channels, chunk, index)
         plans.append(tuple(ops))
-    return RoundPlan(tuple(plans), schedule="direct")
+    return RoundPlan(tuple(plans), schedule="two_shot")

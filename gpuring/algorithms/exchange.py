@@ -73,7 +73,7 @@ def moves_round(n: int, rank: int, moves: list[Move], chunk: int,
         index = [_channel(q, moves, c, channels, chunk, None)[1] for q in range(n)]
         ops, _ = _channel(rank, moves, c, channels, chunk, index)
         plans.append(tuple(ops))
-    return RoundPlan(tuple(plans), schedule="direct")
+    return RoundPlan(tuple(plans), schedule="exchange")
 
 
 def _channel(x: int, moves: list[Move], c: int, channels: int, chunk: int,

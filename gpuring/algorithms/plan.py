@@ -94,8 +94,8 @@ class RoundPlan(NamedTuple):
     #: the round reads the peers' registered arrays (`Loc(IN|OUT, offset, rank)`) and uses no
     #: buffer (see `registered`)
     registered: bool = False
-    #: what schedule it is, in words ("ring", "chain", "direct", "one_shot", "barrier",
-    #: "registered two_shot", ...): what benchmarks and logs report
+    #: what schedule it is, in words ("ring", "chain", "two_shot", "one_shot", "exchange",
+    #: "barrier", "registered two_shot", ...): what benchmarks and logs report
     schedule: str = ""
 
 

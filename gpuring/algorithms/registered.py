@@ -28,7 +28,7 @@ input where inputs are registered, else its output once it copied its input ther
 - all_gather: every rank copies every rank's input into its block of its output;
 - broadcast: every rank copies the root's input into its output.
 
-Every element of a reduction is one fold in rank order, as in the direct and one-shot
+Every element of a reduction is one fold in rank order, as in the two-shot and one-shot
 schedules: the same bits. A fold may write its own rank's source (in place): each element is
 read from every source before it is written (`Stream.reduce_n`).
 """
@@ -70,14 +70,14 @@ ONE_SHOT_RANKS = 4
 
 def registered_form(kind: str, algorithm: str, peer_in: bool, peer_out: bool,
                     in_place: bool, n: int = 2) -> str | None:
-    """The registered form of `kind` for `algorithm` ("auto", "direct" or "one_shot"; the
+    """The registered form of `kind` for `algorithm` ("auto", "two_shot" or "one_shot"; the
     ring has none), or None where none applies and the collective stages through the buffers.
     `peer_in`/`peer_out`: every rank's input/output is registered; `in_place`: the output is
     the input; `n`: the ranks."""
     if algorithm == "ring":
         return None
     if kind == ALL_REDUCE:
-        if peer_out and algorithm in ("auto", "direct"):
+        if peer_out and algorithm in ("auto", "two_shot"):
             return "two_shot"
         if peer_in and not in_place and (algorithm == "one_shot" or (
                 algorithm == "auto" and n <= ONE_SHOT_RANKS)):

@@ -131,7 +131,7 @@ def candidates(collective: str, size: int, chunks: list[int],
     """What is tried at `size`: each algorithm the collective has (one-shot up to
     ONE_SHOT_LIMIT) with each piece size (those larger than the size tried once, as the
     smallest of them) and channel count."""
-    algorithms = ["ring", "direct"] + (
+    algorithms = ["ring", "two_shot"] + (
         ["one_shot"] if collective == "all_reduce" and size <= ONE_SHOT_LIMIT else [])
     fitting = sorted({c for c in chunks if c < size} | {min((c for c in chunks if c >= size),
                                                             default=max(chunks))})

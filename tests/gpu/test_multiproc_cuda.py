@@ -77,8 +77,8 @@ def test_the_same_arrays_again(n, mode, tmp_path):
 
 @pytest.mark.parametrize(("case", "n", "env"), [
     ("deterministic", 2, {"GPURING_DETERMINISTIC": "1", "GPURING_BUFFER_BYTES": "256K"}),
-    ("direct", 3, {"GPURING_CUDA_FUSED": "kernel"})])
-def test_direct_and_deterministic(case, n, env, tmp_path):
+    ("two_shot", 3, {"GPURING_CUDA_FUSED": "kernel"})])
+def test_two_shot_and_deterministic(case, n, env, tmp_path):
     """Deterministic mode (small buffers: several rounds) and algorithm= per call on CuPy
     arrays: the rank-order fold's bits, as on the host."""
     proc = launch("gpuring", n, [str(WORKER), case, str(tmp_path), "cuda"],
@@ -271,8 +271,10 @@ PERSISTENT = WORKER.parent / "worker_persistent.py"
     ("persistent_cuda", "auto")])
 def test_persistent_collectives(case, mode, tmp_path):
     """Persistent collectives on CuPy arrays, 2 ranks on one GPU: every verb in the kernel
-    form, all_reduce in the stream-memory-operation form; a small start's driver calls (at
-    most 2 in the kernel form) and starts captured into a CUDA graph (persistent_cuda)."""
+    form, all_reduce in the auto form (stream memory operations where the GPU has them, as
+    the simulator does under GPURING_CUDASIM_MEMOPS=1); a small start's driver calls (at most
+    2 in the kernel form), started results in both forms, and starts captured into a CUDA
+    graph in the kernel form (persistent_cuda)."""
     proc = launch("gpuring", 2, [str(PERSISTENT), case, str(tmp_path), "cuda"],
                   env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

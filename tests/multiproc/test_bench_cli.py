@@ -178,3 +178,19 @@ def test_without_ranks_or_a_launcher_it_says_it_runs_one_rank(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no --ranks and no launcher" in done.stderr and "--ranks N" in done.stderr
     assert "1 ranks under one process" in done.stdout
+
+
+def test_the_persistent_form_beside_the_plain_calls(tmp_path):
+    """-P: gpuring's persistent form is timed, checked and printed as the system 'persist'
+    beside the plain calls (and in the JSON)."""
+    done = bench(["all_reduce", "--ranks", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "5",
+                  "-P", "--json", "out.json"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    persist = [line.split() for line in done.stdout.splitlines()
+               if " persist " in line and not line.startswith("#")]
+    assert {(row[0], row[5]) for row in persist} == {
+        (size, placement) for size in ("1024", "4096")
+        for placement in ("out-of-place", "in-place")}, done.stdout
+    assert "persist 0" in done.stdout  # its wrong elements: checked, none
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert {r["system"] for r in results} == {"gpuring", "persist"}

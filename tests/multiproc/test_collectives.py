@@ -72,7 +72,7 @@ def test_registered_memory(launcher, n, env, tmp_path):
 
 @pytest.mark.parametrize("n", [3])
 def test_algorithm_per_call(n, tmp_path):
-    run_case("gpuring", n, "direct", tmp_path)
+    run_case("gpuring", n, "two_shot", tmp_path)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -420,17 +421,19 @@ def case_deterministic(c: Checker) -> None:
     else:
         raise AssertionError("ranks ran different schedules in deterministic mode")
     ins = c.inputs("float32", (5000,), 15900)
-    c.expect(comm.all_reduce(dev(c, ins[rank]), algorithm="direct"),
+    c.expect(comm.all_reduce(dev(c, ins[rank]), algorithm="two_shot"),
              deterministic_fold(c, ins, "sum"), "deterministic after the refusal", copy=True)
 
 
-def case_direct(c: Checker) -> None:
-    """algorithm="direct" (and "one_shot") asked per call, without deterministic mode: the
-    rank-order fold's bits too; "ring" as asked; a wrong name refused."""
+def case_two_shot(c: Checker) -> None:
+    """algorithm="two_shot" (and "one_shot") asked per call, without deterministic mode: the
+    rank-order fold's bits too; "ring" as asked; a wrong name refused; "direct", the former
+    name, runs the two-shot schedule with a DeprecationWarning, and a rank passing it agrees
+    with ranks passing "two_shot"."""
     comm, n, rank = c.comm, c.comm.size, c.comm.rank
     seed = 16000
     for size in (10, 5000, 100000):
-        for algorithm in ("direct", "one_shot", "ring"):
+        for algorithm in ("two_shot", "one_shot", "ring"):
             seed += 1
             ins = c.inputs("float32", (n * size,), seed)
             got = comm.all_reduce(dev(c, ins[rank]), algorithm=algorithm, chunk_bytes=8192,
@@ -441,9 +444,19 @@ def case_direct(c: Checker) -> None:
             else:
                 c.expect(got, rank_order_fold(ins, "sum"), label, copy=True)
         ins = c.inputs("float64", (n * size,), seed + 500, "prod")
-        got = comm.reduce_scatter(dev(c, ins[rank]), op="prod", algorithm="direct")
+        got = comm.reduce_scatter(dev(c, ins[rank]), op="prod", algorithm="two_shot")
         c.expect(got, rank_order_fold([a.reshape(n, -1)[rank] for a in ins], "prod"),
-                 f"direct reduce_scatter {size}", copy=True, shared=False)
+                 f"two_shot reduce_scatter {size}", copy=True, shared=False)
+    ins = c.inputs("float32", (n * 5000,), seed + 1000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = comm.all_reduce(dev(c, ins[rank]), algorithm="direct" if rank == 0 else "two_shot")
+    c.expect(got, rank_order_fold(ins, "sum"), "'direct' beside 'two_shot'", copy=True)
+    former = [w for w in caught if issubclass(w.category, DeprecationWarning)
+              and "'two_shot'" in str(w.message)]
+    assert len(former) == (rank == 0), [str(w.message) for w in caught]
+    if c.xp is np:  # (a small one on the GPU runs as one operation)
+        assert comm.last_schedule == "two_shot", comm.last_schedule
     try:
         comm.reduce_scatter(dev(c, np.ones(n, np.float32)), algorithm="one_shot")
     except ValueError as exc:
@@ -792,8 +805,8 @@ def case_registered(c: Checker) -> None:
             x[...] = dev(c, ins[rank])
             c.expect(comm.all_reduce(x, op=op, out=out), want, f"{label} two-shot", copy=True)
             c.expect(comm.all_reduce(x, op=op), want, f"{label} one-shot", copy=True)
-            c.expect(comm.all_reduce(dev(c, ins[rank]), op=op, algorithm="direct"), want,
-                     f"{label} plain, direct", copy=True)
+            c.expect(comm.all_reduce(dev(c, ins[rank]), op=op, algorithm="two_shot"), want,
+                     f"{label} plain, two_shot", copy=True)
             comm.all_reduce(x, op=op, out=x)
             c.expect(x, want, f"{label} in place", copy=True)
             x[...] = dev(c, ins[rank])

@@ -290,13 +290,71 @@ def test_algorithms_are_checked(comm):
             verb(x, algorithm=algorithm)
     with pytest.raises(ValueError, match="algorithm must be one of"):
         comm.all_reduce(x, compression="fp16", algorithm="tree")
-    assert comm.all_reduce(x, compression="fp16", algorithm="direct").tolist() == [1.0] * 4
-    for algorithm in ("ring", "direct", "one_shot"):
+    assert comm.all_reduce(x, compression="fp16", algorithm="two_shot").tolist() == [1.0] * 4
+    for algorithm in ("ring", "two_shot", "one_shot"):
         assert comm.all_reduce(x, algorithm=algorithm).tolist() == [1.0] * 4
     with pytest.raises(ValueError, match="algorithm must be"):
         Config(algorithm="tree").validate()
     with pytest.raises(ValueError, match="deterministic mode"):
         Config(algorithm="ring", deterministic=True).validate()
+
+
+def test_direct_is_two_shot_under_its_former_name(comm, monkeypatch):
+    """algorithm="direct" (what "two_shot" was called before): accepted by every verb that
+    takes an algorithm with a DeprecationWarning saying to use "two_shot", pointing at the
+    caller; the call carries "two_shot" (what the ranks compare, so a rank passing "direct"
+    agrees with one passing "two_shot", and what is planned: the two-shot schedule). So do
+    GPURING_ALGORITHM=direct and init(algorithm="direct"); "two_shot" itself warns of
+    nothing."""
+    import warnings
+
+    from gpuring import _argcheck, settings
+    from gpuring._choices import Choices
+    from gpuring._config import Config
+    from gpuring.algorithms.collectives import plan_collective
+
+    for verb in (comm.all_reduce, comm.reduce_scatter, comm.reduce, comm.all_reduce_init):
+        x = np.ones(4, np.float32)
+        with pytest.warns(DeprecationWarning, match="use 'two_shot'") as caught:
+            got = verb(x, algorithm="direct")
+            if verb == comm.all_reduce_init:  # a persistent one: checked once, here
+                got = got()
+        assert got.tolist() == [1.0] * 4
+        assert {w.filename for w in caught} == {__file__}, [w.filename for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = comm.all_reduce(np.ones(4, np.float32), algorithm="two_shot")
+    assert got.tolist() == [1.0] * 4
+
+    x = np.ones(6, np.float32)
+    with pytest.warns(DeprecationWarning, match="use 'two_shot'"):
+        old = _argcheck.all_reduce(x, "sum", None, None, None, "direct")
+    new = _argcheck.all_reduce(x, "sum", old.out, None, None, "two_shot")
+    assert old.algorithm == new.algorithm == "two_shot" and old.key() == new.key()
+    for name in ("reduce_scatter", "reduce"):
+        with pytest.warns(DeprecationWarning, match="use 'two_shot'"):
+            assert _argcheck.check_algorithm(name, "direct") == "two_shot"
+    picked = Choices(Config(), 2).pick(old, "cpu", x.nbytes)
+    assert picked.algorithm == "two_shot"
+    plan = plan_collective("all_reduce", 2, 0, x.size, itemsize=4, capacity_bytes=4096,
+                           chunk_bytes=8, channels=1, algorithm=picked.algorithm)
+    assert [r.schedule for r in plan] == ["two_shot"]
+
+    monkeypatch.setenv("GPURING_ALGORITHM", "direct")
+    with pytest.warns(DeprecationWarning, match="GPURING_ALGORITHM=direct.*use 'two_shot'"):
+        assert settings.get("GPURING_ALGORITHM") == "two_shot"
+    with pytest.warns(DeprecationWarning, match="use 'two_shot'"):
+        config = Config.from_env(deterministic=True)
+    assert config.algorithm == "two_shot"
+    monkeypatch.setenv("GPURING_ALGORITHM", "two_shot")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Config.from_env().algorithm == "two_shot"
+    monkeypatch.delenv("GPURING_ALGORITHM")
+    with pytest.warns(DeprecationWarning, match="use 'two_shot'"):
+        assert Config.from_env(algorithm="direct").algorithm == "two_shot"
+    with pytest.raises(ValueError, match="GPURING_ALGORITHM='tree'"):
+        settings.SETTINGS["GPURING_ALGORITHM"].read({"GPURING_ALGORITHM": "tree"})
 
 
 def test_closed_communicator_refuses_work():

@@ -211,7 +211,7 @@ def check(kind, n, count, **kw):
 
 
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
-DIRECT = ["all_reduce", "reduce_scatter", "reduce"]
+TWO_SHOT = ["all_reduce", "reduce_scatter", "reduce"]
 #: (peer_in, peer_out, in_place) of calls on registered arrays, by collective
 REGISTERED_CASES = {
     "all_reduce": [(True, True, False), (True, True, True), (False, True, False),
@@ -240,7 +240,7 @@ def test_exhaustive_small(kind, n):
 @pytest.mark.parametrize("n", [3, 4, 5])
 def test_a_ring_in_another_order(kind, n):
     """The ring and the chains around the ranks in any order (as the topology asks): every
-    result where it belongs, in and out of place, every root; the direct schedules ignore
+    result where it belongs, in and out of place, every root; the two-shot schedules ignore
     the order."""
     rng = random.Random(n)
     for _ in range(3):
@@ -264,27 +264,27 @@ def test_a_ring_in_another_order(kind, n):
                         channels=1, order=(0,) * n)
 
 
-@pytest.mark.parametrize("kind", DIRECT)
+@pytest.mark.parametrize("kind", TWO_SHOT)
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
-def test_direct_exhaustive_small(kind, n):
+def test_two_shot_exhaustive_small(kind, n):
     for count in range(0, 3 * n + 2):
         if kind == "reduce_scatter" and count % n:
             continue
         for chunk, channels in itertools.product([1, 2, 3], [1, 2, 3]):
             for root in range(n) if kind == "reduce" else [0]:
                 check(kind, n, count, chunk=chunk, channels=channels, root=root,
-                      seed=count * 7 + chunk, algorithm="direct")
+                      seed=count * 7 + chunk, algorithm="two_shot")
 
 
-@pytest.mark.parametrize("kind", DIRECT)
+@pytest.mark.parametrize("kind", TWO_SHOT)
 @pytest.mark.parametrize("n", [2, 3, 4, 9])
-def test_direct_folds_every_element_in_rank_order(kind, n):
-    """Whatever the size, rounds, pieces and channels, every element of a direct result is
+def test_two_shot_folds_every_element_in_rank_order(kind, n):
+    """Whatever the size, rounds, pieces and channels, every element of a two-shot result is
     one fold of ranks 0, 1, ..., n-1 in that order (deterministic mode's bits); so is the
     one-shot all_reduce's."""
     cases = [(count, chunk, channels, capacity) for count in (n, 5 * n, 12 * n)
              for chunk in (1, 4) for channels in (1, 3) for capacity in (n, 4 * n, 1 << 20)]
-    algorithms = ["direct", "one_shot"] if kind == "all_reduce" else ["direct"]
+    algorithms = ["two_shot", "one_shot"] if kind == "all_reduce" else ["two_shot"]
     for algorithm, (count, chunk, channels, capacity) in itertools.product(algorithms, cases):
         root = n - 1
         _, outputs = simulate(kind, n, count, root=root, chunk=chunk, channels=channels,
@@ -299,13 +299,13 @@ def test_direct_folds_every_element_in_rank_order(kind, n):
 
 
 def test_a_ring_does_not_fold_in_rank_order():
-    """What the direct schedule is for: the ring's order depends on the segment."""
+    """What the two-shot schedule is for: the ring's order depends on the segment."""
     _, outputs = simulate("all_reduce", 3, 6, ordered=True)
     assert outputs[0] != [tuple((q, i) for q in range(3)) for i in range(6)]
 
 
 def test_an_algorithm_a_collective_lacks_is_refused():
-    for kind, algorithm in (("all_gather", "direct"), ("broadcast", "direct"),
+    for kind, algorithm in (("all_gather", "two_shot"), ("broadcast", "two_shot"),
                             ("reduce", "one_shot"), ("all_reduce", "tree")):
         with pytest.raises(ValueError, match=r"schedule|algorithm must be"):
             plan_collective(kind, 3, 0, 9, itemsize=4, capacity_bytes=4096, chunk_bytes=4,
@@ -364,7 +364,7 @@ def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
     write nobody reads; a missing one, a wait released by nothing)."""
     count = 4 * n
     variants = [(0, "auto"), (count, "auto")] + (
-        [(0, "direct")] if kind in DIRECT else []) + (
+        [(0, "two_shot")] if kind in TWO_SHOT else []) + (
         [(0, "one_shot")] if kind == "all_reduce" else [])
     placements = [(False, False, False), *REGISTERED_CASES.get(kind, [])]
     for (one_shot, algorithm), (peer_in, peer_out, in_place) in itertools.product(
@@ -388,14 +388,14 @@ def test_signals_reach_exactly_the_ranks_that_wait(kind, n):
 @given(kind=st.sampled_from(KINDS), n=st.integers(2, 7), count=st.integers(0, 200),
        chunk=st.integers(1, 40), channels=st.integers(1, 4), capacity_mult=st.integers(1, 30),
        root=st.integers(0, 6), seed=st.integers(0, 1000),
-       algorithm=st.sampled_from(["auto", "ring", "direct", "one_shot"]),
+       algorithm=st.sampled_from(["auto", "ring", "two_shot", "one_shot"]),
        placement=st.integers(0, 4))
 def test_random_shapes(kind, n, count, chunk, channels, capacity_mult, root, seed, algorithm,
                        placement):
     """Plain arrays (placement 0) and each case of registered ones."""
     if kind == "reduce_scatter":
         count -= count % n
-    if (algorithm == "direct" and kind not in DIRECT) or (
+    if (algorithm == "two_shot" and kind not in TWO_SHOT) or (
             algorithm == "one_shot" and kind != "all_reduce"):
         algorithm = "auto"
     cases = [(False, False, False), *REGISTERED_CASES[kind]]
@@ -492,7 +492,7 @@ def test_registered_reductions_fold_in_rank_order(n):
     ranks 0..n-1 in that order: deterministic mode's bits."""
     count = 5 * n
     fold = [tuple((q, i) for q in range(n)) for i in range(count)]
-    for kind in DIRECT:
+    for kind in TWO_SHOT:
         for peer_in, peer_out, in_place in REGISTERED_CASES[kind]:
             for chunk, channels in ((1, 1), (4, 3)):
                 root = n - 1
@@ -511,7 +511,7 @@ def test_registered_reductions_fold_in_rank_order(n):
 
 def test_which_calls_on_registered_arrays_read_their_peers():
     """The ring stages (it reads its neighbour's buffer); so does an all_reduce asked for
-    direct whose output is not registered, or for one-shot in place (its peers would read
+    two-shot whose output is not registered, or for one-shot in place (its peers would read
     what it overwrites), and a reduce_scatter whose input is not; the rest read their peers'
     arrays."""
     def registered(kind, algorithm="auto", peer_in=True, peer_out=False, in_place=False):
@@ -521,10 +521,10 @@ def test_which_calls_on_registered_arrays_read_their_peers():
         return len(rounds) == 1 and rounds[0].registered
 
     assert registered("all_reduce", peer_out=True)
-    assert registered("all_reduce", "direct", peer_in=False, peer_out=True)
+    assert registered("all_reduce", "two_shot", peer_in=False, peer_out=True)
     assert registered("all_reduce", "one_shot")
     assert not registered("all_reduce", "ring", peer_out=True)
-    assert not registered("all_reduce", "direct")
+    assert not registered("all_reduce", "two_shot")
     assert not registered("all_reduce", "one_shot", peer_out=True, in_place=True)
     assert not registered("reduce_scatter", peer_in=False, peer_out=True)
     for kind in ("reduce_scatter", "reduce", "all_gather", "broadcast"):

@@ -23,15 +23,31 @@ def entry(max_bytes, algorithm="ring", chunk_bytes=1 << 20, channels=1):
 def test_a_table_chooses_by_size(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(table(all_reduce=[entry(1000, "one_shot"),
-                                                 entry(5000, "direct", 4096, 2),
+                                                 entry(5000, "two_shot", 4096, 2),
                                                  entry(None)])))
     t = load(path)
     assert t.choose("all_reduce", 0).algorithm == "one_shot"
     assert t.choose("all_reduce", 1000).algorithm == "one_shot"
-    assert t.choose("all_reduce", 1001) == Choice(5000, "direct", 4096, 2)
+    assert t.choose("all_reduce", 1001) == Choice(5000, "two_shot", 4096, 2)
     assert t.choose("all_reduce", 1 << 40).algorithm == "ring"
     assert t.choose("reduce_scatter", 10) is None
     assert t.applies("cpu", 2) and not t.applies("cuda", 2) and not t.applies("cpu", 3)
+
+
+def test_a_table_written_before_the_rename_reads_direct_as_two_shot():
+    """"direct" (the two-shot schedule's former name) in an old table: read as "two_shot",
+    without a warning, with the digest of the same table written today (the ranks agree)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        old = from_dict(table(all_reduce=[entry(5000, "direct"), entry(None)],
+                              reduce=[entry(None, "direct")]))
+    new = from_dict(table(all_reduce=[entry(5000, "two_shot"), entry(None)],
+                          reduce=[entry(None, "two_shot")]))
+    assert old.choose("all_reduce", 10).algorithm == "two_shot"
+    assert old.choose("reduce", 10).algorithm == "two_shot"
+    assert old.digest == new.digest
 
 
 def test_the_digest_covers_the_choices_not_the_measurements():
@@ -75,12 +91,12 @@ def test_the_fastest_per_size_neighbours_merged():
 
     measured = [row(1024, "one_shot", 5), row(1024, "ring", 9),
                 row(4096, "one_shot", 7), row(4096, "ring", 8),
-                row(16384, "direct", 10), row(16384, "ring", 12, channels=2),
-                row(65536, "ring", 20, channels=2), row(65536, "direct", 21),
+                row(16384, "two_shot", 10), row(16384, "ring", 12, channels=2),
+                row(65536, "ring", 20, channels=2), row(65536, "two_shot", 21),
                 {**row(65536, "ring", 1), "collective": "reduce"}]
     assert choose("all_reduce", measured) == [
         Choice(8192, "one_shot", 1024, 1),  # 1 and 4 KiB merged, up to halfway to 16 KiB
-        Choice(32768, "direct", 1024, 1),
+        Choice(32768, "two_shot", 1024, 1),
         Choice(None, "ring", 1024, 2)]
 
 
@@ -88,9 +104,9 @@ def test_candidates():
     found = candidates("all_reduce", 3000, [1024, 4096, 16384], [1, 2])
     # pieces larger than the size are one candidate (the smallest of them)
     assert {c.chunk_bytes for c in found} == {1024, 4096}
-    assert {c.algorithm for c in found} == {"ring", "direct", "one_shot"}
-    assert Candidate("direct", 4096, 2) in found and len(found) == 12
+    assert {c.algorithm for c in found} == {"ring", "two_shot", "one_shot"}
+    assert Candidate("two_shot", 4096, 2) in found and len(found) == 12
     assert {c.algorithm for c in candidates("reduce_scatter", 3000, [1024], [1])} == {
-        "ring", "direct"}
+        "ring", "two_shot"}
     assert "one_shot" not in {c.algorithm for c in candidates("all_reduce", 64 << 20,
                                                               [1 << 20], [1])}
