@@ -4,7 +4,7 @@
 #   bash bench/device_check.sh [OUTDIR]      (or GPURING_DEVICE_CHECK_OUT=OUTDIR)
 #
 # Leaves three files in OUTDIR (the device machine returns at most 8):
-#   probe.json      the probe (python -m gpuring.bench.probe), first, kept whatever happens
+#   probe.json      the probe (python -m tools.device_check.probe), first, kept whatever happens
 #                   later: CUDA IPC, stream memory operations, 2-process flag ping-pong (memops,
 #                   spin kernels, MPS), a dead exporter, copy bandwidth, host cost, versions
 #   details.tar.gz  everything else: steps.tsv, env.txt, kernels.log, probe.log, gpu-tests.log,
@@ -32,8 +32,10 @@
 # "-n 2 -w 1"), GPURING_DEVICE_CHECK_TESTS (pytest or smoke), GPURING_PROBE_* (the probe's),
 # GPURING_DEVICE_CHECK_TIME_SCALE (every time box and the deadline times this whole number;
 # 1 on the GPU, more on a slow or loaded machine such as CI's simulator).
-# Runs the project from this tree (no install); GPURING_COMMIT names the commit where this is
-# not a git checkout.
+# Runs the project from this tree (no install), the repository root on PYTHONPATH: gpuring, and
+# the check's own harness in tools/device_check/ (the probe, the summary, the smoke test), which
+# is not part of the installed library. GPURING_COMMIT names the commit where this is not a git
+# checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out="${1:-${GPURING_DEVICE_CHECK_OUT:-device-check-out}}"
@@ -144,7 +146,7 @@ finish() {
   finished=1
   stop_mps
   archive
-  if ! timeout 8 "$py" -m gpuring.bench.check_summary "$stage" "$out/probe.json" \
+  if ! timeout 8 "$py" -m tools.device_check.check_summary "$stage" "$out/probe.json" \
     bench/device_check_notes.txt "$status" $((SECONDS - start)) > "$out/summary.txt.tmp" \
     2> "$stage/summary-error.log"; then
     {
@@ -163,7 +165,7 @@ trap 'status=1; record interrupted - - 0 0 - "signal"; finish; exit 1' TERM INT
 # 1. environment, 2. the kernels, 3. the probe (writes probe.json straight into OUTDIR)
 step env 15 env.txt bash -c collect_env
 step kernels 90 kernels.log "$py" -m gpuring kernels
-step probe 85 probe.log "$py" -m gpuring.bench.probe "$out/probe.json"
+step probe 85 probe.log "$py" -m tools.device_check.probe "$out/probe.json"
 stop_mps  # in case the probe was killed before it could
 
 # 4. the GPU tests, or the smoke test where pytest is missing
@@ -175,7 +177,8 @@ if [[ $tests == pytest ]]; then
   step gpu-tests 100 gpu-tests.log "$py" -m pytest tests/gpu -q -p no:cacheprovider \
     ${parallel[@]+"${parallel[@]}"}
 else
-  step gpu-smoke 100 gpu-tests.log "$py" -m gpuring run -n 2 -- "$py" -m gpuring.bench.smoke
+  step gpu-smoke 100 gpu-tests.log "$py" -m gpuring run -n 2 -- \
+    "$py" -m tools.device_check.smoke
 fi
 
 # 5. all_reduce: beside NCCL and gloo up to 256 MiB, gpuring alone above

@@ -248,8 +248,9 @@ def test_sigterm_keeps_the_probes_record(check_env: dict[str, str], tmp_path: Pa
     env = dict(check_env, GPURING_PROBE_PARTS="versions,pingpong_memops",
                GPURING_PROBE_ROUND_TRIPS="100000", GPURING_PROBE_BATCH="20")
     out = tmp_path / "probe.json"
-    proc = subprocess.Popen([sys.executable, "-m", "gpuring.bench.probe", str(out)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.device_check.probe", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.monotonic() + 120
         while "versions" not in _probe_json(out):  # the ping-pong starts next
@@ -291,7 +292,7 @@ def test_mps_is_started_for_the_ping_pongs_and_stopped(check_env: dict[str, str]
     env = dict(check_env, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
                FAKE_MPS_CALLS=str(calls), GPURING_PROBE_MPS_DIR=str(tmp_path / "mps"),
                GPURING_PROBE_ROUND_TRIPS="20", GPURING_PROBE_BATCH="10")  # (not measured)
-    code = ("import json, sys, time; from gpuring.bench.probe import run_mps; "
+    code = ("import json, sys, time; from tools.device_check.probe import run_mps; "
             f"json.dump(run_mps(time.monotonic() + 400, {SCALE}, {{}}), sys.stdout)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=500)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpuring.bench.check_summary import summarize
+from tools.device_check.check_summary import summarize
 
 HEADER = "step\tstatus\trc\tseconds\tbudget\tlog\tnote\n"
 _IN_PLACE = "        30.00     0.03     0.03      0"

@@ -1,6 +1,9 @@
 """The device probe: what a GPU machine offers gpuring's design, in about a minute.
 
-    python -m gpuring.bench.probe OUT.json
+    python -m tools.device_check.probe OUT.json
+
+from the repository root (or with it on PYTHONPATH, as bench/device_check.sh runs it); the
+parts' child processes start the same way, in the same directory and environment.
 
 Each part runs in a child process (or two) with its own time box; a part that fails, hangs or
 is killed is recorded as such, and the probe goes on. OUT.json is rewritten after every part,
@@ -123,7 +126,7 @@ def run_part(name: str, budget: float, sink: dict[str, Any],
     interrupted: _Interrupted | None = None
     with tempfile.TemporaryDirectory(prefix=f"gpuring-probe-{name}-") as tmp:
         result, log_path = Path(tmp) / "result.json", Path(tmp) / "log"
-        cmd = [sys.executable, "-m", "gpuring.bench.probe", "--part", name,
+        cmd = [sys.executable, "-m", "tools.device_check.probe", "--part", name,
                "--result", str(result), "--budget", f"{budget:.1f}"]
         start = time.monotonic()
         with open(log_path, "wb") as log:
@@ -264,7 +267,7 @@ def _one(name: str, probe: dict[str, Any], deadline: float, scale: float) -> dic
 
 def run_probe(out: Path) -> dict[str, Any]:
     """Run every part in turn within the total budget, rewriting `out` after each."""
-    from ._probe_gpu import Settings
+    from .probe_gpu import Settings
 
     settings = Settings.from_env()
     wanted = [p for p in (*PART_BUDGETS, "mps") if not settings.parts or p in settings.parts]
@@ -296,8 +299,8 @@ def run_probe(out: Path) -> dict[str, Any]:
 
 def _part_main(name: str, result: str, budget: float) -> int:
     """In a part's child process: run the part, recording an error or a hang."""
-    from ._probe_gpu import Hang, Recorder, Settings, describe
-    from ._probe_registry import PARTS
+    from .probe_gpu import Hang, Recorder, Settings, describe
+    from .probe_registry import PARTS
 
     rec = Recorder(result)
     try:
@@ -316,8 +319,8 @@ def _part_main(name: str, result: str, budget: float) -> int:
 def _peer_main(role: str) -> int:
     """In a peer process: the channel is stdin and the original stdout; stray output from
     libraries goes to stderr instead."""
-    from ._probe_gpu import Channel, describe
-    from ._probe_registry import PEERS
+    from .probe_gpu import Channel, describe
+    from .probe_registry import PEERS
 
     wfile = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

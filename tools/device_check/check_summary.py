@@ -2,7 +2,7 @@
 key numbers, the benchmarks' key rows, and what to look at. Only measured numbers appear
 (and arithmetic on them, marked as derived); anything missing is said to be missing.
 
-    python -m gpuring.bench.check_summary STAGE PROBE.json NOTES.txt EXIT_STATUS SECONDS
+    python -m tools.device_check.check_summary STAGE PROBE.json NOTES.txt EXIT_STATUS SECONDS
 
 STAGE holds steps.tsv (one line per step: name, status, exit code, seconds, budget, log,
 note) and the steps' logs and bench JSON; NOTES.txt is copied under its own heading.
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._summary_probe import probe_lines, question_lines
-from ._summary_units import gbps, size_text, us
+from .summary_probe import probe_lines, question_lines
+from .summary_units import gbps, size_text, us
 
 __all__ = ["summarize", "main"]
 

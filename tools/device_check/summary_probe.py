@@ -1,12 +1,12 @@
-"""The probe's part of summary.txt (`gpuring.bench.check_summary`): its key numbers, a line
-per part that did not finish, and the questions only a GPU answers, each beside what the run
-measured for it."""
+"""The probe's part of summary.txt (`tools.device_check.check_summary`): its key numbers, a
+line per part that did not finish, and the questions only a GPU answers, each beside what the
+run measured for it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._summary_units import gbps, ratio, size_text, us
+from .summary_units import gbps, ratio, size_text, us
 
 __all__ = ["probe_lines", "question_lines"]
 

@@ -1,11 +1,11 @@
-"""Units of summary.txt (`gpuring.bench.check_summary`): each measured value as text, "n/a"
-for one that is missing."""
+"""Units of summary.txt (`tools.device_check.check_summary`): each measured value as text,
+"n/a" for one that is missing."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .report import size_label
+from gpuring.bench.report import size_label
 
 __all__ = ["us", "size_text", "gbps", "ratio"]
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from .._config import parse_size
+from gpuring.settings import parse_size
 
 __all__ = ["Settings", "Recorder", "Hang", "PeerFailed", "Channel", "Peer", "Gpu", "FlagOps",
            "launch_flag_kernel", "launch_copy_kernel", "launch_reduce_kernel", "describe",
@@ -163,12 +163,12 @@ class Channel:
 
 
 class Peer:
-    """A second process of a part, `python -m gpuring.bench.probe --peer ROLE`, sent `args`.
-    It runs in the part's process group, so the probe kills it with the part."""
+    """A second process of a part, `python -m tools.device_check.probe --peer ROLE`, sent
+    `args`. It runs in the part's process group, so the probe kills it with the part."""
 
     def __init__(self, role: str, **args: Any):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuring.bench.probe", "--peer", role],
+            [sys.executable, "-m", "tools.device_check.probe", "--peer", role],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.chan = Channel(self.proc.stdout, self.proc.stdin)
@@ -315,7 +315,7 @@ def launch_flag_kernel(kernel: Any, stream: Any, flag: int, value: int, *, statu
 
 def launch_copy_kernel(gpu: Gpu, stream: Any, dst: int, src: int, nbytes: int) -> None:
     """gpuring_copy_bytes(dst, src, nbytes) with CudaDevice's grid."""
-    from ..devices import _kernels
+    from gpuring.devices import _kernels
 
     kernel = _kernels.get_function(_kernels.COPY_KERNEL, 0)
     kernel((gpu.grid_for(nbytes, 16),), (_THREADS,),
@@ -355,7 +355,7 @@ class FlagOps:
             self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
             self._fence = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         if mode != "memops":
-            from ..devices import _kernels
+            from gpuring.devices import _kernels
 
             self._wait_kernel = _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, 0)
             self._write_kernel = _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, 0)

@@ -1,14 +1,14 @@
-"""The probe's parts and peers by name, for `python -m gpuring.bench.probe --part NAME` and
-its peers' processes."""
+"""The probe's parts and peers by name, for `python -m tools.device_check.probe --part NAME`
+and its peers' processes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from ._probe_faults import part_abort_release, part_dead_exporter, peer_exporter
-from ._probe_gpu import Channel
-from ._probe_parts import (
+from .probe_faults import part_abort_release, part_dead_exporter, peer_exporter
+from .probe_gpu import Channel
+from .probe_parts import (
     Part,
     part_copy_bandwidth,
     part_host_cost,

@@ -1,6 +1,6 @@
 """The probe's parts about failures: a peer killed while a survivor reads its memory
 (`part_dead_exporter`, with its peer `peer_exporter`), and CudaDevice's abort releasing
-streams blocked in flag waits (`part_abort_release`). Run as the parts of `_probe_parts` are."""
+streams blocked in flag waits (`part_abort_release`). Run as the parts of `probe_parts` are."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._probe_gpu import (
+from .probe_gpu import (
     Channel,
     FlagOps,
     Gpu,
@@ -24,11 +24,11 @@ from ._probe_gpu import (
     launch_reduce_kernel,
     pattern,
 )
-from ._probe_parts import part_deadline, time_left
+from .probe_parts import part_deadline, time_left
 
 __all__ = ["part_dead_exporter", "peer_exporter", "part_abort_release"]
 
-_DEAD_SEED = 3  # (after _probe_parts' IPC and reply patterns)
+_DEAD_SEED = 3  # (after probe_parts' IPC and reply patterns)
 
 
 # ---------------------------------------------------------------------------- dead exporter
@@ -67,7 +67,7 @@ def _compare(gpu: Gpu, bufs: list[Any], expected: np.ndarray) -> list[str]:
 
 def _context_check(gpu: Gpu, seconds: float) -> str:
     """Does this process's context still work: new memory, a reduce kernel, synchronize."""
-    from ..devices import _kernels
+    from gpuring.devices import _kernels
 
     try:
         n = 1024
@@ -176,8 +176,8 @@ def part_abort_release(rec: Recorder, s: Settings, budget: float) -> None:
     Does the release (a side-stream write to each waited word) reach them, and how fast?
     Run twice by the probe: as the process finds CUDA, and with CUDA_DEVICE_MAX_CONNECTIONS=1
     (one hardware queue for every stream, as some training jobs set it)."""
-    from ..devices.base import Flag
-    from ..devices.cuda import CudaDevice
+    from gpuring.devices.base import Flag
+    from gpuring.devices.cuda import CudaDevice
 
     gpu = Gpu()
     rec(max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"))

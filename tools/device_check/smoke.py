@@ -1,7 +1,7 @@
 """A GPU smoke test for machines without pytest: all_reduce of CuPy arrays across the ranks of
 `gpuring run`, checked against a float64 reference of every rank's random input.
 
-    gpuring run -n 2 -- python -m gpuring.bench.smoke
+    gpuring run -n 2 -- python -m tools.device_check.smoke
 
 Exits non-zero (every rank) when a result is off; rank 0 prints one line per case.
 """

@@ -1,8 +1,8 @@
 """The probe's parts that measure what works and how fast: versions, CUDA IPC, stream memory
 operations, the kernels, copy bandwidth, host cost and the flag ping-pongs (those about
-failures are in `_probe_faults`). Each runs in its own child process of `python -m
-gpuring.bench.probe` (two-process parts start a peer of their own), records what it measures
-as it goes, and may be killed when its time is up; `_probe_registry` names them."""
+failures are in `probe_faults`). Each runs in its own child process of `python -m
+tools.device_check.probe` (two-process parts start a peer of their own), records what it
+measures as it goes, and may be killed when its time is up; `probe_registry` names them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._probe_gpu import (
+from .probe_gpu import (
     Channel,
     FlagOps,
     Gpu,
@@ -180,7 +180,7 @@ def part_memops(rec: Recorder, s: Settings, budget: float) -> None:
 def part_kernels(rec: Recorder, s: Settings, budget: float) -> None:
     """Compile (or load from the cache) and load kernels/reduce.cu once, so later parts and
     the GPU tests find it ready; how long that took and how."""
-    from ..devices import _kernels
+    from gpuring.devices import _kernels
 
     gpu = Gpu()
     rec(compute_capability=attempt(lambda: gpu.cupy.cuda.Device(0).compute_capability))
@@ -237,7 +237,7 @@ def part_host_cost(rec: Recorder, s: Settings, budget: float) -> None:
     """Host microseconds per enqueue from Python: a small reduce kernel, cuStreamWriteValue64
     with its arguments built per call (as CudaDevice does) and pre-built, and the same ops
     through gpuring's own CudaDevice stream."""
-    from ..devices import _kernels
+    from gpuring.devices import _kernels
 
     gpu = Gpu()
     stream, iters, n = gpu.stream(), s.host_iters, 1024
@@ -293,9 +293,9 @@ def _memops_cost(gpu: Gpu, stream: Any, iters: int,
 
 def _gpuring_cost(iters: int) -> dict[str, Any]:
     """reduce and write_flag as gpuring's scheduler calls them on a CudaDevice stream."""
-    from .._ops import ReduceOp
-    from ..devices.base import Flag, Span
-    from ..devices.cuda import CudaDevice
+    from gpuring._ops import ReduceOp
+    from gpuring.devices.base import Flag, Span
+    from gpuring.devices.cuda import CudaDevice
 
     dev = CudaDevice(0, timeout=30.0)
     try:
