@@ -83,19 +83,19 @@ class CallPath:
         #: (decided with the first collective of that kind; else the collectives run on NCCL)
         self.mappable: dict[str, bool] = {}
 
-    def run(self, call: Call, prepared: PreparedCall | None = None) -> Any:
-        """Run a checked call: prepare it once per key, then run it by its route. A caller
-        that holds the call's prepared call (a persistent collective) passes it: it runs as
-        it is, and nothing is looked up."""
+    def run(self, call: Call) -> Any:
+        """Run a checked call: prepare it once per key, then run it by its route. A call
+        that comes again (`LastCalls`), or a persistent collective's, holds its prepared
+        call: it runs as it is while the prepared calls of this generation stand (forgetting
+        them happens on every rank at once, so every rank prepares it anew alike)."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
         if call.x is None:
             _capture.refuse_barrier()
         with self.lock:
-            if prepared is None:
-                prepared = call.prepared
-                if prepared is None or call.generation != self.generation:
-                    prepared = self._prepared(call)
+            prepared = call.prepared
+            if prepared is None or call.generation != self.generation:
+                prepared = self._prepared(call)
             launch = prepared.launch
             if launch is not None and (prepared.captured is not launch or
                                        self.timeline is not None) \
@@ -120,9 +120,9 @@ class CallPath:
             return _ROUTES[prepared.route](self, prepared, call)
 
     def prepare(self, call: Call) -> PreparedCall:
-        """Prepare `call` now, as its first run would (the ranks agree on it, so every rank
-        calls this alike, as a collective), without running it: what a persistent collective
-        holds."""
+        """Prepare `call` now, as its first run would (the ranks agree on it unless they
+        already did, so every rank calls this alike, as a collective), without running it,
+        and keep it on the call: what a persistent collective holds."""
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
         if call.x is None:

@@ -5,8 +5,9 @@ prepare, once, on arrays given once; then started any number of times.
 `Communicator.all_reduce_init(x, out=y)` and its twins (one per collective of the family)
 are collective calls: every rank makes them alike, in the same order as its other
 collectives. Each returns a `PersistentCollective`, whose `start()` runs the prepared call
-on those arrays and does nothing else: no argument check, no look-up of the prepared call.
-It is the call path's prepared call (`CallPath.prepare`), held by the user.
+on those arrays: no argument check, and no look-up of the prepared call.
+It is the call path's prepared call (`CallPath.prepare`, kept on the call), held by the user;
+a start runs it as `CallPath.run` runs any call that holds its prepared call.
 """
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ class PersistentCollective:
     was aborted or failed raises the communicator's error, as a plain call does.
     """
 
-    __slots__ = ("_active", "_before", "_call", "_prepared", "_result", "_run", "_scope",
-                 "name")
+    __slots__ = ("_active", "_before", "_call", "_result", "_run", "_scope", "name")
 
-    def __init__(self, name: str, run: Callable[..., Any], call: Call, prepared: Any,
+    def __init__(self, name: str, run: Callable[[Call], Any], call: Call,
                  before: Callable[[], None], result: Any,
                  scope: Callable[[], AbstractContextManager[Any]] | None):
         self.name = name
-        self._run = run
-        self._call = call
-        self._prepared = prepared
+        self._run = run  # CallPath.run
+        self._call = call  # checked, its prepared call kept on it
         self._before = before  # waits for the communicator's async work (order across ranks)
         self._result = result  # what wait() returns: the output as the caller gave it
         self._scope = scope  # the caller's stream, for arrays of other libraries (torch)
@@ -63,10 +62,10 @@ class PersistentCollective:
                                "collective started last before starting it again")
         self._before()
         if self._scope is None:
-            self._run(self._call, self._prepared)
+            self._run(self._call)
         else:
             with self._scope():
-                self._run(self._call, self._prepared)
+                self._run(self._call)
         self._active = True
 
     def wait(self) -> Any:
@@ -91,8 +90,8 @@ def init(path: CallPath, before: Callable[[], None], name: str, x: Any, out: Any
     before()
     if x is None:  # a barrier
         call = check(None, None)
-        return PersistentCollective(name, path.run, call, path.prepare(call), before, None,
-                                    None)
+        path.prepare(call)
+        return PersistentCollective(name, path.run, call, before, None, None)
     native_x = interop.to_native(x)
     native_out = None if out is None else interop.to_native(out)
     call = check(native_x, native_out)
@@ -100,7 +99,7 @@ def init(path: CallPath, before: Callable[[], None], name: str, x: Any, out: Any
         raise ValueError(f"{name}_init: x must be C-contiguous: a persistent collective reads "
                          "x itself at every start (pass numpy.ascontiguousarray(x), or its "
                          "CuPy twin, and write into that)")
-    prepared = path.prepare(call)
+    path.prepare(call)
     result = None
     if returns:
         if call.out is native_out and native_out is not None:
@@ -113,4 +112,4 @@ def init(path: CallPath, before: Callable[[], None], name: str, x: Any, out: Any
     if not interop.is_native(x):
         def scope() -> AbstractContextManager[Any]:
             return interop.caller_stream(x)
-    return PersistentCollective(name, path.run, call, prepared, before, result, scope)
+    return PersistentCollective(name, path.run, call, before, result, scope)

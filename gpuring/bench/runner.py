@@ -211,7 +211,7 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
     if s.repeats > 1:
         for line in report.repeat_lines(summary):
             out.line(line)
-    if s.peers or m.notes:
+    if s.peers or s.persistent or m.notes:
         for line in report.peer_lines(notes, summary):
             out.line(line)
     if overlaps:

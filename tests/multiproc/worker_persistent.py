@@ -165,10 +165,20 @@ def case_persistent_all_to_all(c: Checker) -> None:
 
 
 def case_persistent_barrier(c: Checker) -> None:
+    """Every start holds every rank until the last one started it: the last rank starts
+    late, after it made a file, and the others find that file after their start."""
+    import time
+
     comm = c.comm
     persistent = comm.barrier_init()
-    for _ in range(STARTS):
+    late = comm.size - 1
+    for start in range(STARTS):
+        mark = os.path.join(os.path.dirname(c.path), f"barrier-{start}")
+        if comm.rank == late:
+            time.sleep(0.3)
+            open(mark, "w").close()
         assert persistent() is None
+        assert os.path.exists(mark), f"start {start} returned before rank {late} started it"
     # a barrier's worth: a result every rank reads after it was written by the last rank
     x = c.xp.zeros(3, "int64")
     total = comm.all_reduce_init(x, out=x)
@@ -249,8 +259,16 @@ def case_persistent_cuda(c: Checker) -> None:
         small = comm.all_reduce_init(x, out=out)
         big = comm.all_reduce_init(big_x, out=big_out)  # in pieces: one kernel per piece
         gather = comm.all_gather_init(x[:5], out=xp.zeros((comm.size, 5), "float32"))
-        for op in (small, big, gather):
-            op()
+        for replay in range(2):  # started as they are (every form)
+            ins = c.inputs("float32", (4096,), 900 + replay)
+            bigs = c.inputs("float32", (300_001,), 950 + replay)
+            x[...], big_x[...] = dev(c, ins[rank]), dev(c, bigs[rank])
+            for op in (small, big, gather):
+                op()
+            c.expect(small.wait(), c.reduce_reference(ins, "sum"), f"started {replay} small")
+            c.expect(big.wait(), c.reduce_reference(bigs, "sum"), f"started {replay} big")
+            c.expect(gather.wait(), np.stack([a[:5] for a in ins]),
+                     f"started {replay} all_gather", copy=True)
         stream.synchronize()
         if fused != "kernel":  # only the kernel form can be captured where ranks share a GPU
             return
