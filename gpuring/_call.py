@@ -84,7 +84,7 @@ class Signature(NamedTuple):
     algorithm: str | None = None
     #: deterministic mode (every reduction a fold in rank order)
     deterministic: bool = False
-    #: the device's settings that shape its schedule (`Device.schedule_settings`)
+    #: the device's settings that shape its capabilities (`Device.capability_settings`)
     device_settings: tuple[tuple[str, str], ...] | None = None
     #: where the input and the output lie in registered memory (None: plain arrays)
     registered: Placement | None = None

@@ -85,7 +85,7 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
         signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
                                    one_shot_bytes=config.one_shot_bytes,
                                    buffer_bytes=capacity, verify=config.verify,
-                                   device_settings=devices.schedule_settings())
+                                   device_settings=devices.capability_settings())
         if placement is not None:
             signature = signature._replace(registered=placement)
     path._ensure_watchdog()

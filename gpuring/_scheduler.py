@@ -23,7 +23,7 @@ waits are left out where they are known to hold: when the round before, on the s
 stream, waited for a piece of every other rank, each of them had started that round, so had
 finished the one before it (each rank runs its rounds in order).
 
-A small collective on a device that offers it (`Schedule.fused_bytes`) is one operation on the
+A small collective on a device that offers it (`Capabilities.fused_bytes`) is one operation on the
 caller's stream instead (`Device.prepare_direct`, prepared once): no round, no event to
 order the caller, its flags and counters the device's own, in its region. Consecutive
 collectives of a rank never overlap: each waits for the one before where it runs on another
@@ -105,21 +105,21 @@ class Engine:
         handles = control.exchange("setup (buffer handles)", device.export(local), timeout)
         self._mems: list[Memory] = [
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
-        schedule = device.schedule(handles)
+        capabilities = device.capabilities(handles)
         # (the barrier after mapping, with rank 0's ring order for every rank: each rank's
         # device chose one from what it sees, which need not be alike everywhere)
-        rings = control.exchange("setup (buffers mapped)", schedule.ring, timeout)
+        rings = control.exchange("setup (buffers mapped)", capabilities.ring, timeout)
         device.seal(local)
         #: the largest input (bytes) of a collective that runs as one operation (0: none)
-        self.fused_bytes = min(schedule.fused_bytes, fused_limit) if region else 0
+        self.fused_bytes = min(capabilities.fused_bytes, fused_limit) if region else 0
         #: the collectives that run as one operation, and whether those can be captured
         #: into a CUDA graph
-        self.fused_kinds = schedule.fused_kinds
-        self.fused_capturable = schedule.fused_capturable
+        self.fused_kinds = capabilities.fused_kinds
+        self.fused_capturable = capabilities.fused_capturable
         #: the ranks in the order the ring and the chains visit them (empty: rank order)
         self.ring: tuple[int, ...] = tuple(rings[0])
         #: the piece size where the user set none
-        self.default_chunk_bytes = (capacity_bytes if schedule.whole_pieces
+        self.default_chunk_bytes = (capacity_bytes if capabilities.whole_pieces
                                     else device.default_chunk_bytes)
         self._regions = tuple(Span(mem, self._flag_bytes, region) for mem in self._mems)
         # where this rank waits for each rank's DONE, and where it tells each rank its own

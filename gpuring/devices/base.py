@@ -18,7 +18,7 @@ from .._ops import ReduceOp
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
 
-__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Direct", "Device", "Schedule",
+__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Direct", "Device", "Capabilities",
            "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
            "Runner", "open_peer"]
@@ -97,9 +97,10 @@ class WriteI(NamedTuple):
 Instruction = CopyI | ReduceI | ReduceNI | WaitI | WriteI
 
 
-class Schedule(NamedTuple):
-    """How a device runs one job's collectives, chosen from every rank's `export` handle
-    (`Device.schedule`): the same on every rank."""
+class Capabilities(NamedTuple):
+    """What a device offers one job's collectives (one operation, whole pieces, a ring
+    order), chosen from every rank's `export` handle (`Device.capabilities`): the same on
+    every rank."""
 
     #: the largest input (bytes) of a collective that runs as one operation
     #: (`Device.prepare_direct`); 0: none
@@ -264,9 +265,10 @@ class Device(abc.ABC):
     in_place_fold_sources: int = 0
 
     @classmethod
-    def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
-        """The device's settings that shape what every rank enqueues, as (name, value): the
-        ranks agree on them with each call's signature."""
+    def capability_settings(cls) -> tuple[tuple[str, str], ...]:
+        """The device's settings that shape its capabilities and so what every rank
+        enqueues, as (name, value): the ranks agree on them with each call's signature
+        (`Signature.device_settings`)."""
         return ()
 
     def fused_region_bytes(self, limit: int) -> int:
@@ -275,11 +277,12 @@ class Device(abc.ABC):
         buffer); 0: none."""
         return 0
 
-    def schedule(self, handles: Sequence[Any]) -> Schedule:
-        """How the ranks whose `export` handles these are (each rank's, in rank order) run
-        their collectives. The same on every rank: it depends on the handles and the agreed
-        settings only. Default: in rounds, in pieces of `default_chunk_bytes`."""
-        return Schedule()
+    def capabilities(self, handles: Sequence[Any]) -> Capabilities:
+        """What the device offers the collectives of the ranks whose `export` handles these
+        are (each rank's, in rank order). The same on every rank: it depends on the handles
+        and the agreed settings only. Default: in rounds, in pieces of
+        `default_chunk_bytes`."""
+        return Capabilities()
 
     def capturing(self) -> bool:
         """Whether the caller's current stream records work into a graph instead of running
@@ -293,10 +296,10 @@ class Device(abc.ABC):
     def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
                        dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
                        pieces: bool = False) -> Direct:
-        """The collective `kind` (one of `Schedule.fused_kinds`) of an input of `nbytes`
+        """The collective `kind` (one of `Capabilities.fused_kinds`) of an input of `nbytes`
         prepared as one operation. `regions[q]` is rank q's region of `fused_region_bytes`,
         mapped here, which only these operations use (its size says how large an input it
-        holds). `pieces` (where `Schedule.fused_capturable`): an input larger than that as
+        holds). `pieces` (where `Capabilities.fused_capturable`): an input larger than that as
         one operation per piece, in order (what a CUDA graph records of a collective that
         runs in rounds outside it). A device that offers none raises NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")

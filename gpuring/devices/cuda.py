@@ -84,6 +84,7 @@ from ._cuda_streams import (
 )
 from ._cuda_streams import THREADS as _THREADS
 from .base import (
+    Capabilities,
     Device,
     Direct,
     Event,
@@ -91,7 +92,6 @@ from .base import (
     FlagWaitAborted,
     FlagWaitTimeout,
     Memory,
-    Schedule,
     Span,
     Stream,
 )
@@ -292,7 +292,7 @@ class CudaDevice(Device):
         self._direct_kernels: dict[tuple[str, ReduceOp], Any] = {}
         self._pci_bus_id = str(self.gpu.pci_bus_id)
         #: the one-kernel collective's most blocks, and the form of the one-operation
-        #: all_reduce ("kernel", "memops" or "off"), for the job (`schedule`)
+        #: all_reduce ("kernel", "memops" or "off"), for the job (`capabilities`)
         self.fused_blocks = 0
         self.fused_form = "off"
         #: the stream-memory-operation form's calls so far
@@ -406,7 +406,7 @@ class CudaDevice(Device):
 
     # -- one-kernel collective ------------------------------------------------------------------
     @classmethod
-    def schedule_settings(cls) -> tuple[tuple[str, str], ...]:
+    def capability_settings(cls) -> tuple[tuple[str, str], ...]:
         return ((FUSED_ENV, str(settings.get(FUSED_ENV)).lower()),
                 (GRAPH_PIECE_ENV, str(settings.get(GRAPH_PIECE_ENV))))
 
@@ -419,7 +419,7 @@ class CudaDevice(Device):
         slot = -(-min(slot, self.fused_max_bytes) // 16) * 16
         return _kernels.fused_region_bytes(slot) if slot > 0 else 0
 
-    def schedule(self, handles: Any) -> Schedule:
+    def capabilities(self, handles: Any) -> Capabilities:
         """Small all_reduces as one operation (GPURING_CUDA_FUSED): `kernel`, one kernel that
         spins on its peers' flags; `memops`, stream operations that wait with stream memory
         operations; `auto`, memops where two ranks share a GPU and every rank has them
@@ -442,7 +442,7 @@ class CudaDevice(Device):
         self.fused_blocks = min(_kernels.FUSED_MAX_BLOCKS, *(h.fused_blocks for h in found))
         self.fused_form = mode if mode == "memops" or self.fused_blocks > 0 else "off"
         kinds = {"kernel": frozenset(_kernels.DIRECT_KINDS), "memops": frozenset({"all_reduce"})}
-        return Schedule(0 if self.fused_form == "off" else self.fused_max_bytes,
+        return Capabilities(0 if self.fused_form == "off" else self.fused_max_bytes,
                         whole_pieces=shared, fused_kinds=kinds.get(self.fused_form, frozenset()),
                         fused_capturable=self.fused_form == "kernel",
                         ring=_ring_order([h.gpu for h in found]))

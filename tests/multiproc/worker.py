@@ -1342,7 +1342,7 @@ def use_nonblocking_host_device() -> None:
     threaded streams only, completion by events, each collective ordered after the previous
     one by the engine; the caller waits for the final event, as a CUDA stream would. The
     ring and the chains visit the even ranks first, then the odd ones (as a topology may
-    order them: `Schedule.ring`)."""
+    order them: `Capabilities.ring`)."""
     from gpuring import devices
     from gpuring.devices.host import HostDevice
 
@@ -1353,9 +1353,9 @@ def use_nonblocking_host_device() -> None:
         def create_stream(self, *, inline: bool = False):
             return super().create_stream(inline=False)
 
-        def schedule(self, handles):
+        def capabilities(self, handles):
             ring = tuple(sorted(range(len(handles)), key=lambda r: (r % 2, r)))
-            return super().schedule(handles)._replace(ring=ring)
+            return super().capabilities(handles)._replace(ring=ring)
 
         def order_caller_after(self, event) -> None:
             event.wait(self)

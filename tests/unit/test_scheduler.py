@@ -10,7 +10,7 @@ from gpuring._errors import GpuringError
 from gpuring._ops import ReduceOp
 from gpuring._scheduler import Engine
 from gpuring.algorithms.collectives import plan_collective
-from gpuring.devices.base import Schedule, WaitI, WriteI, _group_writes
+from gpuring.devices.base import Capabilities, WaitI, WriteI, _group_writes
 
 
 class _Stream:
@@ -31,8 +31,8 @@ class _Device:
     def __init__(self) -> None:
         self.ran: list[tuple[tuple[Any, ...], int]] = []
 
-    def schedule(self, handles: Any) -> Schedule:
-        return Schedule()
+    def capabilities(self, handles: Any) -> Capabilities:
+        return Capabilities()
 
     def caller_event(self) -> None:
         return None
@@ -192,8 +192,8 @@ class _FusedDevice(_Device):
     def fused_region_bytes(self, limit: int) -> int:
         return 4096
 
-    def schedule(self, handles: Any) -> Schedule:
-        return Schedule(self.fused_max_bytes, whole_pieces=True,
+    def capabilities(self, handles: Any) -> Capabilities:
+        return Capabilities(self.fused_max_bytes, whole_pieces=True,
                         fused_kinds=frozenset({"all_reduce"}), fused_capturable=True)
 
     def caller_stream(self) -> _Caller:
