@@ -5,6 +5,53 @@ The public API is what this package exports, plus `gpuring.devices` (the device 
 `cupyx.distributed`), `gpuring.settings` and `gpuring.bench`. Everything else is internal:
 the top-level modules whose names start with an underscore, and the layers
 `gpuring.algorithms`, `gpuring.rendezvous` and `gpuring.transports`.
+
+Glossary: the words met on the call path (README, "How it works", has the picture).
+
+- call: one verb's arguments checked into a `Call` (`_argcheck`): the collective, the
+  arrays, op, root, chunk_bytes, channels, algorithm.
+- signature: what every rank must call alike (`Signature`: the collective, shape, dtype,
+  op, root, algorithm under its current name, settings that shape the plan, the device's
+  `device_settings`); the ranks compare it before a call of a new key first runs
+  (agreement), and a difference is a `CollectiveMismatchError`.
+- prepared call: an agreed call ready to run again (`PreparedCall`, made once per key by
+  `CallPath.prepare`): its route and, for the engine, its launch.
+- route: who runs a prepared call (`Route`): alone (a world of one), mpi, nccl, nodes (two
+  levels across nodes), or engine.
+- engine: gpuring's own collectives on one device (`_scheduler.Engine`): the communication
+  buffer, the peers' mapped buffers, the streams; it binds a plan to them and enqueues it.
+- launch: a collective prepared for an engine (`_launch.Launch`): its rounds, or the one
+  operation it runs as, and the runners compiled on its first run.
+- round: one pass through the buffer regions (`algorithms.plan.RoundPlan`: one op sequence
+  per channel); a collective larger than a region runs in several.
+- one operation: a small collective (up to GPURING_ONE_SHOT_BYTES) run on the GPU as one
+  kernel, or as stream operations, on the caller's stream instead of in rounds.
+  `last_schedule` calls it "one operation"; in the code its name is `fused`
+  (`Launch.fused`, `Engine.fused_bytes`, `Capabilities.fused_kinds`,
+  GPURING_CUDA_FUSED); the device prepares it with `Device.prepare_direct` (a `Direct`), a
+  word for "one operation" that has nothing to do with the former algorithm name "direct".
+- schedules (`algorithm=`, what `last_schedule` reports): `ring` (reduce-scatter then
+  all-gather around the ranks: 2(n-1) flag hops, the order of a fold depending on the
+  segment); `chain` (broadcast and reduce: a pipelined chain from or to the root, what
+  `algorithm="ring"` runs for reduce); `one_shot` (all_reduce: every rank reduces every
+  rank's data, one flag hop); `two_shot` (a direct reduce-scatter then an all-gather, each
+  rank reading its peers: 2 flag hops, every element one fold in rank order; formerly
+  "direct", still accepted with a DeprecationWarning); `exchange` (gather, scatter,
+  all_to_all: moves without a reduction).
+- registered memory: arrays every peer has mapped (`Communicator.empty`/`zeros`,
+  `_registry`); a collective on them reads its peers' arrays where they lie ("registered
+  two_shot" and the other registered forms) instead of staging through the buffers.
+- persistent collective: a collective checked, agreed on and prepared once on arrays given
+  once (`Communicator.all_reduce_init` and its twins, `PersistentCollective`), then started
+  any number of times, as MPI 4.0's `MPI_Allreduce_init`/`MPI_Start`.
+- status board: a page of shared memory per rank (`_status`) where each publishes the
+  collective it has entered and whether it gave up; peers read it to catch mismatches,
+  dead or failed peers and stalls.
+- watchdog: the thread (`_watchdog`) that reads the status board every few tens of
+  milliseconds, fails the communicator when a peer died or gave up, warns of stalls, and
+  times out a GPU collective that never completes.
+- lifecycle: the communicator's state and its transitions (`_lifecycle`): open, failed (a
+  failure from outside any call), broken (a call raised one), closed.
 """
 
 from ._communicator import Communicator
