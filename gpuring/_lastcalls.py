@@ -97,7 +97,10 @@ class LastCalls:
             return
         key = (verb, id(x))
         last = self._last
-        if key not in last and len(last) >= self.limit:
+        # an entry replaced moves to the end: the oldest-first eviction below must see it as
+        # the newest (a dict keeps a replaced key in its first place; an array made where a
+        # dead one lay has the dead one's id, and its call was forgotten first)
+        if last.pop(key, None) is None and len(last) >= self.limit:
             try:
                 del last[next(iter(last))]
             except (KeyError, RuntimeError, StopIteration):  # another thread got there first

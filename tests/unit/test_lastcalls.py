@@ -121,3 +121,19 @@ def test_in_place_and_no_output_are_kept_as_such() -> None:
     last.remember("reduce", y, given, ARGS, _ran(y, None))
     again = last.find("reduce", y, given, ARGS)
     assert again is not None and again.out is None
+
+
+def test_a_call_remembered_again_is_the_newest_for_eviction() -> None:
+    """At the limit the oldest call is forgotten first, and a call remembered again under a
+    key that was there before (an array where a dead one lay has its id) counts as the
+    newest: it survives the next calls (a dict keeps a replaced key in its first place)."""
+    last = LastCalls(limit=3)
+    xs = [np.ones(4, np.float32) for _ in range(3)]
+    for x in xs:
+        last.remember("all_reduce", x, None, ARGS, _ran(x, None))
+    last.remember("all_reduce", xs[0], None, ARGS, _ran(xs[0], None))  # the first, again
+    newer = np.ones(4, np.float32)
+    last.remember("all_reduce", newer, None, ARGS, _ran(newer, None))  # evicts xs[1]
+    assert last.find("all_reduce", xs[0], None, ARGS) is not None
+    assert last.find("all_reduce", xs[1], None, ARGS) is None
+    assert last.find("all_reduce", newer, None, ARGS) is not None
