@@ -223,6 +223,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     launched = already_launched()
     if args.ranks is None and not launched:
+        problems = preflight.problems(settings, writes_files=True)
+        for line in problems:
+            print(f"gpuring bench: {line}", file=sys.stderr)
+        if problems:
+            return 2
         print("gpuring bench: no --ranks and no launcher (gpuring run, mpiexec): measuring "
               "1 rank in this process; pass --ranks N for N ranks", file=sys.stderr)
     if args.ranks is not None and not launched:
