@@ -221,16 +221,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ranks is not None and args.ranks < 1:
         print("gpuring bench: --ranks must be at least 1", file=sys.stderr)
         return 2
-    launched = already_launched()
-    if args.ranks is None and not launched:
-        problems = preflight.problems(settings, writes_files=True)
-        for line in problems:
-            print(f"gpuring bench: {line}", file=sys.stderr)
-        if problems:
-            return 2
-        print("gpuring bench: no --ranks and no launcher (gpuring run, mpiexec): measuring "
-              "1 rank in this process; pass --ranks N for N ranks", file=sys.stderr)
-    if args.ranks is not None and not launched:
+    if args.ranks is not None and not already_launched():
         cores = os.cpu_count() or 1
         if args.ranks > cores:
             print(f"gpuring bench: {args.ranks} ranks on {cores} cores: the ranks share "

@@ -93,6 +93,10 @@ def run(s: Settings) -> int:
     with gpuring.init() as comm:  # an error on its way out is not masked by close()
         if not check_ranks(s, comm):
             return 2
+        if _launcher() == "one process":  # (said after the preflight's problems, if any)
+            print("gpuring bench: no --ranks and no launcher (gpuring run, mpiexec): "
+                  "measuring 1 rank in this process; pass --ranks N for N ranks",
+                  file=sys.stderr, flush=True)
         if not s.roots:  # -r all
             s.roots = list(range(comm.size))
         if any(r >= comm.size for r in s.roots):
