@@ -24,12 +24,13 @@ Glossary: the words met on the call path (README, "How it works", has the pictur
   operation it runs as, and the runners compiled on its first run.
 - round: one pass through the buffer regions (`algorithms.plan.RoundPlan`: one op sequence
   per channel); a collective larger than a region runs in several.
-- one operation: a small collective (up to GPURING_ONE_SHOT_BYTES) run on the GPU as one
-  kernel, or as stream operations, on the caller's stream instead of in rounds.
-  `last_schedule` calls it "one operation"; in the code its name is `fused`
-  (`Launch.fused`, `Engine.fused_bytes`, `Capabilities.fused_kinds`,
-  GPURING_CUDA_FUSED); the device prepares it with `Device.prepare_direct` (a `Direct`), a
-  word for "one operation" that has nothing to do with the former algorithm name "direct".
+- fused: a small collective (up to GPURING_FUSED_BYTES) run on the GPU as one operation (one
+  kernel, or a few stream operations: GPURING_CUDA_FUSED) on the caller's stream instead of
+  in rounds; `last_schedule` says "fused". The engine marks it `Launch.fused` up to
+  `Engine.fused_bytes` for the kinds in `Capabilities.fused_kinds`; the device prepares it
+  once as a `FusedOp` (`Device.prepare_fused`, `devices/_cuda_fused.py`, the kernels
+  `gpuring_fused_*`). Not to be confused with fusion (`all_reduce_many`: many small arrays
+  reduced as one buffer).
 - schedules (`algorithm=`, what `last_schedule` reports): `ring` (reduce-scatter then
   all-gather around the ranks: 2(n-1) flag hops, the order of a fold depending on the
   segment); `chain` (broadcast and reduce: a pipelined chain from or to the root, what

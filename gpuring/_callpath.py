@@ -350,7 +350,7 @@ class CallPath:
             try:
                 engine = Engine(device, self.control, capacity_bytes=capacity,
                                 timeout=self.config.timeout,
-                                fused_limit=self.config.one_shot_bytes)
+                                fused_limit=self.config.fused_bytes)
             except BaseException:  # peers may have mapped what this rank exported by now
                 device.close(peers_may_read=True)
                 raise

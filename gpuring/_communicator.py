@@ -455,7 +455,7 @@ class Communicator:
     @property
     def last_schedule(self) -> str:
         """What this rank's last collective ran, in words: "ring", "chain", "two_shot",
-        "one_shot", "registered two_shot" (and the other registered forms), "one operation"
+        "one_shot", "registered two_shot" (and the other registered forms), "fused"
         (a GPU collective as one kernel or stream operations), "kernels" (one kernel per
         piece, recorded into a CUDA graph), "exchange" (gather, scatter, all_to_all), "mpi",
         "alone", "barrier".

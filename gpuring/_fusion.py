@@ -8,7 +8,7 @@ Integer results are identical to separate calls. Float results differ within rou
 ring splits a buffer into one segment per rank and reduces each segment along a chain that
 starts at a different rank, so packing moves an element to another segment and changes the
 order in which the ranks' values are added. Every rank still gets the same bits. In
-deterministic mode (the direct schedule: every element one fold in rank order) the results
+deterministic mode (the two-shot schedule: every element one fold in rank order) the results
 are identical to separate calls, floats too.
 """
 

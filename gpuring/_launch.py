@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ._errors import GpuringError
 from ._ops import ReduceOp
 from .algorithms.plan import RoundPlan, Wait
-from .devices.base import Direct, Runner, Span
+from .devices.base import FusedOp, Runner, Span
 
 if TYPE_CHECKING:
     from ._scheduler import Engine
@@ -35,7 +35,7 @@ class Launch:
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
-    __slots__ = ("_per_round", "collective", "direct", "divisor", "dtype", "engine", "fused",
+    __slots__ = ("_per_round", "collective", "divisor", "dtype", "engine", "fused", "fused_op",
                  "hears_all", "inline", "itemsize", "op", "peers", "root", "rounds", "runners")
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
@@ -46,10 +46,10 @@ class Launch:
         #: every rank's registered input and output, mapped here, which registered rounds
         #: read (`RoundPlan.registered`); empty for collectives on plain arrays
         self.peers = peers
-        #: the collective runs as one operation on the caller's stream, not in rounds: `direct`
+        #: the collective runs as one operation on the caller's stream, not in rounds: `fused_op`
         #: (set by `Engine.prepare`)
         self.fused = fused
-        self.direct: Direct | None = None
+        self.fused_op: FusedOp | None = None
         self.collective = collective
         self.root = root
         self.rounds = rounds

@@ -84,6 +84,7 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
     else:
         signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
                                    one_shot_bytes=config.one_shot_bytes,
+                                   fused_bytes=config.fused_bytes,
                                    buffer_bytes=capacity, verify=config.verify,
                                    device_settings=devices.capability_settings())
         if placement is not None:
@@ -111,7 +112,7 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
         peers = path.registry.peer_arrays(where, path.size, count * itemsize) \
             if registered else ()
         fused = name in engine.fused_kinds and algorithm != "ring" and \
-            0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
+            0 < count * itemsize <= engine.fused_bytes
         launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                 inline=nchannels == 1, fused=fused, collective=name,
                                 root=call.root, nbytes=count * itemsize, peers=peers)
@@ -126,10 +127,10 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
         f"device={kind}, chunk_bytes={piece}, channels={nchannels}, "
         f"algorithm={algorithm})")
     if fused:
-        text += " as one operation"
+        text += " fused"
     elif registered:
         text += f" in registered memory {tuple(where)}"
-    schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
+    schedule = "fused" if fused else rounds[0].schedule if rounds else "nothing"
     return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
                         schedule)
 

@@ -24,7 +24,7 @@ stream, waited for a piece of every other rank, each of them had started that ro
 finished the one before it (each rank runs its rounds in order).
 
 A small collective on a device that offers it (`Capabilities.fused_bytes`) is one operation on the
-caller's stream instead (`Device.prepare_direct`, prepared once): no round, no event to
+caller's stream instead (`Device.prepare_fused`, prepared once): no round, no event to
 order the caller, its flags and counters the device's own, in its region. Consecutive
 collectives of a rank never overlap: each waits for the one before where it runs on another
 stream.
@@ -75,7 +75,7 @@ class Engine:
     def __init__(self, device: Device, control: ControlPlane, *, capacity_bytes: int,
                  timeout: float, fused_limit: int = 0):
         """`fused_limit`: the largest input (bytes) of a collective to run as one operation
-        where the device can (GPURING_ONE_SHOT_BYTES; the same on every rank)."""
+        where the device can (GPURING_FUSED_BYTES; the same on every rank)."""
         self.device = device
         self.rank = control.rank
         self.size = control.size
@@ -152,7 +152,7 @@ class Engine:
         launch = Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root,
                         peers)
         if fused:
-            launch.direct = self.device.prepare_direct(
+            launch.fused_op = self.device.prepare_fused(
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
         return launch
 
@@ -160,7 +160,7 @@ class Engine:
         """What a CUDA graph records of `launch` (from `prepare`, of an input of `nbytes`):
         the launch itself where it runs as one operation that can be captured; where it runs
         in rounds, a launch of one operation per piece of the device's region
-        (`Device.prepare_direct`'s `pieces`); None where this engine's operations cannot be
+        (`Device.prepare_fused`'s `pieces`); None where this engine's operations cannot be
         captured or run no such collective."""
         if not self.fused_capturable:
             return None
@@ -171,16 +171,16 @@ class Engine:
             return None
         pieces = Launch(self, (), launch.dtype, launch.itemsize, launch.op, inline=True,
                         fused=True, collective=launch.collective, root=launch.root)
-        pieces.direct = self.device.prepare_direct(
+        pieces.fused_op = self.device.prepare_fused(
             launch.collective, self._regions, self.rank, launch.root, launch.dtype, launch.op,
             launch.divisor, nbytes, pieces=True)
         return pieces
 
     def bind(self, launch: Launch, in_mem: Memory, out_mem: Memory | None) -> Any:
-        """A fused launch's operands for these memories (`Direct.bind`: they hold no array,
+        """A fused launch's operands for these memories (`FusedOp.bind`: they hold no array,
         so a call that comes again with the same arrays may keep them)."""
-        assert launch.direct is not None
-        return launch.direct.bind(out_mem or in_mem, in_mem)  # a reduce off root writes nothing
+        assert launch.fused_op is not None
+        return launch.fused_op.bind(out_mem or in_mem, in_mem)  # a reduce off root writes nothing
 
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
             collective_seq: int, bound: Any = None) -> Event | None:
@@ -215,8 +215,8 @@ class Engine:
         a replay after it (on its stream, or after a synchronize), as any work on a stream.
         Two streams of one capture are refused (their kernels would be parallel nodes of the
         graph)."""
-        direct = launch.direct
-        assert direct is not None
+        fused_op = launch.fused_op
+        assert fused_op is not None
         stream = self.device.caller_stream()
         try:  # (a form that cannot be captured was refused under capture before the call)
             if self.fused_capturable and stream.capturing():
@@ -227,10 +227,10 @@ class Engine:
                         "stream's capture holds one already: capture the communicator's "
                         "collectives on one stream")
                 self._captured_on = stream
-                return direct.run(stream, bound, captured=True)
+                return fused_op.run(stream, bound, captured=True)
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            finished = direct.run(stream, bound)
+            finished = fused_op.run(stream, bound)
             assert finished is not None  # (only a captured run has no event)
             self._last, self._last_stream = finished, stream
         except FlagWaitTimeout as exc:

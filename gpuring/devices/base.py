@@ -18,7 +18,7 @@ from .._ops import ReduceOp
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
 
-__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Direct", "Device", "Capabilities",
+__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "FusedOp", "Device", "Capabilities",
            "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
            "Runner", "open_peer"]
@@ -103,16 +103,16 @@ class Capabilities(NamedTuple):
     every rank."""
 
     #: the largest input (bytes) of a collective that runs as one operation
-    #: (`Device.prepare_direct`); 0: none
+    #: (`Device.prepare_fused`); 0: none
     fused_bytes: int = 0
     #: pieces are whole buffer regions where the user set no chunk size: the ranks share one
     #: processor, which runs one rank's work at a time, so pipelining pieces overlaps nothing
     whole_pieces: bool = False
-    #: the collectives that run as one operation (`Device.prepare_direct`) up to `fused_bytes`
+    #: the collectives that run as one operation (`Device.prepare_fused`) up to `fused_bytes`
     fused_kinds: frozenset[str] = frozenset()
     #: those operations can be captured into a CUDA graph (nothing they enqueue changes
     #: from call to call), and larger inputs run as one of them per piece there
-    #: (`Device.prepare_direct`'s `pieces`)
+    #: (`Device.prepare_fused`'s `pieces`)
     fused_capturable: bool = False
     #: the ranks in the order the ring and the chains visit them (following the fastest
     #: links between the ranks' processors); empty: rank order
@@ -210,9 +210,9 @@ class Stream(abc.ABC):
         """Block the host until the stream is idle; raise the first error an operation hit."""
 
 
-class Direct(abc.ABC):
+class FusedOp(abc.ABC):
     """A collective prepared to run as one operation that every rank enqueues alike, every
-    rank reading its peers directly (`Device.prepare_direct`): reductions fold in rank order
+    rank reading its peers directly (`Device.prepare_fused`): reductions fold in rank order
     (the bits of `Stream.reduce_n`). It waits for the peers itself, each wait bounded."""
 
     @abc.abstractmethod
@@ -256,7 +256,7 @@ class Device(abc.ABC):
     operations: int = 0
 
     #: the largest input (bytes) of a collective the device can run as one operation
-    #: (`Device.prepare_direct`)
+    #: (`Device.prepare_fused`)
     #: among at most `fused_max_ranks` ranks; 0: it has no such operation
     fused_max_bytes: int = 0
     fused_max_ranks: int = 0
@@ -273,7 +273,7 @@ class Device(abc.ABC):
 
     def fused_region_bytes(self, limit: int) -> int:
         """Bytes of each rank's region that the one-operation collectives
-        (`prepare_direct`) of at most `limit` bytes use (allocated once with the communication
+        (`prepare_fused`) of at most `limit` bytes use (allocated once with the communication
         buffer); 0: none."""
         return 0
 
@@ -293,9 +293,9 @@ class Device(abc.ABC):
         """Raise what the device's completed work says went wrong by itself: FlagWaitTimeout
         for a wait that gave up, FlagWaitAborted once aborted. Default: nothing to say."""
 
-    def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
+    def prepare_fused(self, kind: str, regions: Sequence[Span], rank: int, root: int,
                        dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                       pieces: bool = False) -> Direct:
+                       pieces: bool = False) -> FusedOp:
         """The collective `kind` (one of `Capabilities.fused_kinds`) of an input of `nbytes`
         prepared as one operation. `regions[q]` is rank q's region of `fused_region_bytes`,
         mapped here, which only these operations use (its size says how large an input it
@@ -306,7 +306,7 @@ class Device(abc.ABC):
 
     def caller_stream(self) -> Stream:
         """The caller's current stream, as a stream of this device (the same object for the
-        same stream): where a prepared `Direct` runs."""
+        same stream): where a prepared `FusedOp` runs."""
         raise NotImplementedError(f"{type(self).__name__} has no caller's stream")
 
     #: whether the ranks of one node may be unable to map each other's memory (GPUs without

@@ -30,8 +30,8 @@ releases them again until the streams are idle. A timeout is the host's: `Stream
 and the communicator's watchdog bound every wait, and a spinning wait kernel gives up by
 itself after the device's timeout.
 
-A small collective may run as one operation on the caller's stream (`Device.prepare_direct`,
-`_cuda_direct`): one kernel (`gpuring_direct_*` in kernels/reduce.cu: per-block flags and a
+A small collective may run as one operation on the caller's stream (`Device.prepare_fused`,
+`_cuda_fused`): one kernel (`gpuring_fused_*` in kernels/reduce.cu: per-block flags and a
 call counter on the device), or for all_reduce three stream operations that wait with stream
 memory operations; one event record per call. The kernel's waits spin, so
 `GPURING_CUDA_FUSED=auto` takes the stream memory operations where ranks share a GPU and have
@@ -66,7 +66,6 @@ from .. import settings
 from .._errors import CollectiveTimeoutError, GpuringError
 from .._ops import ReduceOp
 from . import _kernels, _topology
-from ._cuda_direct import HostEpoch, prepare_direct
 from ._cuda_driver import (
     FLAGS_ENV,
     Scope,
@@ -74,6 +73,7 @@ from ._cuda_driver import (
     occupancy,
     warn_spin_waits,
 )
+from ._cuda_fused import HostEpoch, prepare_fused
 from ._cuda_streams import (
     _MEMCPY_DEFAULT,
     CudaMemory,
@@ -86,11 +86,11 @@ from ._cuda_streams import THREADS as _THREADS
 from .base import (
     Capabilities,
     Device,
-    Direct,
     Event,
     Flag,
     FlagWaitAborted,
     FlagWaitTimeout,
+    FusedOp,
     Memory,
     Span,
     Stream,
@@ -289,7 +289,7 @@ class CudaDevice(Device):
         #: a one-kernel collective was captured into a graph, which holds this device's
         #: memory: it is never freed (a replay after close would touch it)
         self.captured = False
-        self._direct_kernels: dict[tuple[str, ReduceOp], Any] = {}
+        self._fused_kernels: dict[tuple[str, ReduceOp], Any] = {}
         self._pci_bus_id = str(self.gpu.pci_bus_id)
         #: the one-kernel collective's most blocks, and the form of the one-operation
         #: all_reduce ("kernel", "memops" or "off"), for the job (`capabilities`)
@@ -317,12 +317,12 @@ class CudaDevice(Device):
             self._reduce_n_kernels[(dtype, op)] = found
         return found
 
-    def direct_kernel(self, dtype: str, op: ReduceOp) -> Any:
+    def fused_kernel(self, dtype: str, op: ReduceOp) -> Any:
         """The one-kernel collective for (dtype, op) on this GPU; looked up once."""
-        found = self._direct_kernels.get((dtype, op))
+        found = self._fused_kernels.get((dtype, op))
         if found is None:
-            found = _kernels.get_direct_kernel(dtype, op, self.device_id)
-            self._direct_kernels[(dtype, op)] = found
+            found = _kernels.get_fused_kernel(dtype, op, self.device_id)
+            self._fused_kernels[(dtype, op)] = found
         return found
 
     def grid_for(self, kernel: Any, n: int, per_thread: int) -> int:
@@ -452,14 +452,14 @@ class CudaDevice(Device):
         GPURING_CUDA_FUSED is off: its kernels are then never compiled)."""
         if str(settings.get(FUSED_ENV)).lower() == "off":
             return 0
-        return self._sm_count * self.blocks_per_sm(self.direct_kernel("float32",
+        return self._sm_count * self.blocks_per_sm(self.fused_kernel("float32",
                                                                           ReduceOp.SUM))
 
-    def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
+    def prepare_fused(self, kind: str, regions: Sequence[Span], rank: int, root: int,
                        dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                       pieces: bool = False) -> Direct:
-        """In the job's form (`fused_form`): see `_cuda_direct`."""
-        return prepare_direct(self, kind, regions, rank, root, dtype, op, divisor, nbytes,
+                       pieces: bool = False) -> FusedOp:
+        """In the job's form (`fused_form`): see `_cuda_fused`."""
+        return prepare_fused(self, kind, regions, rank, root, dtype, op, divisor, nbytes,
                               pieces=pieces)
 
     def capturing(self) -> bool:

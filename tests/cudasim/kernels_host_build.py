@@ -105,7 +105,7 @@ def load(path: Path | str) -> ctypes.CDLL:
     lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp, vp]
     lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
     lib.emu_launch_write_many.argtypes = [vp, uint, uint, *[vp] * 8, ctypes.c_int, u64, vp]
-    lib.emu_launch_direct.argtypes = [vp, uint, uint, vp, vp, u64, u64, i64,
+    lib.emu_launch_fused.argtypes = [vp, uint, uint, vp, vp, u64, u64, i64,
                                       *[ctypes.c_int] * 4,
                                       *[vp] * 8, u64, u64, vp, vp]
     lib.emu_launch_stage.argtypes = [vp, uint, uint, vp, vp, u64, *[vp] * 8, ctypes.c_int, u64,

@@ -147,7 +147,7 @@ def test_registered_memory(n, mode, tmp_path):
 
 
 @pytest.mark.parametrize(("n", "sizes"), [
-    (2, {"GPURING_ONE_SHOT_BYTES": "1M"}),  # one kernel up to 1 MiB, then 1 MiB pieces
+    (2, {"GPURING_FUSED_BYTES": "1M"}),  # one kernel up to 1 MiB, then 1 MiB pieces
     (4, {})])  # one kernel up to 64 KiB, then 1 MiB pieces in a graph
 def test_collectives_captured_in_a_cuda_graph(n, sizes, tmp_path):
     """Collectives from a few elements to 4 MiB captured into a CUDA graph (as one kernel, or

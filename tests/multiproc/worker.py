@@ -474,7 +474,7 @@ def case_graph_capture(c: Checker) -> None:
     pieces. Those that run in rounds outside a graph run as one kernel per piece in it. An
     empty collective records nothing. A first call during a capture, a barrier and an
     uneven form are refused without harm to the capture or the communicator. Needs
-    GPURING_CUDA_FUSED=kernel (GPURING_ONE_SHOT_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as
+    GPURING_CUDA_FUSED=kernel (GPURING_FUSED_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as
     the test sets them)."""
     from gpuring import GpuringError
 
@@ -546,9 +546,9 @@ def case_graph_capture(c: Checker) -> None:
         assert "barrier cannot be captured" in refused[mode + 1], refused
         assert "all_gather_v cannot be captured" in refused[mode + 2], refused
     assert schedules.pop(0) == "nothing", schedules
-    one_shot = gpuring.settings.get("GPURING_ONE_SHOT_BYTES")
+    one_shot = gpuring.settings.get("GPURING_FUSED_BYTES")
     assert schedules[:5] == [
-        "one operation" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
+        "fused" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
         for size, dtype, _ in shapes], schedules
     for replay in range(3):  # each graph, then the first again
         folds = []

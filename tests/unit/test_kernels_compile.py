@@ -88,7 +88,7 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
             name = _kernels.reduce_kernel_name(dtype, op)
             assert name in _kernels.REDUCE_KERNEL_NAMES
             assert _kernels.reduce_n_kernel_name(dtype, op) in _kernels.REDUCE_N_KERNEL_NAMES
-            assert _kernels.direct_kernel_name(dtype, op) in \
+            assert _kernels.fused_kernel_name(dtype, op) in \
                 _kernels.DIRECT_KERNEL_NAMES
             assert f"GPURING_FUSED_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
                 f"({dtype}," in source

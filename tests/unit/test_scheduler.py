@@ -199,7 +199,7 @@ class _FusedDevice(_Device):
     def caller_stream(self) -> _Caller:
         return self.current
 
-    def prepare_direct(self, kind: str, regions: Any, rank: int, root: int, dtype: str,
+    def prepare_fused(self, kind: str, regions: Any, rank: int, root: int, dtype: str,
                        op: ReduceOp, divisor: int, nbytes: int) -> _Direct:
         return _Direct(kind)
 

@@ -1,7 +1,7 @@
-"""CudaDevice's one-operation collectives (`Device.prepare_direct`): everything a call
+"""CudaDevice's one-operation collectives (`Device.prepare_fused`): everything a call
 enqueues is worked out once per prepared collective (kernel, grid, every argument but the two
 arrays' addresses), so that a call costs one launch of Python work. Two forms (see
-`gpuring.devices.cuda`): one kernel that waits for its peers itself (`DirectKernel`), and,
+`gpuring.devices.cuda`): one kernel that waits for its peers itself (`FusedKernel`), and,
 for all_reduce where ranks share a GPU, three stream operations that wait with a stream
 memory operation (`StagedAllReduce`), and a collective larger than one slot as one kernel per piece
 (`PiecedKernel`: how a CUDA graph records it)."""
@@ -17,21 +17,21 @@ from .._ops import ReduceOp
 from . import _kernels
 from ._cuda_driver import check_cu
 from ._cuda_streams import THREADS, CudaMemory, _addr, _CudaStream, _flag_addr, _inbox
-from .base import Direct, Event, Memory, Span, Stream
+from .base import Event, FusedOp, Memory, Span, Stream
 
 if TYPE_CHECKING:
     from .cuda import CudaDevice
 
-__all__ = ["prepare_direct"]
+__all__ = ["prepare_fused"]
 
 _BLOCK = (THREADS,)
 #: input bytes per block of the one kernel
 _BYTES_PER_BLOCK = 4096
 
 
-def prepare_direct(device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
+def prepare_fused(device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
                    root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                   pieces: bool = False) -> Direct:
+                   pieces: bool = False) -> FusedOp:
     """The collective in the job's form (`CudaDevice.fused_form`); `pieces`: larger than a
     slot, as one kernel per piece (the kernel form only)."""
     slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
@@ -46,11 +46,11 @@ def prepare_direct(device: CudaDevice, kind: str, regions: Sequence[Span], rank:
         if kind != "all_reduce":
             raise ValueError(f"the stream-memory-operation form runs no {kind}")
         return StagedAllReduce(device, regions, rank, slot, dtype, op, divisor, nbytes)
-    return DirectKernel(device, kind, regions, rank, root, slot, dtype, op, divisor, nbytes)
+    return FusedKernel(device, kind, regions, rank, root, slot, dtype, op, divisor, nbytes)
 
 
-class DirectKernel(Direct):
-    """One launch of gpuring_direct_* (kernels/reduce.cu): a block per 4 KiB of input, at
+class FusedKernel(FusedOp):
+    """One launch of gpuring_fused_* (kernels/reduce.cu): a block per 4 KiB of input, at
     most the job's `fused_blocks`, the same grid on every rank (it depends on the size only).
     Copies (all_gather, broadcast, gather, scatter, all_to_all) run as bytes. Nothing in the
     launch changes from call to call but the arrays (the call's epoch is a counter on the
@@ -74,7 +74,7 @@ class DirectKernel(Direct):
         pointers = [np.uint64(_addr(region)) for region in regions]
         pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
         self._device = device
-        self._kernel = device.direct_kernel(dtype, op)
+        self._kernel = device.fused_kernel(dtype, op)
         self._grid = (max(1, min(device.fused_blocks, -(-nbytes // _BYTES_PER_BLOCK))),)
         self._nbytes = nbytes
         self._rest = (np.uint64(elements // itemsize), np.uint64(stride // itemsize),
@@ -111,8 +111,8 @@ class DirectKernel(Direct):
         self._kernel(self._grid, _BLOCK, args, stream=stream.raw)  # type: ignore[attr-defined]
 
 
-class PiecedKernel(Direct):
-    """A collective whose input is larger than a slot as `DirectKernel` launches per piece, in
+class PiecedKernel(FusedOp):
+    """A collective whose input is larger than a slot as `FusedKernel` launches per piece, in
     order on the stream: piece i covers bytes [i p, (i + 1) p) of every rank's block (the
     whole input, or each rank's block of an input or output that holds one per rank),
     p the largest multiple of 16 elements whose staging fits a slot. An all_reduce on more
@@ -138,29 +138,29 @@ class PiecedKernel(Direct):
         piece = slot // staged // unit * unit
         if nbytes % (staged * itemsize) or piece <= 0:
             raise ValueError(f"no {kind} of {nbytes} bytes in pieces of a {slot}-byte slot")
-        self._two_shot: tuple[DirectKernel, DirectKernel] | None = None
+        self._two_shot: tuple[FusedKernel, FusedKernel] | None = None
         if kind == "all_reduce" and nranks > 2:
             self._two_shot = (
-                DirectKernel(device, "reduce_scatter", regions, rank, root, slot, dtype, op,
+                FusedKernel(device, "reduce_scatter", regions, rank, root, slot, dtype, op,
                              divisor, piece),
-                DirectKernel(device, "all_gather", regions, rank, root, slot, dtype, op,
+                FusedKernel(device, "all_gather", regions, rank, root, slot, dtype, op,
                              divisor, piece // nranks))
         sizes = {block % piece} if self._two_shot else {piece, block % piece}
         #: per piece size (the whole pieces', the last one's): its kernel
-        self._kernels = {size: DirectKernel(device, kind, regions, rank, root, slot, dtype, op,
+        self._kernels = {size: FusedKernel(device, kind, regions, rank, root, slot, dtype, op,
                                             divisor, size * staged, block)
                          for size in sizes - {0}}
         self._device = device
         self._nbytes, self._block, self._piece = nbytes, block, piece
         self._mine = rank * (piece // nranks)  # this rank's segment of a two-shot piece
 
-    def bind(self, out: Memory, inp: Memory) -> tuple[tuple[DirectKernel, Any], ...]:
+    def bind(self, out: Memory, inp: Memory) -> tuple[tuple[FusedKernel, Any], ...]:
         """Per launch: its kernel, and its output and input addresses."""
         assert isinstance(out, CudaMemory) and isinstance(inp, CudaMemory)
         if inp.nbytes != self._nbytes:
             raise ValueError(f"prepared for {self._nbytes} bytes, given {inp.nbytes}")
         block, piece, two_shot = self._block, self._piece, self._two_shot
-        launches: list[tuple[DirectKernel, Any]] = []
+        launches: list[tuple[FusedKernel, Any]] = []
         for at in range(0, block, piece):
             size = min(piece, block - at)
             if two_shot is not None and size == piece:
@@ -173,7 +173,7 @@ class PiecedKernel(Direct):
                                  (np.uint64(out.ptr + at), np.uint64(inp.ptr + at))))
         return tuple(launches)
 
-    def run(self, stream: Stream, operands: tuple[tuple[DirectKernel, Any], ...], *,
+    def run(self, stream: Stream, operands: tuple[tuple[FusedKernel, Any], ...], *,
             captured: bool = False) -> Event | None:
         dev = self._device
         dev.check()
@@ -209,7 +209,7 @@ class HostEpoch:
         self.arg = np.uint64(0)
 
 
-class StagedAllReduce(Direct):
+class StagedAllReduce(FusedOp):
     """Three operations, none spinning: gpuring_stage_publish copies the input into this
     rank's slot (call e uses slot e % 2, e counted by the device) and then tells every peer,
     one cuStreamBatchMemOp waits until every peer told this rank, gpuring_reduce_n folds the
