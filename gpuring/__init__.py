@@ -18,9 +18,9 @@ Glossary: the words met on the call path (README, "How it works", has the pictur
   `CallPath.prepare`): its route and, for the engine, its launch.
 - route: who runs a prepared call (`Route`): alone (a world of one), mpi, nccl, nodes (two
   levels across nodes), or engine.
-- engine: gpuring's own collectives on one device (`_scheduler.Engine`): the communication
+- engine: gpuring's own collectives on one device (`_engine.Engine`): the communication
   buffer, the peers' mapped buffers, the streams; it binds a plan to them and enqueues it.
-- launch: a collective prepared for an engine (`_launch.Launch`): its rounds, or the one
+- launch: a collective prepared for an engine (`_engine.Launch`): its rounds, or the one
   operation it runs as, and the runners compiled on its first run.
 - round: one pass through the buffer regions (`algorithms.plan.RoundPlan`: one op sequence
   per channel); a collective larger than a region runs in several.

@@ -11,7 +11,7 @@ from ._errors import CollectiveMismatchError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from ._launch import Launch
+    from ._engine import Launch
     from ._registry import Placement
 
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]

@@ -17,18 +17,18 @@ from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import Choices
 from ._config import Config
+from ._engine import Engine, Launch
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GpuringError,
     PeerFailureError,
+    RegistrationError,
 )
 from ._hierarchy import Layout, Levels
-from ._launch import Launch, RegistrationError
 from ._lifecycle import Lifecycle, State, in_context, weakly
 from ._prepare import prepare
 from ._registry import Registry
-from ._scheduler import Engine
 from ._timeline import Timeline
 from ._watchdog import Watchdog
 from .devices import device_class

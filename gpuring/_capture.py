@@ -12,7 +12,7 @@ from ._call import PreparedCall, Route
 from ._errors import GpuringError
 
 if TYPE_CHECKING:
-    from ._launch import Launch
+    from ._engine import Launch
 
 __all__ = ["refuse_barrier", "first_call_refused", "recorded", "refuse_route"]
 

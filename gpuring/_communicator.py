@@ -22,6 +22,7 @@ from . import _argcheck, _arrays, _persistent, _transport_routes, interop
 from ._call import Call
 from ._callpath import CallPath
 from ._config import Config
+from ._engine import Engine
 from ._errors import (
     CommunicatorClosedError,
     GpuringError,
@@ -30,7 +31,6 @@ from ._lastcalls import LastCalls
 from ._lifecycle import Outcome, State, weakly
 from ._ops import ReduceOp, check_op_dtype
 from ._persistent import PersistentCollective
-from ._scheduler import Engine
 from ._timeline import Timeline, write_trace
 from ._watchdog import Watchdog
 from ._work import Executor, Work, public_verb

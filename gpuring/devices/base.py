@@ -1,4 +1,4 @@
-"""The device interface: the only thing the scheduler knows about memory and execution.
+"""The device interface: the only thing the engine knows about memory and execution.
 
 A device provides peer-mappable memory, ordered streams of operations, and 64-bit flags
 that streams wait on and write. `HostDevice` implements it with shared memory and threads,
@@ -226,7 +226,7 @@ class FusedOp(abc.ABC):
     def run(self, stream: Stream, operands: Any, *, captured: bool = False) -> Event | None:
         """Enqueue the collective of `operands` (from `bind`) on `stream` (the caller's), and
         return an event that completes with it (`stream.record()`, made in the same step;
-        the scheduler orders and watches later work by it). `captured`: the stream records
+        the engine orders and watches later work by it). `captured`: the stream records
         it into a graph, whose replays run it again; None then, and only then (the host
         never waits for a graph's work)."""
 
@@ -236,9 +236,9 @@ class Device(abc.ABC):
 
     #: short name used in signatures and messages ("cpu", "cuda")
     kind: str
-    #: piece size the scheduler uses when the user sets none
+    #: piece size the engine uses when the user sets none
     default_chunk_bytes: int
-    #: parallel rings the scheduler uses when the user sets none
+    #: parallel rings the engine uses when the user sets none
     default_channels: int
     #: size of one buffer region when the user sets none (collectives run in rounds of it)
     default_buffer_bytes: int = 16 << 20

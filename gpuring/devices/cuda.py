@@ -18,7 +18,7 @@ Every driver call a stream operation makes to enqueue work or make an event is c
 abort and close are not counted). Events are reused: once
 nothing holds an event recorded earlier, the next record takes it instead of creating one.
 
-A stream waits only on words in memory this device allocated (the scheduler puts every flag
+A stream waits only on words in memory this device allocated (the engine puts every flag
 with its reader; producers write through their IPC mappings). That is what makes abort work:
 a stream memory wait cannot be cancelled, only satisfied, so `abort` (1) sets a word in
 device memory that every kernel checks first (data kernels then read nothing, a dead peer's

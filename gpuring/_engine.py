@@ -1,4 +1,5 @@
-"""The scheduler: binds a plan to memory and enqueues it on device streams.
+"""The engine: binds a plan to memory and enqueues it on device streams (`Engine`), and what it
+prepares for one collective (`Launch`).
 
 It knows the device interface and the plan vocabulary, nothing of NumPy or CUDA. One `Engine`
 per device owns that device's communication buffer, the peers' mapped buffers and the streams.
@@ -33,10 +34,9 @@ stream.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, NamedTuple
 
-from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
-from ._launch import Launch, PeerArrays, RegistrationError
+from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError, RegistrationError
 from ._ops import ReduceOp
 from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, ReduceN, RoundPlan, Wait
 from .devices.base import (
@@ -47,6 +47,7 @@ from .devices.base import (
     Flag,
     FlagWaitAborted,
     FlagWaitTimeout,
+    FusedOp,
     Instruction,
     Memory,
     ReduceI,
@@ -60,7 +61,66 @@ from .devices.base import (
 )
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Engine", "MAX_CHANNELS"]
+__all__ = ["Engine", "Launch", "PeerArrays", "MAX_CHANNELS"]
+
+class PeerArrays(NamedTuple):
+    """A rank's input and output of a collective on registered memory, mapped here (None:
+    not registered)."""
+
+    inp: Span | None
+    out: Span | None
+
+
+class Launch:
+    """A collective prepared for one engine: its rounds, the dtype and op, whether it runs on
+    the inline stream, and (for that stream) its runners, compiled on the first run. Made by
+    `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
+
+    __slots__ = ("_per_round", "collective", "divisor", "dtype", "engine", "fused", "fused_op",
+                 "hears_all", "inline", "itemsize", "op", "peers", "root", "rounds", "runners")
+
+    def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
+                 itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
+                 collective: str = "all_reduce", root: int = 0,
+                 peers: tuple[PeerArrays, ...] = ()):
+        self.engine = engine
+        #: every rank's registered input and output, mapped here, which registered rounds
+        #: read (`RoundPlan.registered`); empty for collectives on plain arrays
+        self.peers = peers
+        #: the collective runs as one operation on the caller's stream, not in rounds: `fused_op`
+        #: (set by `Engine.prepare`)
+        self.fused = fused
+        self.fused_op: FusedOp | None = None
+        self.collective = collective
+        self.root = root
+        self.rounds = rounds
+        self.dtype = dtype
+        self.itemsize = itemsize
+        self.op = op
+        self.divisor = engine.size if op is ReduceOp.AVG else 1
+        self.inline = inline
+        #: inline runners, per channel, of (round, buffer half (seq parity), credits known
+        #: (see `Engine.run`)), each compiled on its first use
+        self.runners: dict[tuple[int, int, bool], tuple[Runner, ...]] = {}
+        #: per round: whether its (one) channel waits for a piece of every other rank
+        self.hears_all = tuple(
+            len(plan.channels) == 1 and {o.peer for o in plan.channels[0]
+                                         if isinstance(o, Wait)} == set(range(engine.size))
+            - {engine.rank} for plan in rounds)
+        self._per_round: tuple[Launch, ...] | None = None
+
+    def per_round(self) -> tuple[Launch, ...]:
+        """One launch per round (the timeline runs and times them one by one); a fused launch
+        is one step."""
+        if self.fused:
+            return (self,)
+        if self._per_round is None:
+            self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
+                                           self.op, self.inline, collective=self.collective,
+                                           root=self.root, peers=self.peers)
+                                    for plan in self.rounds)
+        return self._per_round
+
 
 MAX_CHANNELS = 32
 _PAGE = 4096

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from gpuring._engine import Engine
 from gpuring._errors import GpuringError
 from gpuring._ops import ReduceOp
-from gpuring._scheduler import Engine
 from gpuring.algorithms.collectives import plan_collective
 from gpuring.devices.base import Capabilities, WaitI, WriteI, _group_writes
 
