@@ -51,8 +51,17 @@ Glossary: the words met on the call path (README, "How it works", has the pictur
 - watchdog: the thread (`_watchdog`) that reads the status board every few tens of
   milliseconds, fails the communicator when a peer died or gave up, warns of stalls, and
   times out a GPU collective that never completes.
-- lifecycle: the communicator's state and its transitions (`_lifecycle`): open, failed (a
-  failure from outside any call), broken (a call raised one), closed.
+- lifecycle: the communicator's state and its transitions (`_failures.Lifecycle`): open,
+  failed (a failure from outside any call), broken (a call raised one), closed.
+- failures (`_failures`, the one module that handles them): `fail` (a failure from outside a
+  call: release every wait), `give_up` (a call cannot go on: break the communicator, tell
+  the peers), and the context managers that turn an engine's, a transport's or an
+  exchange's plain error into the user's, naming the collective, its sequence number and
+  the rank that failed first.
+- call stages (`CallPath.run`): the request (`Call`, made by `_argcheck`), the agreement
+  across ranks (`CallPath.agree`, once per signature), the route and plan (`_prepare`, once
+  per key, kept as the call's `PreparedCall`), the run (by route; for the engine
+  `Engine.run`).
 """
 
 from ._communicator import Communicator

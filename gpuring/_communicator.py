@@ -27,13 +27,26 @@ from ._errors import (
     CommunicatorClosedError,
     GpuringError,
 )
+from ._failures import Outcome, State, Unraised, weakly
+from ._groups import (
+    Channel,
+    Pairs,
+    abort_channels,
+    close_channels,
+    recv,
+    send,
+    sendrecv,
+    split,
+    synchronize_channels,
+)
+from ._hierarchy import LevelParts
 from ._lastcalls import LastCalls
-from ._lifecycle import Outcome, State, weakly
 from ._ops import ReduceOp, check_op_dtype
 from ._persistent import PersistentCollective
 from ._timeline import Timeline, write_trace
 from ._watchdog import Watchdog
 from ._work import Executor, Work, public_verb
+from .devices import device_class
 from .rendezvous.base import ControlPlane
 
 __all__ = ["Communicator"]
@@ -93,11 +106,13 @@ class Communicator:
         self.config = config or Config.from_env()
         self._on_close = on_close
         cls, config = type(self), self.config  # (the path must not hold the communicator)
-        self._path = CallPath(control, config, lambda group: cls(group, config))
+        self._path = CallPath(control, config, lambda group: _level(cls(group, config)))
         self._executor: Executor | None = None  # the async thread, made by the first *_async
         self._last_calls = LastCalls()
         self._splits = 0  #: split() calls so far (the same on every rank)
-        self._pairs: dict[int, Communicator] = {}  #: peer -> the pair's communicator
+        #: point-to-point messages: a channel per peer
+        self._pairs = Pairs(self._path, control, self.config,
+                            lambda group, config: _channel(cls(group, config)))
         path = self._path
         self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
                                            control, path.life.outcome)
@@ -245,17 +260,13 @@ class Communicator:
         ring shift) needs `sendrecv`. The first message between two ranks sets up their
         channel (a communicator of the pair with its own buffers, kept until this one
         closes). See the README's "Point to point"."""
-        from ._groups import send
-
-        send(self, x, dst)
+        send(self._pairs, x, dst)
 
     @public_verb
     def recv(self, x: Any, src: int) -> Any:
         """Receive the next message rank `src` sends this rank into `x` (C-contiguous,
         writable, the sender's shape and dtype) and return `x`. See `send`."""
-        from ._groups import recv
-
-        return recv(self, x, src)
+        return recv(self._pairs, x, src)
 
     @public_verb
     def sendrecv(self, x: Any, dst: int, out: Any, src: int) -> Any:
@@ -264,9 +275,7 @@ class Communicator:
         `sendrecv(x, (rank + 1) % size, out, (rank - 1) % size)` shifts a ring without
         deadlock. `dst == src` exchanges with one peer; `dst == src == rank` copies. `out`
         must not overlap `x`."""
-        from ._groups import sendrecv
-
-        return sendrecv(self, x, dst, out, src)
+        return sendrecv(self._pairs, x, dst, out, src)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """A new communicator of the ranks that pass the same `color` (an int >= 0), ranked
@@ -277,9 +286,14 @@ class Communicator:
         in any order that each communicator's ranks share, and it stays usable after this
         one closes. Close it on all its ranks, sub-communicators in the same order on every
         rank (a close waits for the peers' closes)."""
-        from ._groups import split
+        self._drain_async()
+        cls, config = type(self), self.config
+        return split(self._path, self._control, self._count_split, color, key,
+                     lambda group: cls(group, config))
 
-        return split(self, color, key)
+    def _count_split(self) -> int:
+        self._splits += 1
+        return self._splits
 
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
              check: Callable[[], Call]) -> Any:
@@ -462,6 +476,17 @@ class Communicator:
         `gpuring bench` reports it per size."""
         return self._path.last_schedule
 
+    def chunk_bytes_for(self, device: str) -> int:
+        """The piece size collectives on `device` arrays ("cpu", "cuda") use where a call
+        sets none: GPURING_CHUNK_BYTES (`init(chunk_bytes=)`), else the device's default for
+        this job (on ranks that share a GPU a whole buffer region, once the first
+        collective on it made its engine)."""
+        if self.config.chunk_bytes:
+            return self.config.chunk_bytes
+        engine = self._path.engines.get(device)
+        return engine.default_chunk_bytes if engine is not None else \
+            device_class(device).default_chunk_bytes
+
     @property
     def device_operations(self) -> int:
         """Driver calls this rank's collectives have made so far to enqueue work or make
@@ -481,8 +506,7 @@ class Communicator:
         """`abort`, telling the peers which rank of the job it is because of (`job_peer`,
         where the communicator is a part of another that failed: a level across nodes)."""
         self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
-        for channel in list(self._pairs.values()):
-            channel._abort(reason, job_peer)
+        abort_channels(self._pairs, reason, job_peer)
         if self._path.levels is not None:
             self._path.levels.abort(reason, job_peer)
         error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
@@ -512,23 +536,19 @@ class Communicator:
         self._close_training()
         unraised: BaseException | None = None
         if self._pairs:
-            from ._groups import close_channels
-
-            unraised = close_channels(self)
+            unraised = close_channels(self._pairs)
         if self._path.levels is not None:
             unraised = self._path.levels.close() or unraised
+        kept = Unraised(unraised)
         if self._path.life.state is State.OPEN:
-            try:
+            with kept.step(latest=True):  # (its error already says it comes from close)
                 self._path.wait_engines("close")
-            except BaseException as exc:  # already says it comes from close
-                unraised = exc
         else:
-            unraised = self._path.life.unraised(self._path.seq) or unraised
+            kept.error = self._path.life.unraised(self._path.seq) or kept.error
         if self._path.nccl is not None:
-            try:
+            with kept.step():
                 self._path.nccl.close()
-            except BaseException as exc:
-                unraised = unraised or exc
+        unraised = kept.error
         self._path.life.close()
         self._finalizer()
         if self._on_close is not None:
@@ -546,9 +566,7 @@ class Communicator:
         self._path.wait_engines("synchronize")
         _transport_routes.sync_levels(self._path, "synchronize")
         if self._pairs:
-            from ._groups import synchronize_channels
-
-            synchronize_channels(self)
+            synchronize_channels(self._pairs)
         self._path.life.completed(seq)
 
     # -- training features: async, timeline --------------------------------------------
@@ -616,3 +634,16 @@ class Communicator:
             write_trace(path, [[] for _ in range(self.rank)] + [timeline.events])
             warnings.warn(f"timeline: could not merge the ranks' events ({exc}); wrote this "
                           f"rank's to {path}", RuntimeWarning, stacklevel=3)
+
+
+def _level(comm: Communicator) -> LevelParts:
+    """`comm` as a level of a communicator across nodes (`_hierarchy.Levels`) sees it."""
+    path = comm._path
+    return LevelParts(comm, comm._abort, lambda: path.watchdog)
+
+
+def _channel(comm: Communicator) -> Channel:
+    """`comm` as a pair's channel of point-to-point messages (`_groups.Pairs`) sees it."""
+    path = comm._path
+    return Channel(comm, comm._submit, lambda: path.watchdog,
+                   functools.partial(comm._close, report=True), comm._abort)

@@ -124,10 +124,8 @@ def _in_force(comm: Any, device: str, registered: bool) -> dict[str, Any]:
 
     config = comm.config
     devices = device_class(device)
-    engine = comm._path.engines.get(device)  # its default piece depends on the job
     values = {
-        "chunk_bytes": config.chunk_bytes or (engine.default_chunk_bytes if engine else
-                                              devices.default_chunk_bytes),
+        "chunk_bytes": comm.chunk_bytes_for(device),
         "channels": config.channels or devices.default_channels,
         "buffer_bytes": config.buffer_bytes or devices.default_buffer_bytes,
         "one_shot_bytes": config.one_shot_bytes, "transport": config.transport,

@@ -1314,9 +1314,9 @@ def case_without_peer_access(c: Checker) -> None:
     n, rank = comm.size, comm.rank
     partner = rank ^ 1 if rank ^ 1 < n else rank
     peers = {(rank + 1) % n, (rank - 1) % n, partner} | (set(range(n)) if rank == 0 else {0})
-    assert set(comm._pairs) == peers - {rank}, comm._pairs  # (every pair case_p2p used)
-    assert all(ch._path.last_schedule == "nccl" for ch in comm._pairs.values()), \
-        [ch._path.last_schedule for ch in comm._pairs.values()]
+    assert set(comm._pairs.channels) == peers - {rank}, comm._pairs.channels  # (every pair)
+    assert all(ch.comm.last_schedule == "nccl" for ch in comm._pairs.channels.values()), \
+        [ch.comm.last_schedule for ch in comm._pairs.channels.values()]
     stream = c.xp.cuda.Stream(non_blocking=True)
     with stream:  # NCCL's route is refused under capture, harmlessly
         x = dev(c, np.ones(3, np.float32))  # (written on `stream`, before the call reads it)
