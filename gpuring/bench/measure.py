@@ -10,7 +10,7 @@ import platform
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -26,12 +26,10 @@ from .metrics import (
     required_traffic,
     shared_floor,
 )
+from .options import Settings
 from .stats import Summary, combine_ranks, per_iteration
 from .systems import Arena, Buffers, System, Unsupported, make_buffers
 from .timing import Backend, blocking, rotating, time_calls, time_loop
-
-if TYPE_CHECKING:
-    from .runner import Settings
 
 __all__ = ["Case", "Measurer", "CORRUPT_ENV", "OFF_CACHE_SETS"]
 
