@@ -95,6 +95,8 @@ class Measurer:
             self._rewind()
             all_buffers = [self._buffers(case, placement) for _ in range(self.sets(case))]
             calls = [system.call(kind, b, case.op, case.root) for b in all_buffers]
+            for b in all_buffers:
+                b.steady(kind, case.op)
         except Unsupported as exc:
             self.notes.setdefault(f"{system.name} {kind} {case.op}", f"{system.name}: {exc}")
             return None
@@ -269,6 +271,7 @@ class Measurer:
                         fn = system.call(case.collective, buffers, case.op, case.root)
                     except Unsupported:
                         continue
+                    buffers.steady(case.collective, case.op)
                     for _ in range(self.s.warmup):
                         fn()
                     self.backend.synchronize()

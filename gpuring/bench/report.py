@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import IN_PLACE, OUT_OF_PLACE, REDUCING, ROOTED
+from .metrics import IN_PLACE, OUT_OF_PLACE, REDUCING, ROOTED, STEADY
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
            "footer_lines", "driver_lines", "repeat_lines", "overlap_lines", "peer_lines",
@@ -185,15 +185,24 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
                    3: "the slowest rank's"}[settings.get("average", 1)]
         lines.append(f"# time: one barrier, then {settings['iters']} calls back to back, time "
                      f"per call; {combine} (-a {settings.get('average', 1)}); {how}")
+    steady = [op for op in settings.get("ops", []) if op in STEADY
+              and settings.get("collective") in REDUCING]
     lines.append(f"# warm-up: {settings['warmup']} calls of each system in each placement at "
                  "every size of a dtype, op and root, before them, in every repeat; systems "
-                 "alternate going first; checks run apart from the timed calls")
+                 "alternate going first; checks run apart from the timed calls, on the real "
+                 "inputs" + (f"; in place, timed {' and '.join(steady)} calls run on "
+                             f"{' and '.join(_WORDS[STEADY[op]] for op in steady)}, which "
+                             f"{'that op keeps' if len(steady) == 1 else 'those ops keep'} "
+                             "call after call" if steady else ""))
     if bandwidth is not None:
         lines.append(f"# floor: the bytes the collective must move, over the copy bandwidth "
                      f"at each size; at 128 MiB: {floor_basis(bandwidth)} (each with all its "
                      "ranks copying at once); the ranks sharing a memory move all their bytes "
                      "through it")
     return lines
+
+
+_WORDS = {0: "zeros", 1: "ones"}
 
 
 def table_header() -> list[str]:
