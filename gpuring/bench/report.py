@@ -196,9 +196,9 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
                              "call after call" if steady else ""))
     if bandwidth is not None:
         lines.append(f"# floor: the bytes the collective must move, over the copy bandwidth "
-                     f"at each size; at 128 MiB: {floor_basis(bandwidth)} (each with all its "
-                     "ranks copying at once); the ranks sharing a memory move all their bytes "
-                     "through it")
+                     f"at each size (the fastest sample around it); at 128 MiB: "
+                     f"{floor_basis(bandwidth)} (each with all its ranks copying at once); the "
+                     "ranks sharing a memory move all their bytes through it")
     return lines
 
 
@@ -389,8 +389,10 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
              "once, every output byte written once: 2 x size per rank for all_reduce; not "
              "gpuring's plan, whose bytes are the `plan` column), summed over the ranks sharing "
              "a memory (k ranks moving the same: k x bytes/rank), over that memory's copy "
-             "bandwidth measured at the same size (every rank copying `size` bytes at once, "
-             "about 64 MiB in all), for the most loaded memory; efficiency = floor / gpuring's "
+             "bandwidth at the same size (every rank copying `size` bytes at once, about 64 MiB "
+             "in all; the fastest of the samples taken before and after the size's "
+             "measurements in every repeat), for the most loaded memory; efficiency = floor / "
+             "gpuring's "
              "time (the median over repeats); cache: input and output fit in the largest "
              f"cache. (At 128 MiB: {floor_basis(bandwidth)}; {bandwidth['method']}.)"]
     if not floors:

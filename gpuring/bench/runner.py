@@ -147,6 +147,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
                     expected = expected_for_rank(case.collective, case.op,
                                                  functools.partial(m.source, case), n, rank,
                                                  case.root)
+                if n > 1 and case.size:  # the copy bandwidth around the size: before it
+                    m.memories_at(case.size)  # and after it, every rank in step
                 row: dict[str, report.Result] = {}
                 # systems take turns going first from one size to the next
                 for system in systems if (index + repeat) % 2 == 0 else systems[::-1]:
