@@ -105,7 +105,7 @@ def _remove_leaked_memory(probe_json: Path) -> None:
 
 @pytest.fixture(scope="module")
 def check_env(host_build_dir: Path) -> dict[str, str]:
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
+    pytest.importorskip("cuda.bindings.nvrtc", reason=kernels_host_build.NVRTC_MISSING)
     try:
         env = kernels_host_build.simulator_env(host_build_dir,
                                                PYTHON=sys.executable, **DRY_RUN)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
+from ..cudasim import kernels_host_build
+
+pytest.importorskip("cuda.bindings.nvrtc", reason=kernels_host_build.NVRTC_MISSING)
 
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _file_cache, _kernels, cuda
