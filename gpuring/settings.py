@@ -1,5 +1,5 @@
 """Every GPURING_* setting, declared once: its variable, how it is read, its default and what
-it means. The rest of gpuring reads settings through `get`; README.md's settings table is
+it means. The rest of gpuring reads settings through `get`; docs/settings.md's table is
 `markdown_table()` (a test keeps the two equal).
 
 Not settings in this sense: the variables `gpuring run` hands its ranks (GPURING_RANK,
@@ -67,8 +67,8 @@ def _algorithm(text: str) -> str:
 @dataclass(frozen=True)
 class Setting:
     """One environment variable. `default` is what `get` returns when the variable is unset
-    or empty (None: decided elsewhere, e.g. per device); `shown` is that default as the README
-    writes it."""
+    or empty (None: decided elsewhere, e.g. per device); `shown` is that default as the
+    settings table writes it."""
 
     name: str
     parse: Callable[[str], Any]
@@ -177,7 +177,7 @@ def get(name: str) -> Any:
 
 
 def markdown_table() -> str:
-    """README.md's settings table."""
+    """The settings table of docs/settings.md."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{s.name}` | {s.shown} | {s.meaning} |" for s in SETTINGS.values()]
     return "\n".join(rows)

@@ -14,7 +14,7 @@ import pytest
 
 from ..cudasim import kernels_host_build
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
+pytest.importorskip("cuda.bindings.nvrtc", reason=kernels_host_build.NVRTC_MISSING)
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_TESTS = ROOT / "tests" / "gpu"
