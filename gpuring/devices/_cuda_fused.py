@@ -1,38 +1,70 @@
 """CudaDevice's one-operation collectives (`Device.prepare_fused`): everything a call
 enqueues is worked out once per prepared collective (kernel, grid, every argument but the two
 arrays' addresses), so that a call costs one launch of Python work. Two forms (see
-`gpuring.devices.cuda`): one kernel that waits for its peers itself (`FusedKernel`), and,
-for all_reduce where ranks share a GPU, three stream operations that wait with a stream
-memory operation (`StagedAllReduce`), and a collective larger than one slot as one kernel per piece
-(`PiecedKernel`: how a CUDA graph records it)."""
+`_cuda_forms`): one kernel that waits for its peers itself (`FusedKernel`), and, for
+all_reduce where ranks share a GPU, three stream operations that wait with a stream memory
+operation (`StagedAllReduce`), and a collective larger than a slot as one kernel per piece
+(`PiecedKernel`: how a CUDA graph records it). What they ask of their device is
+`FusedDevice`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from .._ops import ReduceOp
 from . import _kernels
 from ._cuda_driver import check_cu
-from ._cuda_streams import THREADS, CudaMemory, _addr, _CudaStream, _flag_addr, _inbox
-from .base import Event, FusedOp, Memory, Span, Stream
+from ._cuda_memory import CudaMemory
+from ._cuda_streams import THREADS, CudaStream, addr, flag_addr
+from ._streams import Event, Flag, Memory, Span, Stream
+from .base import FusedOp
 
-if TYPE_CHECKING:
-    from .cuda import CudaDevice
-
-__all__ = ["prepare_fused"]
+__all__ = ["prepare_fused", "FusedDevice", "FusedKernel", "PiecedKernel", "StagedAllReduce",
+           "HostEpoch"]
 
 _BLOCK = (THREADS,)
 #: input bytes per block of the one kernel
 _BYTES_PER_BLOCK = 4096
 
 
-def prepare_fused(device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
-                   root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                   pieces: bool = False) -> FusedOp:
-    """The collective in the job's form (`CudaDevice.fused_form`); `pieces`: larger than a
+class FusedDevice(Protocol):
+    """What the one-operation collectives ask of their device (`CudaDevice`)."""
+
+    device_id: int
+    #: `with device.scope():` the device is current in the calling thread
+    scope: Callable[[], AbstractContextManager[Any]]
+    #: the job's form ("kernel", "memops", "off") and the kernel's most blocks (`_cuda_forms`)
+    fused_form: str
+    fused_blocks: int
+    #: the memops form's calls so far
+    fused_epoch: HostEpoch
+    timeout_ns: int
+    status_ptr: int
+    abort_ptr: int
+    #: driver calls made to enqueue work or make events (`Device.operations`)
+    operations: int
+    #: a collective was captured into a graph, which holds the device's memory from then on
+    captured: bool
+
+    def check(self) -> None: ...
+
+    def fused_kernel(self, dtype: str, op: ReduceOp) -> Any: ...
+
+    def reduce_n_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]: ...
+
+    def grid_for(self, kernel: Any, n: int, per_thread: int) -> int: ...
+
+    def note_wait_word(self, word: int) -> None: ...
+
+
+def prepare_fused(device: FusedDevice, kind: str, regions: Sequence[Span], rank: int,
+                  root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
+                  pieces: bool = False) -> FusedOp:
+    """The collective in the job's form (`device.fused_form`); `pieces`: larger than a
     slot, as one kernel per piece (the kernel form only)."""
     slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
     if nbytes <= 0 or kind not in _kernels.DIRECT_KINDS or (nbytes > slot and not pieces):
@@ -58,7 +90,7 @@ class FusedKernel(FusedOp):
 
     __slots__ = ("_device", "_grid", "_kernel", "_nbytes", "_rest")
 
-    def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
+    def __init__(self, device: FusedDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int,
                  stride: int = 0):
         """`stride`: bytes from one rank's block to the next in an array of a block per rank
@@ -71,7 +103,7 @@ class FusedKernel(FusedOp):
         stride = stride or elements
         if nbytes % itemsize or elements % itemsize or stride % itemsize or stride < elements:
             raise ValueError(f"{nbytes} bytes is not a whole number of {dtype}")
-        pointers = [np.uint64(_addr(region)) for region in regions]
+        pointers = [np.uint64(addr(region)) for region in regions]
         pointers += [np.uint64(0)] * (_kernels.FUSED_MAX_RANKS - len(pointers))
         self._device = device
         self._kernel = device.fused_kernel(dtype, op)
@@ -126,7 +158,7 @@ class PiecedKernel(FusedOp):
 
     __slots__ = ("_block", "_device", "_kernels", "_mine", "_nbytes", "_piece", "_two_shot")
 
-    def __init__(self, device: CudaDevice, kind: str, regions: Sequence[Span], rank: int,
+    def __init__(self, device: FusedDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
         nranks = len(regions)
         staged = nranks if kind in _kernels.BLOCKED_INPUT_KINDS else 1  # (per piece)
@@ -178,7 +210,7 @@ class PiecedKernel(FusedOp):
         dev = self._device
         dev.check()
         if captured:
-            dev.captured = True
+            dev.captured = True  # the graph holds the device's memory from now on
         with dev.scope():
             for kernel, pair in operands:
                 kernel.launch(stream, pair)
@@ -194,6 +226,12 @@ class _Operands(NamedTuple):
 
 
 _ONE = np.uint64(1)
+
+
+def _inbox(region: Span, producer: int) -> Flag:
+    """The word of `region`'s inbox where `producer` tells its rank (the first block's row of
+    the one-kernel all_reduce's inbox: the two forms never run in one job)."""
+    return Flag(region.mem, region.offset + _kernels.FUSED_INBOX + 8 * producer)
 
 
 class HostEpoch:
@@ -223,24 +261,24 @@ class StagedAllReduce(FusedOp):
                  "_kernel", "_nbytes", "_nbytes_arg", "_params", "_rank", "_stage_at",
                  "_stage_rest", "_staged", "_told", "_waits")
 
-    def __init__(self, device: CudaDevice, regions: Sequence[Span], rank: int, slot: int,
+    def __init__(self, device: FusedDevice, regions: Sequence[Span], rank: int, slot: int,
                  dtype: str, op: ReduceOp, divisor: int, nbytes: int):
         self._device = device
         self._rank, self._divisor = rank, divisor
         self._nbytes, self._nbytes_arg = nbytes, np.uint64(nbytes)
         #: per epoch parity: every rank's staged copy, and where this rank stages its input
         self._staged = tuple(
-            tuple(_addr(r) + _kernels.FUSED_DATA + parity * slot for r in regions)
+            tuple(addr(r) + _kernels.FUSED_DATA + parity * slot for r in regions)
             for parity in (0, 1))
         self._stage_at = tuple(np.uint64(staged[rank]) for staged in self._staged)
         peers = [q for q in range(len(regions)) if q != rank]
-        told = [np.uint64(_flag_addr(_inbox(regions[q], rank))) for q in peers]
+        told = [np.uint64(flag_addr(_inbox(regions[q], rank))) for q in peers]
         self._told = (*told, *[np.uint64(0)] * (8 - len(told)), np.int32(len(told)))
         #: what this rank waits for, per peer: the flag, and the tag its timeout names
         self._waits = tuple((_inbox(regions[rank], q), (q, "its part of a one-operation "
                                                           "all_reduce")) for q in peers)
         for flag, _tag in self._waits:
-            device.note_wait_word(_flag_addr(flag))
+            device.note_wait_word(flag_addr(flag))
         self._fold_kernel, itemsize = device.reduce_n_kernel(dtype, op)
         if nbytes % itemsize:
             raise ValueError(f"{nbytes} bytes is not a whole number of {dtype}")
@@ -251,7 +289,7 @@ class StagedAllReduce(FusedOp):
             self._fold_grid = (device.grid_for(self._fold_kernel, self._elements,
                                                max(1, 16 // itemsize)),)
         # the blocks-done word of this rank's region, and the abort word
-        self._stage_rest = (np.uint64(_addr(regions[rank]) + 8), np.uint64(device.abort_ptr))
+        self._stage_rest = (np.uint64(addr(regions[rank]) + 8), np.uint64(device.abort_ptr))
         self._params: list[Any] | None = None  # the wait's parameters, made on first use
 
     def _wait_params(self) -> list[Any]:
@@ -262,7 +300,7 @@ class StagedAllReduce(FusedOp):
         for flag, _tag in self._waits:
             param = driver.CUstreamBatchMemOpParams()
             param.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
-            param.waitValue.address = driver.CUdeviceptr(_flag_addr(flag))
+            param.waitValue.address = driver.CUdeviceptr(flag_addr(flag))
             param.waitValue.flags = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
             params.append(param)
         self._params = params
@@ -291,7 +329,7 @@ class StagedAllReduce(FusedOp):
 
     def run(self, stream: Stream, operands: _Operands, *, captured: bool = False
             ) -> Event | None:
-        assert isinstance(stream, _CudaStream)
+        assert isinstance(stream, CudaStream)
         dev = self._device
         dev.check()
         if captured:
@@ -303,7 +341,7 @@ class StagedAllReduce(FusedOp):
         folds = operands.folds[parity]
         with dev.scope():
             self._enqueue(stream, operands.stage[parity] + (arg, *self._stage_rest))
-            driver, cu = stream._cu or stream._driver_stream()
+            driver, cu = stream.cu or stream.driver_stream()
             params = self._params or self._wait_params()
             value = driver.cuuint64_t(epoch)  # each parameter copies it
             for param in params:

@@ -1,19 +1,40 @@
 """The device interface: the only thing the engine knows about memory and execution.
 
 A device provides peer-mappable memory, ordered streams of operations, and 64-bit flags
-that streams wait on and write. `HostDevice` implements it with shared memory and threads,
-`CudaDevice` with CUDA IPC, CuPy kernels and stream memory operations. The same schedule
-runs on both.
+that streams wait on and write (`gpuring.devices._streams`), and runs the programs a schedule
+compiles to (`gpuring.devices._program`). `HostDevice` implements it with shared memory and
+threads, `CudaDevice` with CUDA IPC, CuPy kernels and stream memory operations. The same
+schedule runs on both. The names of those two modules are importable from here too.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._errors import GpuringError, PeerFailureError
 from .._ops import ReduceOp
+from ._program import (
+    CopyI,
+    Instruction,
+    ReduceI,
+    ReduceNI,
+    Runner,
+    WaitI,
+    WriteI,
+    enqueue_program,
+)
+from ._streams import (
+    Arg,
+    Event,
+    Flag,
+    FlagWaitAborted,
+    FlagWaitTimeout,
+    Memory,
+    Span,
+    Stream,
+)
 
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
@@ -22,79 +43,6 @@ __all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "FusedOp", "Devic
            "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
            "Runner", "open_peer"]
-
-
-class Memory(abc.ABC):
-    """A device allocation: local, opened from a peer, or a borrowed user array."""
-
-    nbytes: int
-
-
-class Span(NamedTuple):
-    """`nbytes` bytes of `mem` starting at byte `offset`."""
-
-    mem: Memory
-    offset: int
-    nbytes: int
-
-
-class Arg(NamedTuple):
-    """`nbytes` bytes at `offset` of a memory given at each run of a program: the collective's
-    input (which = 0) or output (which = 1)."""
-
-    which: int
-    offset: int
-    nbytes: int
-
-
-class Flag(NamedTuple):
-    """The 64-bit word at byte `offset` of `mem` (8-byte aligned)."""
-
-    mem: Memory
-    offset: int
-
-
-Operand = Span | Arg
-
-
-class CopyI(NamedTuple):
-    dst: Operand
-    src: Operand
-
-
-class ReduceI(NamedTuple):
-    dst: Operand
-    a: Operand
-    b: Operand
-    divisor: int
-
-
-class ReduceNI(NamedTuple):
-    """dst = srcs[0] op srcs[1] op ... in order (see `Stream.reduce_n`)."""
-
-    dst: Operand
-    srcs: tuple[Operand, ...]
-    divisor: int
-
-
-class WaitI(NamedTuple):
-    """Wait until `flag` >= value, with value = rel + (seq << shift) for the run's seq."""
-
-    flag: Flag
-    rel: int
-    shift: int
-    tag: Any
-
-
-class WriteI(NamedTuple):
-    """Set `flag` to rel + (seq << shift)."""
-
-    flag: Flag
-    rel: int
-    shift: int
-
-
-Instruction = CopyI | ReduceI | ReduceNI | WaitI | WriteI
 
 
 class Capabilities(NamedTuple):
@@ -117,97 +65,6 @@ class Capabilities(NamedTuple):
     #: the ranks in the order the ring and the chains visit them (following the fastest
     #: links between the ranks' processors); empty: rank order
     ring: tuple[int, ...] = ()
-
-#: a compiled program: runner(input memory, output memory, seq)
-Runner = Callable[[Memory | None, Memory | None, int], None]
-
-
-class FlagWaitTimeout(Exception):
-    """A flag wait ran past its deadline. Carries what was waited for."""
-
-    def __init__(self, flag: Flag, value: int, observed: int, tag: Any):
-        super().__init__(f"flag wait timed out: wanted >= {value}, saw {observed} ({tag})")
-        self.flag = flag
-        self.value = value
-        self.observed = observed
-        self.tag = tag
-
-
-class FlagWaitAborted(Exception):
-    """A flag wait was interrupted because the device was aborted."""
-
-    def __init__(self, reason: str, tag: Any):
-        super().__init__(reason)
-        self.reason = reason
-        self.tag = tag
-
-
-class Event(abc.ABC):
-    """A point in a stream that other streams (or the host) can wait for."""
-
-    @abc.abstractmethod
-    def query(self) -> bool:
-        """True once every operation before the event has completed."""
-
-
-class Stream(abc.ABC):
-    """An ordered queue of operations. Enqueueing never blocks on the operations themselves."""
-
-    @abc.abstractmethod
-    def copy(self, dst: Span, src: Span) -> None:
-        """dst[:] = src[:] (same byte count)."""
-
-    @abc.abstractmethod
-    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
-               divisor: int = 1) -> None:
-        """dst = op(a, b) element-wise, then dst /= divisor when divisor != 1 (avg)."""
-
-    @abc.abstractmethod
-    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
-                 divisor: int = 1) -> None:
-        """dst = srcs[0] op srcs[1] op ... op srcs[-1] element-wise (two or more sources, same
-        byte count), folded in that order with every step rounded to the dtype, then dst /=
-        divisor at the last step when divisor != 1: the same bits as `reduce(dst, srcs[0],
-        srcs[1])` followed by `reduce(dst, dst, srcs[k])` for k = 2, 3, ..., the divisor
-        passed to the last. dst may be the same memory as one source, at the same positions
-        (an in-place fold: each element is read from every source before it is written; a
-        device that cannot for some folds raises ValueError), and overlap none otherwise."""
-
-    @abc.abstractmethod
-    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
-        """Hold later operations until the flag is >= value. `tag` names the wait in errors.
-        The flag must live in memory this device allocated (never a peer's): a stream waits
-        only on words its own device can write, so `Device.abort` can release every wait."""
-
-    @abc.abstractmethod
-    def write_flag(self, flag: Flag, value: int) -> None:
-        """Set the flag to value once every earlier operation is complete and visible to peers.
-        The flag may be a peer's (a producer writes into its reader's memory). Once the device
-        is aborted, writes to peers' memory are dropped: nothing computed after a failure
-        reaches a peer."""
-
-    def write_flags(self, flags: Sequence[Flag], value: int) -> None:
-        """`write_flag` of each of `flags`, all to `value` (a device may do it in one
-        operation)."""
-        for flag in flags:
-            self.write_flag(flag, value)
-
-    def capturing(self) -> bool:
-        """Whether the stream records work into a graph instead of running it (CUDA graph
-        capture). Default: never."""
-        return False
-
-    @abc.abstractmethod
-    def record(self) -> Event:
-        """An event that completes when everything enqueued so far has."""
-
-    @abc.abstractmethod
-    def wait_event(self, event: Event) -> None:
-        """Hold later operations until `event` completes."""
-
-    @abc.abstractmethod
-    def synchronize(self) -> None:
-        """Block the host until the stream is idle; raise the first error an operation hit."""
 
 
 class FusedOp(abc.ABC):
@@ -365,36 +222,9 @@ class Device(abc.ABC):
                 stream: Stream) -> Runner:
         """Prepare `program` for repeated runs on `stream`; each run enqueues it with the given
         input and output memory and round number. Devices may override this to bind memory
-        once (host) or capture a graph (GPU); this default enqueues instruction by instruction.
-        """
-
-        def run(inp: Memory | None, out: Memory | None, seq: int) -> None:
-            mems = (inp, out)
-
-            def span(o: Operand) -> Span:
-                if isinstance(o, Arg):
-                    mem = mems[o.which]
-                    assert mem is not None
-                    return Span(mem, o.offset, o.nbytes)
-                return o
-
-            for ins in steps:
-                if isinstance(ins, CopyI):
-                    stream.copy(span(ins.dst), span(ins.src))
-                elif isinstance(ins, ReduceI):
-                    stream.reduce(span(ins.dst), span(ins.a), span(ins.b), dtype, op,
-                                  ins.divisor)
-                elif isinstance(ins, ReduceNI):
-                    stream.reduce_n(span(ins.dst), [span(s) for s in ins.srcs], dtype, op,
-                                    ins.divisor)
-                elif isinstance(ins, WaitI):  # early credits are <= 0: flags start at 0
-                    stream.wait_flag(ins.flag, max(0, ins.rel + (seq << ins.shift)), ins.tag)
-                else:  # consecutive writes of one value: one call
-                    stream.write_flags([w.flag for w in ins],
-                                       ins[0].rel + (seq << ins[0].shift))
-
-        steps = _group_writes(program)
-        return run
+        once (host) or capture a graph (GPU); this default enqueues instruction by instruction
+        (`enqueue_program`)."""
+        return enqueue_program(program, dtype, op, stream)
 
     def detach_peers(self) -> None:
         """Unmap every peer's memory (once this rank no longer reads it). Closing a
@@ -440,19 +270,3 @@ def open_peer(device: Device, handle: Any, rank: int) -> Memory:
     except FileNotFoundError:
         raise PeerFailureError(f"rank {rank} left before its memory could be mapped",
                                peer=rank) from None
-
-
-def _group_writes(program: tuple[Instruction, ...]) -> list[Any]:
-    """`program` with each run of consecutive WriteI of the same value (rel and shift) as one
-    tuple of them, so that a device can set them all in one operation."""
-    steps: list[Any] = []
-    for ins in program:
-        if isinstance(ins, WriteI):
-            last = steps[-1] if steps else None
-            if isinstance(last, list) and (last[0].rel, last[0].shift) == (ins.rel, ins.shift):
-                last.append(ins)
-            else:
-                steps.append([ins])
-        else:
-            steps.append(ins)
-    return [tuple(s) if isinstance(s, list) else s for s in steps]

@@ -10,7 +10,8 @@ from gpuring._engine import Engine
 from gpuring._errors import GpuringError
 from gpuring._ops import ReduceOp
 from gpuring.algorithms.collectives import plan_collective
-from gpuring.devices.base import Capabilities, WaitI, WriteI, _group_writes
+from gpuring.devices._program import group_writes
+from gpuring.devices.base import Capabilities, WaitI, WriteI
 
 
 class _Stream:
@@ -122,7 +123,7 @@ def test_consecutive_writes_of_one_value_are_grouped() -> None:
     engine = Engine(device, _Control(0, 4), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
     _run(engine, device, _launch(engine, "all_reduce", 64))
     (program, _), = device.ran
-    steps = _group_writes(program)
+    steps = group_writes(program)
     groups = [s for s in steps if isinstance(s, tuple) and s and isinstance(s[0], WriteI)]
     # the piece for the three readers, and DONE to all four ranks: one step each
     assert [len(g) for g in groups] == [3, 4]

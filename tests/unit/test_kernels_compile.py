@@ -43,7 +43,7 @@ def test_every_data_kernel_fits_the_fallback_occupancy(cubins: dict[str, bytes],
                     _kernels.COPY_KERNEL)
     registers = cubin.registers(cubins[arch])
     for name in data_kernels:
-        fit = cubin.blocks_per_sm(registers[name], cuda._THREADS)
+        fit = cubin.blocks_per_sm(registers[name], cuda.THREADS)
         assert fit >= cuda._FALLBACK_BLOCKS_PER_SM, (name, registers[name], fit)
 
 

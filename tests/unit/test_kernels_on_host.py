@@ -21,7 +21,7 @@ import pytest
 
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _kernels
-from gpuring.devices.host import _UFUNCS, _average_into
+from gpuring.devices._host_streams import UFUNCS, average_into
 
 from .. import reference
 
@@ -83,9 +83,9 @@ def _host_reduce(x: np.ndarray, y: np.ndarray, op: ReduceOp, divisor: int) -> np
         return out
     with np.errstate(invalid="ignore", over="ignore"):
         if divisor == 1:
-            _UFUNCS[op](x, y, out=out)
+            UFUNCS[op](x, y, out=out)
         else:
-            _average_into(out, x, y, divisor)
+            average_into(out, x, y, divisor)
     return out
 
 

@@ -17,7 +17,7 @@ import pytest
 from gpuring._ops import ReduceOp
 from gpuring.devices import _kernels
 from gpuring.devices._cuda_fused import FusedKernel, PiecedKernel, prepare_fused
-from gpuring.devices._cuda_streams import CudaMemory
+from gpuring.devices._cuda_memory import CudaMemory
 from gpuring.devices.base import Span
 
 from .test_kernels_on_host import _chain, _same
