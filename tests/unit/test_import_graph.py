@@ -13,7 +13,7 @@ from pathlib import Path
 import gpuring
 
 #: the modules whose import circles are refused: this package and the modules under it
-SCOPE = "gpuring.devices"
+SCOPE = "gpuring"
 
 PACKAGE_DIR = Path(gpuring.__file__).resolve().parent
 
