@@ -286,10 +286,9 @@ class Communicator:
         in any order that each communicator's ranks share, and it stays usable after this
         one closes. Close it on all its ranks, sub-communicators in the same order on every
         rank (a close waits for the peers' closes)."""
-        self._drain_async()
         cls, config = type(self), self.config
         return split(self._path, self._control, self._count_split, color, key,
-                     lambda group: cls(group, config))
+                     lambda group: cls(group, config), self._drain_async)
 
     def _count_split(self) -> int:
         self._splits += 1

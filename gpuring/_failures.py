@@ -282,8 +282,8 @@ def give_up(path: Path, error: BaseException, name: str, culprit: int | None = N
 class Unraised:
     """The failures of steps that must all run (closing a communicator: its channels, its
     levels, its engines), kept instead of raised: `with unraised.step(): ...` runs one
-    step, and `error` is the first failure of any (`first`: a later one wins over the ones
-    before, as a failure that says it comes from close does)."""
+    step, and `error` is the first failure of any (a step run with `latest=True` replaces
+    the ones before, as a failure that says it comes from close does)."""
 
     __slots__ = ("_latest", "error")
 
@@ -307,9 +307,11 @@ class Unraised:
 
 class _Translating:
     """A context manager that hands a failure inside it to `translate`, which breaks what
-    must break and returns the error to raise (the same one: raised as it is)."""
+    must break and returns the error to raise (the same one: raised as it is, unless
+    `always_anew`: then without the context it came in)."""
 
     __slots__ = ()
+    always_anew = False
 
     def __enter__(self) -> None:
         return None
@@ -322,7 +324,7 @@ class _Translating:
         if exc is None:
             return
         error = self.translate(exc)
-        if error is not exc:  # (the same one goes on as it is)
+        if error is not exc or self.always_anew:  # (else the same one goes on as it is)
             raise error from None
 
 
@@ -475,6 +477,7 @@ class on_streams(_Translating):
     it, which is the error then)."""
 
     __slots__ = ("name", "path")
+    always_anew = True
 
     def __init__(self, path: Path, name: str):
         self.path, self.name = path, name

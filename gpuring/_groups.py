@@ -40,16 +40,18 @@ PAIR_BUFFER_BYTES = 4 << 20
 
 
 def split(path: CallPath, control: ControlPlane, count: Callable[[], int], color: int | None,
-          key: int, make: Callable[[ControlPlane], Any]) -> Any:
+          key: int, make: Callable[[ControlPlane], Any], drain: Callable[[], None]) -> Any:
     """`Communicator.split` (`count()`: its number, counted alike on every rank, once the
     ranks exchanged their colors): every rank tells
     the others its (color, key); the ranks of one color make a communicator of their own
-    (`make` of its control plane), in (key, rank) order."""
+    (`make` of its control plane), in (key, rank) order, once `drain()` waited for the
+    async verbs' work."""
     if color is not None:
         color = _index(color, "color")
         if color < 0:
             raise ValueError(f"split: color must be >= 0 or None, got {color}")
     key = _index(key, "key")
+    drain()  # (the async verbs' work first, as every collective's)
     path.life.check("split", path.seq + 1)
     entries = path.exchange("split()", (color, key), "split",
                             f"split(color={color}, key={key})")
