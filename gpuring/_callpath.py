@@ -18,8 +18,8 @@ from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import Choices
 from ._config import Config
 from ._engine import Engine, Launch
-from ._errors import GpuringError, PeerFailureError, RegistrationError
-from ._failures import Lifecycle, State, in_context, weakly
+from ._errors import CommunicatorClosedError, GpuringError, PeerFailureError, RegistrationError
+from ._failures import Lifecycle, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
 from ._registry import Registry
@@ -336,6 +336,88 @@ class CallPath:
                 + ", ".join(f"rank {r} {c:08x}" for r, c in enumerate(sums)) + ")")
             self.life.raised(error)
             raise error
+
+    # -- what the communicator asks of its path --------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.life.state is State.CLOSED
+
+    @property
+    def state(self) -> str:
+        """The lifecycle's state, in a word ("open", "failed", "broken", "closed")."""
+        return self.life.state.value
+
+    def check(self, name: str) -> None:
+        """Raise if call `name` (the next collective) may not run (`Lifecycle.check`)."""
+        self.life.check(name, self.seq + 1)
+
+    def synchronize(self, name: str, also: Callable[[], None]) -> None:
+        """Wait for every collective this rank started (`name`: the call that waits), then
+        `also()` (the messages' channels); raise the first failure."""
+        seq = self.seq
+        self.life.check(name, seq)
+        self.wait_engines(name)
+        _routes.sync_levels(self, name)
+        also()
+        self.life.completed(seq)
+
+    def abort(self, reason: str, job_peer: int | None, first: Callable[[], None]) -> None:
+        """`Communicator.abort` (`job_peer`: the rank of the job it is because of, where
+        known): `first()` (the messages' channels abort), the levels across nodes abort, the
+        status board and the control plane tell the peers, and this rank's waits end
+        (`_failures.fail`)."""
+        self.life.by_user = True  # before anything a failure arriving meanwhile could race
+        first()
+        if self.levels is not None:
+            self.levels.abort(reason, job_peer)
+        error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
+        if self.watchdog is not None:
+            self.watchdog.give_up(reason, job_peer=job_peer)
+        self.control.report_failure(f"rank {self.rank} aborted: {reason}", job_peer=job_peer)
+        self.fail(error, by_user=True)
+
+    def close(self, unraised: BaseException | None) -> BaseException | None:
+        """Close the levels across nodes, wait for the engines (where still open) and close
+        NCCL's collectives; the first failure no call raised yet (after `unraised`, the
+        channels'), or None. The engines themselves go with the communicator's finalizer."""
+        if self.levels is not None:
+            unraised = self.levels.close() or unraised
+        kept = Unraised(unraised)
+        if self.life.state is State.OPEN:
+            with kept.step(latest=True):  # (its error already says it comes from close)
+                self.wait_engines("close")
+        else:
+            kept.error = self.life.unraised(self.seq) or kept.error
+        if self.nccl is not None:
+            with kept.step():
+                self.nccl.close()
+        self.life.close()
+        return kept.error
+
+    def default_chunk_bytes(self, kind: str) -> int:
+        """`Communicator.chunk_bytes_for`: the setting, else the engine's default (the
+        device's for this job), else the device's default."""
+        if self.config.chunk_bytes:
+            return self.config.chunk_bytes
+        engine = self.engines.get(kind)
+        return engine.default_chunk_bytes if engine is not None else \
+            device_class(kind).default_chunk_bytes
+
+    def device_operations(self) -> int:
+        """Driver calls the engines' devices made so far (`Communicator.device_operations`)."""
+        return sum(engine.device.operations for engine in self.engines.values())
+
+    def start_timeline(self, filename: str) -> None:
+        """Record every collective from now on (every rank calls it: a common time origin)."""
+        if self.timeline is not None:
+            raise GpuringError("a timeline is already recording; call stop_timeline() first")
+        self.control.barrier(self.config.timeout, "start_timeline()")
+        self.timeline = Timeline(filename, self.rank)
+
+    def stop_timeline(self) -> Timeline | None:
+        """Stop recording; the timeline that recorded (None: none did)."""
+        timeline, self.timeline = self.timeline, None
+        return timeline
 
     # -- failures (`_failures`) ----------------------------------------------------------
     def on_peer_failure(self, error: PeerFailureError) -> None:

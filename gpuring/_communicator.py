@@ -18,16 +18,15 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from . import _argcheck, _arrays, _persistent, _transport_routes, interop
+from . import _argcheck, _arrays, _persistent, interop
 from ._call import Call
 from ._callpath import CallPath
 from ._config import Config
 from ._engine import Engine
 from ._errors import (
-    CommunicatorClosedError,
     GpuringError,
 )
-from ._failures import Outcome, State, Unraised, weakly
+from ._failures import Outcome, weakly
 from ._groups import (
     Channel,
     Pairs,
@@ -43,10 +42,9 @@ from ._hierarchy import LevelParts
 from ._lastcalls import LastCalls
 from ._ops import ReduceOp, check_op_dtype
 from ._persistent import PersistentCollective
-from ._timeline import Timeline, write_trace
+from ._timeline import write_trace
 from ._watchdog import Watchdog
 from ._work import Executor, Work, public_verb
-from .devices import device_class
 from .rendezvous.base import ControlPlane
 
 __all__ = ["Communicator"]
@@ -137,11 +135,11 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        return self._path.life.state is State.CLOSED
+        return self._path.closed
 
     def __repr__(self) -> str:
         return (f"<gpuring.Communicator rank {self.rank} of {self.size}, "
-                f"{self._path.life.state.value}>")
+                f"{self._path.state}>")
 
     # -- collectives --------------------------------------------------------------------
     @public_verb
@@ -353,7 +351,7 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         if self.size == 1:  # nothing to wait for, and no collective to count
-            self._path.life.check("barrier", self._path.seq + 1)
+            self._path.check("barrier")
             return
         self._path.run(Call("barrier"))
 
@@ -480,11 +478,7 @@ class Communicator:
         sets none: GPURING_CHUNK_BYTES (`init(chunk_bytes=)`), else the device's default for
         this job (on ranks that share a GPU a whole buffer region, once the first
         collective on it made its engine)."""
-        if self.config.chunk_bytes:
-            return self.config.chunk_bytes
-        engine = self._path.engines.get(device)
-        return engine.default_chunk_bytes if engine is not None else \
-            device_class(device).default_chunk_bytes
+        return self._path.default_chunk_bytes(device)
 
     @property
     def device_operations(self) -> int:
@@ -493,7 +487,7 @@ class Communicator:
         and waits; setup, abort and close not counted): on a GPU, the host cost of the
         collectives in calls. 0 on the host device, which calls no driver. `gpuring bench`
         reports it per collective."""
-        return sum(engine.device.operations for engine in self._path.engines.values())
+        return self._path.device_operations()
 
     # -- failures -----------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the user") -> None:
@@ -504,15 +498,8 @@ class Communicator:
     def _abort(self, reason: str, job_peer: int | None = None) -> None:
         """`abort`, telling the peers which rank of the job it is because of (`job_peer`,
         where the communicator is a part of another that failed: a level across nodes)."""
-        self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
-        abort_channels(self._pairs, reason, job_peer)
-        if self._path.levels is not None:
-            self._path.levels.abort(reason, job_peer)
-        error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
-        if self._path.watchdog is not None:
-            self._path.watchdog.give_up(reason, job_peer=job_peer)
-        self._control.report_failure(f"rank {self.rank} aborted: {reason}", job_peer=job_peer)
-        self._path.fail(error, by_user=True)
+        pairs = self._pairs
+        self._path.abort(reason, job_peer, lambda: abort_channels(pairs, reason, job_peer))
 
     # -- lifetime -----------------------------------------------------------------------
     def __enter__(self) -> Communicator:
@@ -533,22 +520,7 @@ class Communicator:
         if self.closed:
             return
         self._close_training()
-        unraised: BaseException | None = None
-        if self._pairs:
-            unraised = close_channels(self._pairs)
-        if self._path.levels is not None:
-            unraised = self._path.levels.close() or unraised
-        kept = Unraised(unraised)
-        if self._path.life.state is State.OPEN:
-            with kept.step(latest=True):  # (its error already says it comes from close)
-                self._path.wait_engines("close")
-        else:
-            kept.error = self._path.life.unraised(self._path.seq) or kept.error
-        if self._path.nccl is not None:
-            with kept.step():
-                self._path.nccl.close()
-        unraised = kept.error
-        self._path.life.close()
+        unraised = self._path.close(close_channels(self._pairs) if self._pairs else None)
         self._finalizer()
         if self._on_close is not None:
             self._on_close(self)
@@ -560,31 +532,23 @@ class Communicator:
         failure. CUDA collectives return once queued: their errors reach the host here, in the
         next call, or in `close()`; results read before then are not checked."""
         self._drain_async()
-        seq = self._path.seq
-        self._path.life.check("synchronize", seq)
-        self._path.wait_engines("synchronize")
-        _transport_routes.sync_levels(self._path, "synchronize")
-        if self._pairs:
-            synchronize_channels(self._pairs)
-        self._path.life.completed(seq)
+        pairs = self._pairs
+        self._path.synchronize("synchronize",
+                               lambda: synchronize_channels(pairs) if pairs else None)
 
     # -- training features: async, timeline --------------------------------------------
     def start_timeline(self, path: str | os.PathLike[str]) -> None:
         """Record every collective and ring round until `stop_timeline()`; every rank calls
         it. Rank 0 writes the merged Chrome trace to `path` at the stop."""
-        self._path.life.check("", self._path.seq)
+        self._path.check("")
         self._drain_async()
-        if self._path.timeline is not None:
-            raise GpuringError("a timeline is already recording; call stop_timeline() first")
-        # a common time origin on every rank
-        self._control.barrier(self.config.timeout, "start_timeline()")
-        self._path.timeline = Timeline(os.fspath(path), self.rank)
+        self._path.start_timeline(os.fspath(path))
 
     def stop_timeline(self) -> str | None:
         """Stop recording; every rank calls it. Rank 0 writes the trace of all ranks and
         returns its path; the other ranks return None."""
         self._drain_async()
-        timeline, self._path.timeline = self._path.timeline, None
+        timeline = self._path.stop_timeline()
         if timeline is None:
             return None
         per_rank = self._control.exchange("stop_timeline()", timeline.events,
@@ -595,7 +559,7 @@ class Communicator:
         return timeline.path
 
     def _submit(self, name: str, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Work:
-        self._path.life.check(name, self._path.seq + 1)
+        self._path.check(name)
         x = args[0]
         with self._path.lock:
             if self._executor is None:
