@@ -99,6 +99,14 @@ def test_every_variable_named_is_read_somewhere(page: Path) -> None:
             f"{_name(page)} names {name}, which nothing reads")
 
 
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_defaults_stated_are_the_declared_ones(page: Path) -> None:
+    """"`GPURING_X` ... N (s) by default" says what gpuring/settings.py declares."""
+    text = " ".join(_text(page).split())
+    for name, value in re.findall(r"`(GPURING_\w+)`[^.;`]{0,40}?\b(\d+)(?: s)? by default", text):
+        assert settings.SETTINGS[name].shown == value, (_name(page), name, value)
+
+
 def _public(cls: type) -> set[str]:
     return {n for n in dir(cls) if not n.startswith("_")}
 
