@@ -6,7 +6,7 @@ The public API is what this package exports, plus `gpuring.devices` (the device 
 the top-level modules whose names start with an underscore, and the layers
 `gpuring.algorithms`, `gpuring.rendezvous` and `gpuring.transports`.
 
-Glossary: the words met on the call path (README, "How it works", has the picture).
+Glossary: the words met on the call path (docs/design.md has the picture).
 
 - call: one verb's arguments checked into a `Call` (`_argcheck`): the collective, the
   arrays, op, root, chunk_bytes, channels, algorithm.

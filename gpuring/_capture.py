@@ -1,7 +1,7 @@
 """CUDA graph capture on the call path: what a capture records of a prepared call, and the
 refusals of what it cannot record. A refusal is raised before anything is enqueued and
 before the call's sequence number moves on, so the capture and the communicator stay usable
-(see the README's "CUDA graphs")."""
+(see docs/gpu.md, "CUDA graphs")."""
 
 from __future__ import annotations
 

@@ -225,7 +225,7 @@ class Communicator:
     def all_gather_v(self, x: Any) -> list[Any]:
         """Every rank's `x` in rank order, as a list: first dimensions may differ between
         ranks, the other dimensions and the dtype may not. (Two collectives: the shapes, then
-        the data padded to the largest; see the README.)"""
+        the data padded to the largest; see docs/api.md.)"""
         from ._uneven import all_gather_v
 
         return all_gather_v(self, x)
@@ -257,7 +257,7 @@ class Communicator:
         that both send to each other first get CollectiveMismatchError; a cycle of sends (a
         ring shift) needs `sendrecv`. The first message between two ranks sets up their
         channel (a communicator of the pair with its own buffers, kept until this one
-        closes). See the README's "Point to point"."""
+        closes). See docs/api.md, "Point to point"."""
         send(self._pairs, x, dst)
 
     @public_verb
@@ -314,8 +314,8 @@ class Communicator:
               device: str = "cpu") -> Any:
         """A new array (NumPy for `device="cpu"`, CuPy for `"cuda"`) in memory every peer
         maps: collectives on such arrays read the peers' arrays where they lie instead of
-        staging them through the communication buffers (see the README's "Registered
-        memory"). Every rank calls it alike, as a collective (the same shape, dtype and
+        staging them through the communication buffers (see docs/design.md,
+        "Registered memory"). Every rank calls it alike, as a collective (the same shape, dtype and
         device, in the same order as its other collectives), and a call on such arrays must
         pass them alike on every rank: the same offsets into them (`x=out[rank]` for an
         all_gather in place). The memory is zero-filled. It stays valid for as long as the
