@@ -242,7 +242,8 @@ class CudaDevice(Device):
         return _cuda_forms.capability_settings()
 
     def fused_region_bytes(self, limit: int) -> int:
-        """Two slots of each form that may run (`_cuda_forms.Slots`)."""
+        """Two slots of each form that may run (`_cuda_forms.Slots`, kept for
+        `prepare_fused`)."""
         self.slots = Slots.for_limit(limit, self.fused_max_bytes)
         return self.slots.region_bytes()
 
