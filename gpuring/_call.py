@@ -133,7 +133,8 @@ class PreparedCall:
     text: str = ""
     digest: int = 0
     #: what a CUDA graph capture records of the call (`launch` itself where that runs as
-    #: one kernel; else, for the engine, one kernel per piece); None: refused under capture
+    #: one kernel; else, for the engine, one kernel, or one per piece); None: refused under
+    #: capture
     captured: Launch | None = None
     #: what runs, in words (`RoundPlan.schedule`, "fused", "mpi", "nodes", "alone")
     schedule: str = ""

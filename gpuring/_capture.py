@@ -41,11 +41,9 @@ def recorded(prepared: PreparedCall, collective: str, timeline: bool, empty: boo
     timeline records, which times each call on the host)."""
     if timeline or (prepared.captured is None and not empty):
         raise GpuringError(
-            f"{collective} cannot be captured into a CUDA graph: only the collectives that "
-            "run as kernels can (all_reduce, reduce_scatter, all_gather, broadcast, reduce, "
-            "gather, scatter and all_to_all, on up to 8 ranks, with GPURING_CUDA_FUSED=kernel, "
-            "or auto where no two ranks share a GPU), without GPURING_VERIFY or a recording "
-            "timeline (GPURING_TIMELINE)")
+            f"{collective} cannot be captured into a CUDA graph here: graphs record gpuring's "
+            "kernels, on up to 8 ranks with GPURING_CUDA_FUSED auto or kernel, without "
+            "GPURING_VERIFY or a recording timeline (GPURING_TIMELINE)")
     return None if empty else prepared.captured
 
 

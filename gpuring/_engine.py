@@ -172,10 +172,9 @@ class Engine:
         device.seal(local)
         #: the largest input (bytes) of a collective that runs as one operation (0: none)
         self.fused_bytes = min(capabilities.fused_bytes, fused_limit) if region else 0
-        #: the collectives that run as one operation, and whether those can be captured
-        #: into a CUDA graph
+        #: the collectives that run as one operation, and those a CUDA graph can record
         self.fused_kinds = capabilities.fused_kinds
-        self.fused_capturable = capabilities.fused_capturable
+        self.graph_kinds = capabilities.graph_kinds
         #: the ranks in the order the ring and the chains visit them (empty: rank order)
         self.ring: tuple[int, ...] = tuple(rings[0])
         #: the piece size where the user set none
@@ -218,23 +217,22 @@ class Engine:
 
     def prepare_captured(self, launch: Launch, nbytes: int) -> Launch | None:
         """What a CUDA graph records of `launch` (from `prepare`, of an input of `nbytes`):
-        the launch itself where it runs as one operation that can be captured; where it runs
-        in rounds, a launch of one operation per piece of the device's region
-        (`Device.prepare_fused`'s `pieces`); None where this engine's operations cannot be
-        captured or run no such collective."""
-        if not self.fused_capturable:
-            return None
-        if launch.fused:
+        the launch itself where it runs as one operation that can be captured; else (it runs
+        in rounds, or in a form a graph cannot record) a launch of the device's form for
+        graphs, one operation or one per piece of the device's region
+        (`Device.prepare_fused`'s `graph`); None where this engine's graphs cannot record
+        the collective."""
+        if launch.fused and launch.fused_op is not None and launch.fused_op.capturable:
             return launch
-        if launch.collective not in self.fused_kinds or nbytes <= 0 or \
+        if launch.collective not in self.graph_kinds or nbytes <= 0 or \
                 self._regions[self.rank].nbytes <= 0:
             return None
-        pieces = Launch(self, (), launch.dtype, launch.itemsize, launch.op, inline=True,
-                        fused=True, collective=launch.collective, root=launch.root)
-        pieces.fused_op = self.device.prepare_fused(
+        graph = Launch(self, (), launch.dtype, launch.itemsize, launch.op, inline=True,
+                       fused=True, collective=launch.collective, root=launch.root)
+        graph.fused_op = self.device.prepare_fused(
             launch.collective, self._regions, self.rank, launch.root, launch.dtype, launch.op,
-            launch.divisor, nbytes, pieces=True)
-        return pieces
+            launch.divisor, nbytes, graph=True)
+        return graph
 
     def bind(self, launch: Launch, in_mem: Memory, out_mem: Memory | None) -> Any:
         """A fused launch's operands for these memories (`FusedOp.bind`: they hold no array,
@@ -279,7 +277,7 @@ class Engine:
         assert fused_op is not None
         stream = self.device.caller_stream()
         try:  # (a form that cannot be captured was refused under capture before the call)
-            if self.fused_capturable and stream.capturing():
+            if fused_op.capturable and stream.capturing():
                 other = self._captured_on
                 if other is not None and other is not stream and other.capturing():
                     raise GpuringError(

@@ -1,6 +1,6 @@
 """The forms a CudaDevice runs small collectives in as one operation (`GPURING_CUDA_FUSED`),
-chosen once per job from every rank's handle (`choose`), and the size of a rank's region for
-them (`region_bytes`). The operations themselves are `_cuda_fused`'s.
+chosen once per job from every rank's handle (`choose`), what a CUDA graph records, and how a
+rank's region for them is laid out (`Slots`). The operations themselves are `_cuda_fused`'s.
 
 - `kernel`: one kernel (`gpuring_fused_*` in kernels/reduce.cu, any collective) that waits
   for its peers' blocks by spinning on flags. Nothing in its arguments changes from call to
@@ -12,12 +12,18 @@ them (`region_bytes`). The operations themselves are `_cuda_fused`'s.
 - `auto` (the default): memops where two ranks share a GPU and every rank has stream memory
   operations (processes that share a GPU without MPS take turns on it, and a spinning kernel
   holds its turn), else the kernel (without stream memory operations the rounds' waits spin
-  too).
-- `off`: in rounds.
+  too). A CUDA graph records the kernel form even where the ranks share a GPU: the first
+  time a rank captures it there, it warns once that the captured collectives spin
+  (`warn_captured_spins`).
+- `off`: in rounds; nothing is captured.
+
+The two forms keep their state apart in each rank's region (their counters, inboxes and
+slots), so one job runs both: the memops form outside graphs, the kernel form in them.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,8 +34,8 @@ from ._cuda_memory import CudaHandle
 from ._topology import ring_order
 from .base import Capabilities
 
-__all__ = ["FUSED_ENV", "GRAPH_PIECE_ENV", "fused_setting", "capability_settings",
-           "region_bytes", "Forms", "choose"]
+__all__ = ["FUSED_ENV", "GRAPH_PIECE_ENV", "fused_setting", "capability_settings", "Slots",
+           "Forms", "choose", "warn_captured_spins"]
 
 #: the setting that selects the form of a fused collective: "auto", "kernel", "memops", "off"
 FUSED_ENV = "GPURING_CUDA_FUSED"
@@ -49,14 +55,39 @@ def capability_settings() -> tuple[tuple[str, str], ...]:
     return ((FUSED_ENV, fused_setting()), (GRAPH_PIECE_ENV, str(settings.get(GRAPH_PIECE_ENV))))
 
 
-def region_bytes(limit: int, most: int) -> int:
-    """Bytes of each rank's region for one-operation collectives of at most `limit` bytes (at
-    most `most`): two slots of `limit` bytes, or of a graph's piece where that is larger."""
-    if fused_setting() == "off":
-        return 0
-    slot = max(limit, settings.get(GRAPH_PIECE_ENV))
-    slot = -(-min(slot, most) // 16) * 16
-    return _kernels.fused_region_bytes(slot) if slot > 0 else 0
+class Slots(NamedTuple):
+    """Bytes of each of the two slots of each form in a rank's region (0: the form never
+    runs in this job). The region is
+
+        [counters and inboxes (FUSED_DATA bytes) | the kernel form's 2 slots |
+         the memops form's 2 slots]"""
+
+    kernel: int = 0
+    staged: int = 0
+
+    @classmethod
+    def for_limit(cls, limit: int, most: int) -> Slots:
+        """The slots for one-operation collectives of at most `limit` bytes (at most `most`):
+        the kernel form's hold `limit` or a graph's piece where that is larger."""
+        mode = fused_setting()
+        if mode == "off":
+            return cls()
+
+        def rounded(nbytes: int) -> int:
+            return -(-min(nbytes, most) // 16) * 16 if nbytes > 0 else 0
+
+        kernel = 0 if mode == "memops" else rounded(max(limit, settings.get(GRAPH_PIECE_ENV)))
+        staged = 0 if mode == "kernel" else rounded(limit)
+        return cls(kernel, staged)
+
+    def region_bytes(self) -> int:
+        """Bytes of the region (0: none)."""
+        slots = self.kernel + self.staged
+        return _kernels.FUSED_DATA + 2 * slots if slots else 0
+
+    def staged_at(self) -> int:
+        """Where the memops form's first slot starts in the region."""
+        return _kernels.FUSED_DATA + 2 * self.kernel
 
 
 class Forms(NamedTuple):
@@ -69,9 +100,9 @@ class Forms(NamedTuple):
     capabilities: Capabilities
 
 
-def choose(handles: Sequence[CudaHandle], most: int) -> Forms:
-    """The forms of the job of the ranks whose handles these are (every rank's), for
-    collectives of at most `most` bytes. Where ranks share a GPU, pieces
+def choose(handles: Sequence[CudaHandle], slots: Slots, most: int) -> Forms:
+    """The forms of the job of the ranks whose handles these are (every rank's), with the
+    region `slots`, for collectives of at most `most` bytes. Where ranks share a GPU, pieces
     are whole buffer regions: a rank's piece never runs beside a peer's there, and every
     piece costs driver calls and a turn."""
     mode = fused_setting()
@@ -87,8 +118,31 @@ def choose(handles: Sequence[CudaHandle], most: int) -> Forms:
     # spinning block holds would never run)
     blocks = min(_kernels.FUSED_MAX_BLOCKS, *(h.fused_blocks for h in handles))
     form = mode if mode == "memops" or blocks > 0 else "off"
+    graphs = blocks > 0 and slots.kernel > 0  # (the kernel form, whatever `form`)
     return Forms(form, blocks, Capabilities(
         0 if form == "off" else most, whole_pieces=shared,
-        fused_kinds=_KINDS.get(form, frozenset()), fused_capturable=form == "kernel",
+        fused_kinds=_KINDS.get(form, frozenset()),
+        graph_kinds=_KINDS["kernel"] if graphs else frozenset(),
         ring=ring_order([h.gpu for h in handles])))
 
+
+_warned_spins = False
+
+
+def warn_captured_spins() -> None:
+    """Once per process: a collective captured where the form outside graphs does not spin
+    (the ranks share a GPU, GPURING_CUDA_FUSED=auto) spins in the graph."""
+    global _warned_spins
+    if _warned_spins:
+        return
+    _warned_spins = True
+    warnings.warn(
+        "gpuring: collectives captured into a CUDA graph run there as kernels that spin while "
+        "they wait for their peers, though the ranks share a GPU: outside graphs these ranks "
+        "wait with stream memory operations, which a graph cannot record (their flag values "
+        "are the host's counts). On a GPU shared by processes without MPS, a spinning kernel "
+        "holds its process's time slice, so each replay's waits can cost whole time slices: "
+        "start MPS (nvidia-cuda-mps-control -d) for shared GPUs. "
+        f"{FUSED_ENV}=kernel (the spinning kernel outside graphs too) silences this; "
+        f"{FUSED_ENV}=memops refuses captures instead.",
+        RuntimeWarning, stacklevel=2)

@@ -3,7 +3,7 @@ enqueues is worked out once per prepared collective (kernel, grid, every argumen
 arrays' addresses), so that a call costs one launch of Python work. Two forms (see
 `_cuda_forms`): one kernel that waits for its peers itself (`FusedKernel`), and, for
 all_reduce where ranks share a GPU, three stream operations that wait with a stream memory
-operation (`StagedAllReduce`), and a collective larger than a slot as one kernel per piece
+operation (`StagedAllReduce`); and a collective larger than a slot as one kernel per piece
 (`PiecedKernel`: how a CUDA graph records it). What they ask of their device is
 `FusedDevice`."""
 
@@ -18,6 +18,7 @@ import numpy as np
 from .._ops import ReduceOp
 from . import _kernels
 from ._cuda_driver import check_cu
+from ._cuda_forms import Slots, warn_captured_spins
 from ._cuda_memory import CudaMemory
 from ._cuda_streams import THREADS, CudaStream, addr, flag_addr
 from ._streams import Event, Flag, Memory, Span, Stream
@@ -29,6 +30,13 @@ __all__ = ["prepare_fused", "FusedDevice", "FusedKernel", "PiecedKernel", "Stage
 _BLOCK = (THREADS,)
 #: input bytes per block of the one kernel
 _BYTES_PER_BLOCK = 4096
+#: where the memops form keeps its state in a rank's region, apart from the kernel form's
+#: (`_cuda_forms`): its staging kernel's blocks-done counter (the kernel form's calls done and
+#: blocks done are the first two words), and its inbox, a word per producer, after the kernel
+#: form's inbox
+_STAGED_DONE = 16
+_STAGED_INBOX = _kernels.FUSED_INBOX + 8 * _kernels.FUSED_MAX_BLOCKS * _kernels.FUSED_MAX_RANKS
+assert _STAGED_INBOX + 8 * _kernels.FUSED_MAX_RANKS <= _kernels.FUSED_DATA
 
 
 class FusedDevice(Protocol):
@@ -37,9 +45,11 @@ class FusedDevice(Protocol):
     device_id: int
     #: `with device.scope():` the device is current in the calling thread
     scope: Callable[[], AbstractContextManager[Any]]
-    #: the job's form ("kernel", "memops", "off") and the kernel's most blocks (`_cuda_forms`)
+    #: the job's form outside graphs ("kernel", "memops", "off"), the kernel's most blocks,
+    #: and the slots of the region (`_cuda_forms`)
     fused_form: str
     fused_blocks: int
+    slots: Slots
     #: the memops form's calls so far
     fused_epoch: HostEpoch
     timeout_ns: int
@@ -63,22 +73,32 @@ class FusedDevice(Protocol):
 
 def prepare_fused(device: FusedDevice, kind: str, regions: Sequence[Span], rank: int,
                   root: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                  pieces: bool = False) -> FusedOp:
-    """The collective in the job's form (`device.fused_form`); `pieces`: larger than a
-    slot, as one kernel per piece (the kernel form only)."""
-    slot = (regions[rank].nbytes - _kernels.FUSED_DATA) // 2
-    if nbytes <= 0 or kind not in _kernels.DIRECT_KINDS or (nbytes > slot and not pieces):
+                  graph: bool = False) -> FusedOp:
+    """The collective in the job's form (`device.fused_form`); `graph`: in the kernel form,
+    which a CUDA graph can record, as one kernel per piece where larger than a slot."""
+    slots = device.slots
+    form = "kernel" if graph else device.fused_form
+    slot = slots.kernel if form == "kernel" else slots.staged
+    if nbytes <= 0 or kind not in _kernels.DIRECT_KINDS or (nbytes > slot and not graph):
         raise ValueError(f"no one-operation {kind} of {nbytes} bytes (at most {slot})")
-    if pieces and device.fused_form != "kernel":
-        raise ValueError(f"the {device.fused_form} form runs no collective in pieces")
+    if form == "memops":
+        if kind != "all_reduce":
+            raise ValueError(f"the stream-memory-operation form runs no {kind}")
+        return StagedAllReduce(device, regions, rank, slots, dtype, op, divisor, nbytes)
+    if slot <= 0 or device.fused_blocks <= 0:
+        raise ValueError("this job runs no collective as one kernel")
     if nbytes > slot:
         return PiecedKernel(device, kind, regions, rank, root, slot, dtype, op, divisor,
                             nbytes)
-    if device.fused_form == "memops":
-        if kind != "all_reduce":
-            raise ValueError(f"the stream-memory-operation form runs no {kind}")
-        return StagedAllReduce(device, regions, rank, slot, dtype, op, divisor, nbytes)
     return FusedKernel(device, kind, regions, rank, root, slot, dtype, op, divisor, nbytes)
+
+
+def _captured(device: FusedDevice) -> None:
+    """A kernel is being captured into a graph, which holds the device's memory from now on;
+    where the form outside graphs does not spin, say once that this does."""
+    device.captured = True
+    if device.fused_form != "kernel":
+        warn_captured_spins()
 
 
 class FusedKernel(FusedOp):
@@ -89,6 +109,7 @@ class FusedKernel(FusedOp):
     GPU), so it can be captured."""
 
     __slots__ = ("_device", "_grid", "_kernel", "_nbytes", "_rest")
+    capturable = True
 
     def __init__(self, device: FusedDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int,
@@ -128,7 +149,7 @@ class FusedKernel(FusedOp):
         dev = self._device
         dev.check()
         if captured:
-            dev.captured = True  # the graph holds the device's memory from now on
+            _captured(dev)
         with dev.scope():
             self.launch(stream, operands)
             return None if captured else stream.record_in_scope()  # type: ignore[attr-defined]
@@ -157,6 +178,7 @@ class PiecedKernel(FusedOp):
     starts as soon as this one's blocks finish)."""
 
     __slots__ = ("_block", "_device", "_kernels", "_mine", "_nbytes", "_piece", "_two_shot")
+    capturable = True
 
     def __init__(self, device: FusedDevice, kind: str, regions: Sequence[Span], rank: int,
                  root: int, slot: int, dtype: str, op: ReduceOp, divisor: int, nbytes: int):
@@ -210,7 +232,7 @@ class PiecedKernel(FusedOp):
         dev = self._device
         dev.check()
         if captured:
-            dev.captured = True  # the graph holds the device's memory from now on
+            _captured(dev)
         with dev.scope():
             for kernel, pair in operands:
                 kernel.launch(stream, pair)
@@ -229,9 +251,8 @@ _ONE = np.uint64(1)
 
 
 def _inbox(region: Span, producer: int) -> Flag:
-    """The word of `region`'s inbox where `producer` tells its rank (the first block's row of
-    the one-kernel all_reduce's inbox: the two forms never run in one job)."""
-    return Flag(region.mem, region.offset + _kernels.FUSED_INBOX + 8 * producer)
+    """The word of `region`'s memops-form inbox where `producer` tells its rank."""
+    return Flag(region.mem, region.offset + _STAGED_INBOX + 8 * producer)
 
 
 class HostEpoch:
@@ -254,22 +275,24 @@ class StagedAllReduce(FusedOp):
     slots in rank order into out (the bits of `Stream.reduce_n`; its launches' arguments are
     made when the operands are bound). Slot e % 2 is written again at call e + 2, after this
     stream waited in call e + 1 for every peer to start it, so to finish call e. The
-    waited-on words are this rank's own (abort releases them). Not capturable: the epoch is
-    the host's."""
+    waited-on words are this rank's own (abort releases them). Its counter, inbox and slots
+    are its own (`_STAGED_DONE`, `_STAGED_INBOX`, `Slots.staged_at`), apart from the kernel
+    form's, which a graph records in the same job. Not capturable: the epoch is the
+    host's."""
 
     __slots__ = ("_device", "_divisor", "_elements", "_fold_grid", "_fold_kernel", "_grid",
                  "_kernel", "_nbytes", "_nbytes_arg", "_params", "_rank", "_stage_at",
                  "_stage_rest", "_staged", "_told", "_waits")
 
-    def __init__(self, device: FusedDevice, regions: Sequence[Span], rank: int, slot: int,
+    def __init__(self, device: FusedDevice, regions: Sequence[Span], rank: int, slots: Slots,
                  dtype: str, op: ReduceOp, divisor: int, nbytes: int):
         self._device = device
         self._rank, self._divisor = rank, divisor
         self._nbytes, self._nbytes_arg = nbytes, np.uint64(nbytes)
         #: per epoch parity: every rank's staged copy, and where this rank stages its input
+        at = slots.staged_at()
         self._staged = tuple(
-            tuple(addr(r) + _kernels.FUSED_DATA + parity * slot for r in regions)
-            for parity in (0, 1))
+            tuple(addr(r) + at + parity * slots.staged for r in regions) for parity in (0, 1))
         self._stage_at = tuple(np.uint64(staged[rank]) for staged in self._staged)
         peers = [q for q in range(len(regions)) if q != rank]
         told = [np.uint64(flag_addr(_inbox(regions[q], rank))) for q in peers]
@@ -289,7 +312,8 @@ class StagedAllReduce(FusedOp):
             self._fold_grid = (device.grid_for(self._fold_kernel, self._elements,
                                                max(1, 16 // itemsize)),)
         # the blocks-done word of this rank's region, and the abort word
-        self._stage_rest = (np.uint64(addr(regions[rank]) + 8), np.uint64(device.abort_ptr))
+        self._stage_rest = (np.uint64(addr(regions[rank]) + _STAGED_DONE),
+                            np.uint64(device.abort_ptr))
         self._params: list[Any] | None = None  # the wait's parameters, made on first use
 
     def _wait_params(self) -> list[Any]:

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .base import Flag, Memory
+from ._streams import Flag, Memory
 
 __all__ = ["HostMemory", "HostArray", "check_local", "unlink_quietly"]
 

@@ -58,10 +58,9 @@ class Capabilities(NamedTuple):
     whole_pieces: bool = False
     #: the collectives that run as one operation (`Device.prepare_fused`) up to `fused_bytes`
     fused_kinds: frozenset[str] = frozenset()
-    #: those operations can be captured into a CUDA graph (nothing they enqueue changes
-    #: from call to call), and larger inputs run as one of them per piece there
-    #: (`Device.prepare_fused`'s `pieces`)
-    fused_capturable: bool = False
+    #: the collectives a CUDA graph can record (`Device.prepare_fused`'s `graph`: one operation
+    #: each, or one per piece where the input is larger); empty: none can be captured
+    graph_kinds: frozenset[str] = frozenset()
     #: the ranks in the order the ring and the chains visit them (following the fastest
     #: links between the ranks' processors); empty: rank order
     ring: tuple[int, ...] = ()
@@ -71,6 +70,9 @@ class FusedOp(abc.ABC):
     """A collective prepared to run as one operation that every rank enqueues alike, every
     rank reading its peers directly (`Device.prepare_fused`): reductions fold in rank order
     (the bits of `Stream.reduce_n`). It waits for the peers itself, each wait bounded."""
+
+    #: whether `run` can record it into a CUDA graph (`captured`)
+    capturable: bool = False
 
     @abc.abstractmethod
     def bind(self, out: Memory, inp: Memory) -> Any:
@@ -152,13 +154,15 @@ class Device(abc.ABC):
 
     def prepare_fused(self, kind: str, regions: Sequence[Span], rank: int, root: int,
                        dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                       pieces: bool = False) -> FusedOp:
+                       graph: bool = False) -> FusedOp:
         """The collective `kind` (one of `Capabilities.fused_kinds`) of an input of `nbytes`
         prepared as one operation. `regions[q]` is rank q's region of `fused_region_bytes`,
         mapped here, which only these operations use (its size says how large an input it
-        holds). `pieces` (where `Capabilities.fused_capturable`): an input larger than that as
-        one operation per piece, in order (what a CUDA graph records of a collective that
-        runs in rounds outside it). A device that offers none raises NotImplementedError."""
+        holds). `graph` (`kind` one of `Capabilities.graph_kinds`): what a CUDA graph records
+        of the collective, an operation that can be captured (`FusedOp.capturable`), or one
+        per piece, in order, where the input is larger than the region holds (a collective
+        that runs in rounds outside a graph). A device that offers none raises
+        NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")
 
     def caller_stream(self) -> Stream:

@@ -43,7 +43,7 @@ from .. import settings
 from .._ops import ReduceOp
 from . import _cuda_forms, _kernels
 from ._cuda_driver import FLAGS_ENV, Scope, cupy_module, flag_waits, occupancy
-from ._cuda_forms import FUSED_ENV
+from ._cuda_forms import FUSED_ENV, Slots
 from ._cuda_fused import HostEpoch, prepare_fused
 from ._cuda_memory import CudaHandle, CudaMemory, IpcMemory, bus_id_of, unreachable_peer
 from ._cuda_streams import THREADS, CudaEvent, CudaStream, new_event, record_on
@@ -161,10 +161,12 @@ class CudaDevice(Device):
         #: a one-kernel collective was captured into a graph, which holds this device's
         #: memory: it is never freed (a replay after close would touch it)
         self.captured = False
-        #: the form of the one-operation collectives ("kernel", "memops" or "off") and the
-        #: one kernel's most blocks, for the job (`capabilities`; see `_cuda_forms`)
+        #: the form of the one-operation collectives outside graphs ("kernel", "memops" or
+        #: "off"), the one kernel's most blocks, and the slots of their region, for the job
+        #: (`fused_region_bytes`, `capabilities`; see `_cuda_forms`)
         self.fused_form = "off"
         self.fused_blocks = 0
+        self.slots = Slots()
         #: the memops form's calls so far
         self.fused_epoch = HostEpoch()
 
@@ -240,12 +242,15 @@ class CudaDevice(Device):
         return _cuda_forms.capability_settings()
 
     def fused_region_bytes(self, limit: int) -> int:
-        """Two slots (`_cuda_forms.region_bytes`)."""
-        return _cuda_forms.region_bytes(limit, self.fused_max_bytes)
+        """Two slots of each form that may run (`_cuda_forms.Slots`, kept for
+        `prepare_fused`)."""
+        self.slots = Slots.for_limit(limit, self.fused_max_bytes)
+        return self.slots.region_bytes()
 
     def capabilities(self, handles: Any) -> Capabilities:
         """The job's forms (`_cuda_forms.choose`)."""
-        forms = _cuda_forms.choose([CudaHandle(*h) for h in handles], self.fused_max_bytes)
+        forms = _cuda_forms.choose([CudaHandle(*h) for h in handles], self.slots,
+                                   self.fused_max_bytes)
         self.fused_form, self.fused_blocks = forms.form, forms.blocks
         return forms.capabilities
 
@@ -258,10 +263,11 @@ class CudaDevice(Device):
 
     def prepare_fused(self, kind: str, regions: Sequence[Span], rank: int, root: int,
                       dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                      pieces: bool = False) -> FusedOp:
-        """In the job's form (`fused_form`): see `_cuda_fused`."""
+                      graph: bool = False) -> FusedOp:
+        """In the job's form (`fused_form`), or the kernel form for a graph: see
+        `_cuda_fused`."""
         return prepare_fused(self, kind, regions, rank, root, dtype, op, divisor, nbytes,
-                             pieces=pieces)
+                             graph=graph)
 
     # -- the caller's stream --------------------------------------------------------------------
     def capturing(self) -> bool:

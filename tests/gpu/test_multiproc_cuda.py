@@ -161,6 +161,23 @@ def test_collectives_captured_in_a_cuda_graph(n, sizes, tmp_path):
     assert all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
+@pytest.mark.parametrize("mode", ["auto", "memops"])
+def test_capture_where_ranks_share_a_gpu(mode, tmp_path):
+    """2 ranks on one GPU with stream memory operations: in the default form (auto), whose
+    small all_reduces use them outside graphs, a capture records the kernel form (warning
+    once per process) and replays between eager calls of both forms give every result;
+    GPURING_CUDA_FUSED=memops refuses the capture, and the communicator goes on."""
+    from gpuring.devices import _cuda_driver
+
+    if _cuda_driver.memops_support(0) is not None:
+        pytest.skip("the GPU has no stream memory operations")
+    proc = launch("gpuring", 2, [str(WORKER), "graph_capture_shared", str(tmp_path), "cuda"],
+                  env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    digests = [(tmp_path / f"graph_capture_shared-{r}.txt").read_text() for r in range(2)]
+    assert digests[0] == digests[1], "ranks differ bitwise"
+
+
 def test_close_waits_until_every_peer_unmapped(tmp_path):
     """A rank frees its buffers only once every peer has unmapped them (the simulator aborts
     a process that frees memory a live peer still maps: undefined behaviour on a GPU)."""
@@ -274,7 +291,7 @@ def test_persistent_collectives(case, mode, tmp_path):
     form, all_reduce in the auto form (stream memory operations where the GPU has them, as
     the simulator does under GPURING_CUDASIM_MEMOPS=1); a small start's driver calls (at most
     2 in the kernel form), started results in both forms, and starts captured into a CUDA
-    graph in the kernel form (persistent_cuda)."""
+    graph (persistent_cuda; the kernel form in both)."""
     proc = launch("gpuring", 2, [str(PERSISTENT), case, str(tmp_path), "cuda"],
                   env={"GPURING_JITTER": "0", "GPURING_CUDA_FUSED": mode}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

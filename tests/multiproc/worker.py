@@ -618,6 +618,89 @@ def case_graph_capture(c: Checker) -> None:
     c.expect(got, c.reduce_reference(ins, "sum"), "eager in rounds after replays")
 
 
+def case_graph_capture_shared(c: Checker) -> None:
+    """Ranks that share a GPU with stream memory operations. GPURING_CUDA_FUSED=auto: their
+    small all_reduces run with stream memory operations outside graphs, and a capture records
+    the kernel form instead (small ones, larger ones in pieces, the other collectives),
+    warning once per process that it spins; replays and eager calls of both forms then take
+    turns, each with fresh inputs, and every result holds (the forms' counters, inboxes and
+    slots are apart). GPURING_CUDA_FUSED=memops: a capture is refused, briefly, and the
+    communicator goes on."""
+    from gpuring import GpuringError
+
+    comm, xp, n, rank = c.comm, c.xp, c.comm.size, c.comm.rank
+    mode = os.environ["GPURING_CUDA_FUSED"]
+    stream = xp.cuda.Stream(non_blocking=True)
+    small, big = (xp.zeros(1000, "float32"), xp.zeros(1000, "float32")), \
+        (xp.zeros(300_001, "float32"), xp.zeros(300_001, "float32"))
+    gathered = (xp.zeros(700, "int32"), xp.zeros((n, 700), "int32"))
+    eager = xp.zeros(3000, "float32")
+
+    def calls() -> list[str]:  # what the graph holds, and each call's schedule
+        schedules = []
+        for x, out in (small, big):
+            comm.all_reduce(x, out=out)
+            schedules.append(comm.last_schedule)
+        comm.all_gather(gathered[0], out=gathered[1])
+        schedules.append(comm.last_schedule)
+        return schedules
+
+    def eager_call(seed: int) -> None:  # an all_reduce outside the graph, in the form it takes
+        ins = c.inputs("float32", (eager.size,), seed)
+        eager[...] = dev(c, ins[rank])
+        comm.all_reduce(eager, out=eager)
+        assert comm.last_schedule == "fused", comm.last_schedule
+        c.expect(eager, rank_order_fold(ins, "sum"), f"eager {seed}", copy=True)
+
+    with stream:
+        assert calls()[0] == "fused", comm.last_schedule
+        eager_call(9700)
+        stream.synchronize()
+        if mode == "memops":
+            stream.begin_capture()
+            try:
+                comm.all_reduce(small[0], out=small[1])
+            except GpuringError as exc:
+                text = str(exc)
+            else:
+                raise AssertionError("a capture in the memops form was not refused")
+            finally:
+                stream.end_capture()
+            assert "GPURING_CUDA_FUSED auto or kernel" in text and len(text) < 250, text
+            eager_call(9701)
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphs = []
+            for _ in range(2):  # two graphs: one warning
+                stream.begin_capture()
+                assert calls() == ["kernels"] * 3, comm.last_schedule
+                graphs.append(stream.end_capture())
+        spins = [str(w.message) for w in caught if "captured into a CUDA graph" in
+                 str(w.message)]
+        assert len(spins) == 1 and "MPS" in spins[0] and "spin" in spins[0] and \
+            "GPURING_CUDA_FUSED=kernel" in spins[0], [str(w.message) for w in caught]
+        for replay in range(4):  # each graph, eager calls between them
+            seed = 9710 + 10 * replay
+            smalls, bigs = c.inputs("float32", (1000,), seed), \
+                c.inputs("float32", (300_001,), seed + 1)
+            gathers = c.inputs("int32", (700,), seed + 2)
+            small[0][...], big[0][...] = dev(c, smalls[rank]), dev(c, bigs[rank])
+            gathered[0][...] = dev(c, gathers[rank])
+            graphs[replay % 2].launch(stream)
+            stream.synchronize()
+            c.expect(small[1], rank_order_fold(smalls, "sum"), f"replay {replay} small",
+                     copy=True)
+            c.expect(big[1], rank_order_fold(bigs, "sum"), f"replay {replay} in pieces",
+                     copy=True)
+            c.expect(gathered[1], np.stack(gathers), f"replay {replay} all_gather", copy=True)
+            eager_call(seed + 3)
+            eager_call(seed + 4)
+    ins = c.inputs("float32", (300_001,), 9800)  # in rounds after the replays
+    c.expect(comm.all_reduce(dev(c, ins[rank])), c.reduce_reference(ins, "sum"),
+             "eager in rounds after replays")
+
+
 def case_one_kernel(c: Checker) -> None:
     """Small all_reduces on CuPy arrays, which run as one operation on the caller's stream
     unless GPURING_CUDA_FUSED is off (one kernel, or stream memory operations where ranks

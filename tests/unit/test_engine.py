@@ -163,6 +163,8 @@ class _Caller:
 class _Direct:
     """A prepared one-operation collective that notes where it runs."""
 
+    capturable = True
+
     def __init__(self, kind: str):
         self.kind = kind
 
@@ -195,7 +197,8 @@ class _FusedDevice(_Device):
 
     def capabilities(self, handles: Any) -> Capabilities:
         return Capabilities(self.fused_max_bytes, whole_pieces=True,
-                        fused_kinds=frozenset({"all_reduce"}), fused_capturable=True)
+                        fused_kinds=frozenset({"all_reduce"}),
+                        graph_kinds=frozenset({"all_reduce"}))
 
     def caller_stream(self) -> _Caller:
         return self.current

@@ -16,6 +16,7 @@ import pytest
 
 from gpuring._ops import ReduceOp
 from gpuring.devices import _kernels
+from gpuring.devices._cuda_forms import Slots
 from gpuring.devices._cuda_fused import FusedKernel, PiecedKernel, prepare_fused
 from gpuring.devices._cuda_memory import CudaMemory
 from gpuring.devices.base import Span
@@ -43,6 +44,7 @@ class _Rank:
     status and abort words."""
 
     fused_form = "kernel"
+    slots = Slots(kernel=SLOT)
     timeout_ns = 10**10
 
     def __init__(self, lib: ctypes.CDLL, fused_blocks: int):
@@ -114,7 +116,7 @@ def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np
     def work(r: int) -> None:
         direct = prepare_fused(ranks[r], kind, regions, r, root,  # type: ignore[arg-type]
                                 inputs[r].dtype.name, op, divisor, inputs[r].nbytes,
-                                pieces=True)
+                                graph=True)
         assert isinstance(direct, PiecedKernel)
         launches = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
         assert len(launches) > 2 and all(isinstance(k, FusedKernel) for k, _ in launches)
