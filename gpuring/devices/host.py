@@ -13,6 +13,7 @@ before some operations, so a missing dependency in a schedule shows up in tests.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -84,7 +85,9 @@ class HostDevice(Device):
     def alloc(self, nbytes: int) -> HostMemory:
         path = os.path.join(SHM_DIR, f"{self.name_prefix}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(os.close, fd)  # (always: the mapping outlives the descriptor)
+            undo.callback(unlink_quietly, path)  # (only if the mapping is not made)
             try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
@@ -93,11 +96,8 @@ class HostDevice(Device):
                     "make it larger (docker: --shm-size) or lower GPURING_BUFFER_BYTES"
                 ) from exc
             mapping = mmap.mmap(fd, nbytes)
-        except BaseException:
-            unlink_quietly(path)
-            raise
-        finally:
-            os.close(fd)
+            undo.pop_all()
+        os.close(fd)
         mem = HostMemory(np.frombuffer(mapping, np.uint8), mapping=mapping, path=path,
                          owner=True)
         self._owned.append(mem)
