@@ -182,13 +182,16 @@ class CallPath:
         bound = call.bound if own else None  # (the call's own launch's operands)
         in_mem = out_mem = None
         if bound is None and x is not None and x.size:
-            with _failures.giving_up(self, name):  # this rank's seq moved on
+            try:  # (a try costs nothing where nothing fails: this runs at every host call)
                 in_mem = device.wrap(x)
                 out_mem = in_mem if out is x else device.wrap(out) if out is not None else None
                 if launch.fused:
                     bound = engine.bind(launch, in_mem, out_mem)
                     if own:
                         call.bound = bound
+            except BaseException as exc:  # this rank's seq moved on
+                _failures.give_up(self, exc, name)
+                raise
         timeline = self.timeline
         if timeline is None:
             self._execute(prepared, launch, name, in_mem, out_mem, bound)
@@ -213,13 +216,17 @@ class CallPath:
         assert watchdog is not None
         seq = self.seq
         self.last_collective = name
-        try:
-            with _failures.on_run(self, name, seq):
-                if self.life.cause is not None:
-                    raise self.life.cause
-                watchdog.enter(seq, name, prepared.text, prepared.digest)
-                finished = engine.run_fused(launch, bound, name, seq) if bound is not None \
-                    else engine.run(launch, in_mem, out_mem, name, seq)
+        try:  # (not a `with`: a try costs nothing where nothing fails, at every call)
+            if self.life.cause is not None:
+                raise self.life.cause
+            watchdog.enter(seq, name, prepared.text, prepared.digest)
+            finished = engine.run_fused(launch, bound, name, seq) if bound is not None \
+                else engine.run(launch, in_mem, out_mem, name, seq)
+        except BaseException as exc:
+            error = _failures.on_run(self, name, seq).translate(exc)
+            if error is exc:
+                raise
+            raise error from None
         finally:
             watchdog.leave()
         if engine.device.blocking:  # its work (and all before) completed without error

@@ -37,6 +37,7 @@ import collections
 from typing import Any, NamedTuple
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError, RegistrationError
+from ._failures import Unraised
 from ._ops import ReduceOp
 from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, ReduceN, RoundPlan, Wait
 from .devices.base import (
@@ -527,13 +528,14 @@ class Engine:
         device = self.device
         peers_may_read = False
         if not device.blocking and self.size > 1:
-            try:
+            kept = Unraised()
+            with kept.step():
                 if not orderly:
                     raise GpuringError("the communicator failed")
                 self.synchronize()
                 device.detach_peers()
                 control.barrier(min(self.timeout, 60.0), "close()")
-            except BaseException as exc:
-                device.abort(f"closed after a failure ({exc})")
+            if kept.error is not None:
+                device.abort(f"closed after a failure ({kept.error})")
                 peers_may_read = True
         device.close(peers_may_read=peers_may_read)

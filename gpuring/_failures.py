@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,11 +44,10 @@ from ._errors import (
     GpuringError,
     PeerFailureError,
 )
-from .devices.base import FlagWaitAborted, FlagWaitTimeout
+from .devices.base import Device, FlagWaitAborted, FlagWaitTimeout
 
 if TYPE_CHECKING:
     from ._config import Config
-    from ._engine import Engine
     from ._watchdog import Watchdog
     from .rendezvous.base import ControlPlane
 
@@ -208,6 +207,13 @@ class NodeLevels(Protocol):
     def node_failure(self) -> PeerFailureError | None: ...
 
 
+class Engines(Protocol):
+    """What failure handling needs of an engine: its device, to abort."""
+
+    @property
+    def device(self) -> Device: ...
+
+
 class Path(Protocol):
     """What failure handling reads of a communicator's call path (`CallPath`)."""
 
@@ -220,7 +226,7 @@ class Path(Protocol):
     watchdog: Watchdog | None
 
     @property
-    def engines(self) -> dict[str, Engine]: ...
+    def engines(self) -> Mapping[str, Engines]: ...
 
     @property
     def nccl(self) -> NcclWork | None: ...

@@ -178,6 +178,26 @@ def sendrecv(comm: Pairs, x: Any, dst: Any, out: Any, src: Any) -> Any:
     receiving, _, theirs = comm.pair(src)
     # the send on the pair's own thread (made on the caller's stream, as its async verbs)
     work = sending.submit("sendrecv", lambda a: _message(sending, a, mine), x)
+    with contextlib.ExitStack() as undo:
+        # the send is bounded by its channel's timeout; when both halves fail, the receive's
+        # error is the one raised (a peer that gave up because of it fails the send), but
+        # the send is waited for whatever ends the receive
+        undo.callback(_wait_quietly, work)
+        _receive_beside(comm, work, receiving, sending, out, src, dst, theirs, x)
+        undo.pop_all()
+    with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
+        work.wait()
+    return given
+
+
+def _wait_quietly(work: Work) -> None:
+    with contextlib.suppress(BaseException):
+        work.wait()
+
+
+def _receive_beside(comm: Pairs, work: Work, receiving: Channel, sending: Channel, out: Any,
+                    src: int, dst: int, theirs: int, x: Any) -> None:
+    """sendrecv's receive, while its send runs as `work`."""
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             _message(receiving, out, theirs)
@@ -196,15 +216,6 @@ def sendrecv(comm: Pairs, x: Any, dst: Any, out: Any, src: Any) -> Any:
         except Exception:
             pass
         raise
-    except BaseException:
-        # the send is bounded by its channel's timeout; when both halves fail, the receive's
-        # error is the one raised (a peer that gave up because of it fails the send)
-        with contextlib.suppress(BaseException):
-            work.wait()
-        raise
-    with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
-        work.wait()
-    return given
 
 
 def _peer_only_left(channel: Channel) -> bool:
