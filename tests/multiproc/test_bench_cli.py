@@ -13,6 +13,9 @@ import pytest
 from ..conftest import mpiexec
 from .named import Group, params
 
+#: each test launches ranks for several seconds
+pytestmark = pytest.mark.slow
+
 ENV_DROP = ("GPURING_STORE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
 

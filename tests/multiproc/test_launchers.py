@@ -10,11 +10,11 @@ from gpuring.rendezvous.launchers import first_host, from_environment
 from .named import Group, params
 
 CLOSE = Group(("cases_communicators:close_and_again",), 3, launcher="torchrun",
-              tag="torchrun", timeout=180)
+              tag="torchrun", timeout=180, slow=True)
 SLURM = Group(("cases_communicators:module_api",), 2, launcher="slurm", tag="slurm",
               timeout=180)
 NODES = Group(("cases_communicators:nodes_without_mpi",), 4, launcher="torchrun",
-              nodes=("a", "a", "b", "b"), tag="torchrun-nodes_aabb", timeout=180)
+              nodes=("a", "a", "b", "b"), tag="torchrun-nodes_aabb", timeout=180, slow=True)
 
 
 @pytest.mark.parametrize(("group", "item"), params(CLOSE))
