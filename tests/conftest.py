@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +44,28 @@ def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-
     if report.skipped and not _skip_allowed(collector):
         report.outcome = "failed"
         report.longrepr = f"skipped, which {NO_SKIPS_ENV}=1 forbids: {report.longrepr}"
+
+
+#: the launch a named test's id ends with (tests/multiproc/named.py): "...-3ranks-mpiexec]"
+_LAUNCH_IN_ID = re.compile(r"\[[^\[\]]*?-(\d+ranks(?:-[^\[\]]*)?)\]$")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist's default distribution (-n, --dist load): the named tests of one
+    launch go to one worker, as a unit, so that the workers run different launches at once
+    instead of one waiting for the other's; every other test is a unit of its own, as
+    before."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByLaunch(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            launch = _LAUNCH_IN_ID.search(nodeid)
+            return f"launch {launch.group(1)}" if launch else nodeid
+
+    return ByLaunch(config, log)
 
 
 def mpiexec() -> str | None:
