@@ -1,19 +1,20 @@
 """The test side of named items (tests/multiproc/harness.py is the ranks' side).
 
-A `Group` is one launch: a case module, the families of items it runs, the rank count, the
-launcher, the device and the settings. `params` makes one pytest parameter per id of the
-group's items, whose pytest id says what it checks and where:
-`all_reduce-float16-sum-in_place-3ranks`, `gather-int8-1-root2-out_of_place-5ranks-mpiexec`.
+A `Group` is one launch: the families of items it runs (of the case modules), the rank
+count, the launcher, the device and the settings. `params` makes one pytest parameter per id
+of the group's items, whose pytest id says what it checks and where:
+`all_reduce-float16-sum-in_place-3ranks`, `gather-int8-1-root1-out_of_place-2ranks-mpiexec`.
 
 The ranks run a group's items in one launch: `Launches` (the session's `named_launches`
 fixture) launches each group once, for every id of it that the session selected, the first
 time a test of it runs, and keeps the ranks' results on disk where every pytest-xdist worker
 finds them (a lock file makes the other workers wait for that launch instead of launching it
-again). Each test then reads its own id's results: it fails with what every rank found
-wrong there (the first wrong element: index, value, expected), an exception a rank raised in
-it, what a rank wrote to stderr while it ran, or results that differ bitwise across ranks;
-and with the launch's problem if the launch exited non-zero, a rank did not finish, or a rank
-wrote to stderr outside every item.
+again; tests/conftest.py has pytest-xdist send a launch's tests to one worker). Each test
+then reads its own id's results: it fails with what every rank found wrong there (the first
+wrong element: index, value, expected), an exception a rank raised in it, what a rank wrote
+to stderr while it ran, or results that differ bitwise across ranks; and with the launch's
+problem if the launch exited non-zero, a rank did not finish, or a rank wrote to stderr
+outside every item.
 """
 
 from __future__ import annotations
@@ -215,7 +216,9 @@ class Launch:
         where = "; ".join(f"rank {r} was in {self._where(r)}" for r in range(self.group.n)
                           if self._where(r) is not None)
         output = (f"\n  its output:\n{_tail(self.stdout, 2000)}\n  its stderr:\n"
-                  f"{_tail(self.stderr)}")
+                  f"{_tail(self.stderr)}") + "".join(  # ranks that never learnt their rank
+            f"\n  {path.name}:\n{_tail(path.read_text(errors='replace'))}"
+            for path in sorted(self.outdir.glob("stderr-pid*.txt")))
         if self.returncode is None:
             return f"the launch ran out of its {self.group.timeout:g} s ({where}){output}"
         if self.returncode != 0:
@@ -229,7 +232,7 @@ class Launch:
             done = self.outdir / f"done-{r}.json"
             if not done.is_file():
                 return (f"rank {r} did not finish (its last item: {self._where(r)}); its "
-                        f"stderr:\n{_tail(self._rank_stderr(r))}")
+                        f"stderr:\n{_tail(self._rank_stderr(r))}{output}")
             raw = (self.outdir / f"stderr-{r}.txt").read_bytes()
             outside, at = b"", 0
             for start, end in json.loads(done.read_text())["items"]:
@@ -295,7 +298,8 @@ class Launches:
             if not summary.is_file():
                 spec = {"families": list(group.families), "device": group.device,
                         "options": dict(group.options),
-                        "select": None if set(selected) >= set(every) else selected}
+                        "select": None if not selected or set(selected) >= set(every)
+                        else selected}
                 ranks = home / "ranks"
                 ranks.mkdir(exist_ok=True)
                 spec["outdir"] = str(ranks)
