@@ -69,6 +69,8 @@ if importlib.util.find_spec("ml_dtypes") is not None:
 COMPLEX = ["complex64", "complex128"]
 DTYPES = INTS + FLOATS + COMPLEX
 OPS = ["sum", "prod", "min", "max", "avg"]
+#: the wrong results one id's record tells, on one rank (the first ones)
+MOST_FAILURES = 10
 
 
 def host(x: Any) -> np.ndarray:
@@ -293,7 +295,11 @@ class ItemChecker(Checker):
             self.fail(what)
 
     def fail(self, message: str) -> None:
-        self._record().failures.append(message)
+        failures = self._record().failures
+        if len(failures) < MOST_FAILURES:
+            failures.append(message)
+        elif len(failures) == MOST_FAILURES:
+            failures.append("(more wrong results after these: not told)")
 
     def note(self, text: str) -> None:
         self._record().digests.append(text)
