@@ -13,16 +13,15 @@ group of items:
     run_items.py SPEC.json
 
 (SPEC: which families, as "module:family", which of their ids, the device, where to
-write). Every rank runs the
-selected items in their order; a wrong result does not stop an item (`Checker.expect` writes
-down the first wrong element and goes on, so that every rank still makes the same calls);
-an exception does: it fails the item, and the rank runs no further item (its peers may be
-out of step). For each id, each rank appends one JSON line to OUTDIR/results-RANK.jsonl: the
-failures, the digests, how many results it checked, what the rank wrote to stderr meanwhile
-(the rank's stderr goes to OUTDIR/stderr-RANK.txt). A rank that ran its items and closed
-writes OUTDIR/done-RANK.json and exits 0, whatever its items found (a failing exit status
-would have the launcher stop its peers, and fail items that did not fail); any other exit
-status is a crash.
+write). Every rank runs the selected items in their order; a wrong result does not stop an
+item (`ItemChecker.expect` writes down the first wrong element and goes on, so that every
+rank still makes the same calls); an exception does: it fails the item, and the rank runs no
+further item (its peers may be out of step). For each id, each rank appends one JSON line
+to OUTDIR/results-RANK.jsonl: the failures, the digests, how many results it checked, what
+the rank wrote to stderr meanwhile (the rank's stderr goes to OUTDIR/stderr-RANK.txt). A
+rank that ran its items and closed writes OUTDIR/done-RANK.json and exits 0, whatever its
+items found (a failing exit status would have the launcher stop its peers, and fail items
+that did not fail); any other exit status is a crash.
 """
 
 from __future__ import annotations
