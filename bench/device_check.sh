@@ -11,7 +11,8 @@
 #                   every bench .txt/.json (rewritten after each step)
 #   summary.txt     each step's outcome, the probe's key numbers, the benches' key rows, what
 #                   to look at (and bench/device_check_notes.txt); printed last
-# Exit status 1 when a step failed, timed out or found no time left.
+# Exit status 1 when a step failed, timed out or found no time left; 2, with one line and no
+# files, where CuPy does not import or sees no GPU (nothing else would work there).
 #
 # Steps, each under `timeout` (seconds); their boxes add up to more than the 420 s deadline,
 # which cuts the last steps short when the earlier ones use their whole boxes:
@@ -38,15 +39,43 @@
 # checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py="${PYTHON:-$(command -v python3 || command -v python)}"
+export py
+
+# Every step needs CuPy and a GPU: without them, one line and exit status 2, before anything
+# is written (each step would otherwise fail on its own for that same reason).
+if ! why="$("$py" - 2>&1 <<'PY'
+import sys
+
+
+def one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+try:
+    import cupy
+except Exception as exc:
+    sys.exit(f"needs CuPy, which does not import here ({one_line(exc)}): on a machine with a "
+             "CUDA GPU, pip install -e '.[cuda13]' (or cuda12)")
+try:
+    count = cupy.cuda.runtime.getDeviceCount()
+except Exception as exc:
+    sys.exit(f"needs a CUDA GPU, and CuPy finds none ({one_line(exc)})")
+if count < 1:
+    sys.exit("needs a CUDA GPU, and CuPy finds none (0 devices)")
+PY
+)"; then
+  echo "gpuring device check: stopped before the first step: ${why:-python failed}" >&2
+  exit 2
+fi
+
 out="${1:-${GPURING_DEVICE_CHECK_OUT:-device-check-out}}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
 rm -f "$out/summary.txt" "$out/probe.json" "$out/details.tar.gz"
 stage="$(mktemp -d "${TMPDIR:-/tmp}/gpuring-check.XXXXXX")"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_MULTI_RANK_GPU_ENABLE=1  # NCCL >= 2.30: several ranks on one GPU
 export GPURING_PROBE_MPS_DIR="$stage/mps"  # MPS logs land in the archive
-py="${PYTHON:-$(command -v python3 || command -v python)}"
-export py
 scale="${GPURING_DEVICE_CHECK_TIME_SCALE:-1}"
 if ! [[ $scale =~ ^[1-9][0-9]*$ ]]; then
   echo "GPURING_DEVICE_CHECK_TIME_SCALE must be a whole number >= 1, not '$scale'" >&2

@@ -41,7 +41,7 @@ import numpy as np
 
 import gpuring
 from gpuring._config import parse_size
-from gpuring.devices import _cuda_direct, cuda
+from gpuring.devices import _cuda_fused, _cuda_streams, cuda
 
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
@@ -62,22 +62,22 @@ def _without_driver() -> None:
     launches and stream memory operation, whose arguments are still worked out), and the raw
     event under an event record, whose wrapper, reuse and bookkeeping still run as gpuring
     runs them; every event has completed."""
-    stream = cuda._CudaStream
+    stream = _cuda_streams.CudaStream
     for name in ("copy", "reduce", "reduce_n", "wait_flag", "write_flag", "write_flags",
                  "wait_event"):
         setattr(stream, name, lambda self, *args, **kwargs: None)
-    _cuda_direct.DirectKernel._enqueue = (  # type: ignore[method-assign]
+    _cuda_fused.FusedKernel._enqueue = (  # type: ignore[method-assign]
         lambda self, stream, args: None)
-    _cuda_direct.StagedAllReduce._enqueue = (  # type: ignore[method-assign]
+    _cuda_fused.StagedAllReduce._enqueue = (  # type: ignore[method-assign]
         lambda self, stream, args: None)
-    _cuda_direct.StagedAllReduce._wait = (  # type: ignore[method-assign]
+    _cuda_fused.StagedAllReduce._wait = (  # type: ignore[method-assign]
         lambda self, driver, cu, params: None)
-    _cuda_direct.StagedAllReduce._fold = (  # type: ignore[method-assign]
+    _cuda_fused.StagedAllReduce._fold = (  # type: ignore[method-assign]
         lambda self, stream, args: None)
-    cuda.CudaDevice._event = lambda self: _RawEvent()  # type: ignore[method-assign]
+    _cuda_streams.take_event = lambda device: _RawEvent()
     cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]
         lambda self, event: None)
-    cuda._CudaEvent.query = lambda self: True  # type: ignore[method-assign]
+    _cuda_streams.CudaEvent.query = lambda self: True  # type: ignore[method-assign]
 
 
 def _owner(frame: FrameType | None) -> str:

@@ -6,7 +6,7 @@ The public API is what this package exports, plus `gpuring.devices` (the device 
 the top-level modules whose names start with an underscore, and the layers
 `gpuring.algorithms`, `gpuring.rendezvous` and `gpuring.transports`.
 
-Glossary: the words met on the call path (README, "How it works", has the picture).
+Glossary: the words met on the call path (docs/design.md has the picture).
 
 - call: one verb's arguments checked into a `Call` (`_argcheck`): the collective, the
   arrays, op, root, chunk_bytes, channels, algorithm.
@@ -18,18 +18,19 @@ Glossary: the words met on the call path (README, "How it works", has the pictur
   `CallPath.prepare`): its route and, for the engine, its launch.
 - route: who runs a prepared call (`Route`): alone (a world of one), mpi, nccl, nodes (two
   levels across nodes), or engine.
-- engine: gpuring's own collectives on one device (`_scheduler.Engine`): the communication
+- engine: gpuring's own collectives on one device (`_engine.Engine`): the communication
   buffer, the peers' mapped buffers, the streams; it binds a plan to them and enqueues it.
-- launch: a collective prepared for an engine (`_launch.Launch`): its rounds, or the one
+- launch: a collective prepared for an engine (`_engine.Launch`): its rounds, or the one
   operation it runs as, and the runners compiled on its first run.
 - round: one pass through the buffer regions (`algorithms.plan.RoundPlan`: one op sequence
   per channel); a collective larger than a region runs in several.
-- one operation: a small collective (up to GPURING_ONE_SHOT_BYTES) run on the GPU as one
-  kernel, or as stream operations, on the caller's stream instead of in rounds.
-  `last_schedule` calls it "one operation"; in the code its name is `fused`
-  (`Launch.fused`, `Engine.fused_bytes`, `Capabilities.fused_kinds`,
-  GPURING_CUDA_FUSED); the device prepares it with `Device.prepare_direct` (a `Direct`), a
-  word for "one operation" that has nothing to do with the former algorithm name "direct".
+- fused: a small collective (up to GPURING_FUSED_BYTES) run on the GPU as one operation (one
+  kernel, or a few stream operations: GPURING_CUDA_FUSED) on the caller's stream instead of
+  in rounds; `last_schedule` says "fused". The engine marks it `Launch.fused` up to
+  `Engine.fused_bytes` for the kinds in `Capabilities.fused_kinds`; the device prepares it
+  once as a `FusedOp` (`Device.prepare_fused`, `devices/_cuda_fused.py`, the kernels
+  `gpuring_fused_*`). Not to be confused with fusion (`all_reduce_many`: many small arrays
+  reduced as one buffer).
 - schedules (`algorithm=`, what `last_schedule` reports): `ring` (reduce-scatter then
   all-gather around the ranks: 2(n-1) flag hops, the order of a fold depending on the
   segment); `chain` (broadcast and reduce: a pipelined chain from or to the root, what
@@ -50,8 +51,17 @@ Glossary: the words met on the call path (README, "How it works", has the pictur
 - watchdog: the thread (`_watchdog`) that reads the status board every few tens of
   milliseconds, fails the communicator when a peer died or gave up, warns of stalls, and
   times out a GPU collective that never completes.
-- lifecycle: the communicator's state and its transitions (`_lifecycle`): open, failed (a
-  failure from outside any call), broken (a call raised one), closed.
+- lifecycle: the communicator's state and its transitions (`_failures.Lifecycle`): open,
+  failed (a failure from outside any call), broken (a call raised one), closed.
+- failures (`_failures`, the one module that handles them): `fail` (a failure from outside a
+  call: release every wait), `give_up` (a call cannot go on: break the communicator, tell
+  the peers), and the context managers that turn an engine's, a transport's or an
+  exchange's plain error into the user's, naming the collective, its sequence number and
+  the rank that failed first.
+- call stages (`CallPath.run`): the request (`Call`, made by `_argcheck`), the agreement
+  across ranks (`CallPath.agree`, once per signature), the route and plan (`_prepare`, once
+  per key, kept as the call's `PreparedCall`), the run (by route; for the engine
+  `Engine.run`).
 """
 
 from ._communicator import Communicator

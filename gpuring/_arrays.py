@@ -13,7 +13,7 @@ __all__ = ["device_kind", "array_module", "module_for", "dtype_name", "contiguou
            "may_overlap", "same_memory", "to_host"]
 
 
-def _is_cupy(x: Any) -> bool:
+def is_cupy(x: Any) -> bool:
     cupy = sys.modules.get("cupy")
     return cupy is not None and isinstance(x, cupy.ndarray)
 
@@ -22,7 +22,7 @@ def device_kind(x: Any) -> str:
     """"cpu" for NumPy arrays, "cuda" for CuPy arrays; TypeError otherwise."""
     if isinstance(x, np.ndarray):
         return "cpu"
-    if _is_cupy(x):
+    if is_cupy(x):
         return "cuda"
     raise TypeError(
         f"expected a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__}; "
@@ -35,14 +35,14 @@ def capturing(x: Any) -> bool:
     if x is None:
         cupy = sys.modules.get("cupy")
         return cupy is not None and bool(cupy.cuda.get_current_stream().is_capturing())
-    if not _is_cupy(x):
+    if not is_cupy(x):
         return False
     stream = sys.modules["cupy"].cuda.get_current_stream(x.device.id)
     return bool(stream.is_capturing())
 
 
 def array_module(x: Any) -> Any:
-    if _is_cupy(x):
+    if is_cupy(x):
         return sys.modules["cupy"]
     return np
 
@@ -79,14 +79,14 @@ def contiguous(x: Any) -> Any:
 
 def address(x: Any) -> int:
     """Where `x`'s data starts (a device address for CuPy arrays)."""
-    return int(x.data.ptr) if _is_cupy(x) else int(x.ctypes.data)
+    return int(x.data.ptr) if is_cupy(x) else int(x.ctypes.data)
 
 
 def may_overlap(a: Any, b: Any) -> bool:
     """Whether two arrays of one kind may share memory. C-contiguous CuPy arrays cover
     exactly [ptr, ptr + nbytes): compared directly (cupy.may_share_memory costs more than
     the collective's own Python)."""
-    if _is_cupy(a) and a.flags.c_contiguous and b.flags.c_contiguous:
+    if is_cupy(a) and a.flags.c_contiguous and b.flags.c_contiguous:
         pa, pb = a.data.ptr, b.data.ptr
         return pa < pb + b.nbytes and pb < pa + a.nbytes and a.nbytes > 0 and b.nbytes > 0
     return bool(array_module(a).may_share_memory(a, b))
@@ -99,4 +99,4 @@ def same_memory(a: Any, b: Any) -> bool:
 
 def to_host(x: Any) -> np.ndarray:
     """A NumPy array with x's contents (a device-to-host copy for CuPy arrays)."""
-    return x.get() if _is_cupy(x) else np.asarray(x)
+    return x.get() if is_cupy(x) else np.asarray(x)

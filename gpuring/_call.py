@@ -11,7 +11,7 @@ from ._errors import CollectiveMismatchError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from ._launch import Launch
+    from ._engine import Launch
     from ._registry import Placement
 
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
@@ -78,6 +78,8 @@ class Signature(NamedTuple):
     chunk_bytes: int | None = None
     channels: int | None = None
     one_shot_bytes: int | None = None
+    #: the largest collective run fused (GPURING_FUSED_BYTES)
+    fused_bytes: int | None = None
     buffer_bytes: int | None = None
     verify: bool | None = None
     #: the schedule (`plan_collective`'s `algorithm`, as the communicator resolved it)
@@ -131,9 +133,10 @@ class PreparedCall:
     text: str = ""
     digest: int = 0
     #: what a CUDA graph capture records of the call (`launch` itself where that runs as
-    #: one kernel; else, for the engine, one kernel per piece); None: refused under capture
+    #: one kernel; else, for the engine, one kernel, or one per piece); None: refused under
+    #: capture
     captured: Launch | None = None
-    #: what runs, in words (`RoundPlan.schedule`, "one operation", "mpi", "nodes", "alone")
+    #: what runs, in words (`RoundPlan.schedule`, "fused", "mpi", "nodes", "alone")
     schedule: str = ""
     #: what the ranks agree on at every call (the route in two levels across nodes, which
     #: has no status board to compare a call that comes again), else None

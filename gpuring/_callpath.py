@@ -1,38 +1,32 @@
 """The one call path of a communicator: prepare a checked call once (`_prepare`: agree on
-its signature across ranks, pick its route, plan it), then run it by its route; and what
-happens on the path when something fails (the lifecycle's transitions, telling the peers,
-releasing waits).
+its signature across ranks, pick its route, plan it), then run it by its route. What happens
+when something fails on the way is `_failures`'.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _arrays, _capture
+from . import _arrays, _capture, _failures
 from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import Choices
 from ._config import Config
-from ._errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GpuringError,
-    PeerFailureError,
-)
+from ._engine import Engine, Launch
+from ._errors import CommunicatorClosedError, GpuringError, PeerFailureError, RegistrationError
+from ._failures import Lifecycle, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
-from ._launch import Launch, RegistrationError
-from ._lifecycle import Lifecycle, State, in_context, weakly
 from ._prepare import prepare
 from ._registry import Registry
-from ._scheduler import Engine
 from ._timeline import Timeline
 from ._watchdog import Watchdog
 from .devices import device_class
-from .devices.base import FlagWaitAborted, FlagWaitTimeout, Memory
+from .devices.base import Memory
 from .devices.host import SHM_PREFIX, HostDevice
 from .rendezvous.base import ControlPlane
 
@@ -173,7 +167,7 @@ class CallPath:
     def nccl_failed(self, error: GpuringError) -> None:
         """NCCL's watcher found a failure (after this rank's calls returned): the peers must
         know too (those of other nodes wait in NCCL until told)."""
-        self.tell_peers(error)
+        _failures.tell_peers(self, error)
         self.fail(error)
 
     def _run_engine(self, prepared: PreparedCall, call: Call,
@@ -188,15 +182,15 @@ class CallPath:
         bound = call.bound if own else None  # (the call's own launch's operands)
         in_mem = out_mem = None
         if bound is None and x is not None and x.size:
-            try:
+            try:  # (a try costs nothing where nothing fails: this runs at every host call)
                 in_mem = device.wrap(x)
                 out_mem = in_mem if out is x else device.wrap(out) if out is not None else None
                 if launch.fused:
                     bound = engine.bind(launch, in_mem, out_mem)
                     if own:
                         call.bound = bound
-            except BaseException as exc:  # this rank's seq moved on: the peers must know
-                self.give_up(exc, name)
+            except BaseException as exc:  # this rank's seq moved on
+                _failures.give_up(self, exc, name)
                 raise
         timeline = self.timeline
         if timeline is None:
@@ -205,11 +199,8 @@ class CallPath:
             timeline.record(name, self.seq, x, call.op, launch.per_round(), lambda one: (
                 self._execute(prepared, one, name, in_mem, out_mem, bound)))
         if x is None and not device.blocking:  # a barrier holds the host too
-            try:
+            with _failures.giving_up(self, name):
                 engine.synchronize()
-            except BaseException as exc:
-                self.give_up(exc, name)
-                raise
             self._completed(self.seq, engine)
         elif self.config.verify and name in _VERIFIED:
             self._verify(name, out)
@@ -225,25 +216,14 @@ class CallPath:
         assert watchdog is not None
         seq = self.seq
         self.last_collective = name
-        try:
+        try:  # (not a `with`: a try costs nothing where nothing fails, at every call)
             if self.life.cause is not None:
                 raise self.life.cause
             watchdog.enter(seq, name, prepared.text, prepared.digest)
             finished = engine.run_fused(launch, bound, name, seq) if bound is not None \
                 else engine.run(launch, in_mem, out_mem, name, seq)
-        except BaseException as exc:  # whatever it is, the round counters are now unusable
-            error: BaseException = exc
-            if self.life.cause is not None:
-                error = self.life.explain(self.life.cause, name, seq)
-                self.life.raised(error)
-            elif isinstance(error, CollectiveMismatchError):
-                self.life.raised(error)  # the status board already told the peers
-            else:
-                culprit = None
-                if isinstance(error, CollectiveTimeoutError):
-                    error = watchdog.blame(error, name, seq)
-                    culprit = error.peer
-                self.give_up(error, name, culprit)
+        except BaseException as exc:
+            error = _failures.on_run(self, name, seq).translate(exc)
             if error is exc:
                 raise
             raise error from None
@@ -263,7 +243,7 @@ class CallPath:
         self.life.completed(seq)
 
     # -- agreement, engines, the watchdog ------------------------------------------------
-    def _agree(self, signature: Signature, *, remember: bool = True) -> None:
+    def agree(self, signature: Signature, *, remember: bool = True) -> None:
         """Check that every rank runs the same collective; cached per signature, unless not
         to `remember` it (a call refused once agreed: each attempt agrees anew, so a rank
         that tries it again while its peers call something else meets a mismatch)."""
@@ -281,31 +261,17 @@ class CallPath:
     def exchange(self, what: str, obj: Any, name: str, described: str) -> list[Any]:
         """Every rank's `obj` for the step `what` of the call `name` (`described` in words),
         bounded by the timeout; a failure breaks the communicator, as a collective's does."""
-        seq, life, watchdog = self.seq + 1, self.life, self.watchdog
+        seq, watchdog = self.seq + 1, self.watchdog
         if watchdog is not None:  # a peer that closes meanwhile fails this exchange at once
             watchdog.expect(seq, name, described)
         try:
-            return self.control.exchange(what, obj, self.config.timeout)
-        except (PeerFailureError, CollectiveTimeoutError) as exc:
-            if life.cause is None and watchdog is not None and isinstance(exc, PeerFailureError):
-                # the status board may know better: a peer that left the exchange after a
-                # failure published whom it blames before the control plane said it left
-                watchdog.check()
-            error = life.explain(exc, name, seq)
-            if life.cause is None and isinstance(exc, CollectiveTimeoutError):
-                # say so on the status board (which rank is missing is unknown here): a late
-                # peer then fails at once, instead of completing the exchange this rank left
-                # and waiting its own timeout in a collective nobody else will run
-                self.give_up(error, name, culprit=-1, seq=seq)
-            elif watchdog is not None:  # at close, tell the peers this rank failed (and why),
-                watchdog.note_failure(error)  # not that it left without entering the call
-            life.raised(error)
-            raise error from None
+            with _failures.on_exchange(self, name, seq):
+                return self.control.exchange(what, obj, self.config.timeout)
         finally:
             if watchdog is not None:
                 watchdog.expect(None)
 
-    def _capacity(self, kind: str) -> int:
+    def capacity(self, kind: str) -> int:
         """The size of a buffer region of the engine for `kind` (the agreed setting, or the
         device's default, until the engine exists)."""
         engine = self.engines.get(kind)
@@ -324,52 +290,47 @@ class CallPath:
                     kind != "cpu" and (not self.control.single_node
                                        or self.config.transport == "nccl")):
                 return None
-            self._ensure_watchdog()
-            self._agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
+            self.ensure_watchdog()
+            self.agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
             if _routes.asks_reach(self, kind):
                 self.mappable[kind] = _routes.peers_reachable(self, kind, name)
             if not self.mappable.get(kind, True):
                 return None
-            try:
-                engine = self._engine(kind, self._capacity(kind))
+            # after agreement the peers go on: tell them (a RegistrationError every rank
+            # raises, and nothing was mapped)
+            with _failures.giving_up(self, name, passes=(RegistrationError,)):
+                engine = self.engine(kind, self.capacity(kind))
                 nbytes = math.prod(shape) * dtype.itemsize
                 mems = engine.register(self.control, nbytes)
                 array = engine.device.array(mems[self.rank], shape, dtype)
-            except RegistrationError:  # every rank raises it, nothing was mapped
-                raise
-            except BaseException as exc:  # after agreement the peers go on: tell them
-                self.give_up(exc, name)
-                raise
             self.registry.add(kind, mems, _arrays.address(array), nbytes)
             return array
 
-    def _engine(self, kind: str, capacity: int) -> Engine:
+    def engine(self, kind: str, capacity: int) -> Engine:
         engine = self.engines.get(kind)
         if engine is None:
             device = device_class(kind).for_job(self.control, self.config.timeout)
-            try:
+            with contextlib.ExitStack() as undo:  # if it fails: peers may have mapped what
+                undo.callback(device.close, peers_may_read=True)  # this rank exported by now
                 engine = Engine(device, self.control, capacity_bytes=capacity,
                                 timeout=self.config.timeout,
-                                fused_limit=self.config.one_shot_bytes)
-            except BaseException:  # peers may have mapped what this rank exported by now
-                device.close(peers_may_read=True)
-                raise
+                                fused_limit=self.config.fused_bytes)
+                undo.pop_all()
             self.engines[kind] = engine
         return engine
 
-    def _ensure_watchdog(self) -> None:
+    def ensure_watchdog(self) -> None:
         """Create the status board and watchdog (collectively, on first use)."""
         if self.watchdog is None:
             host = HostDevice(name_prefix=f"{SHM_PREFIX}{self.control.job_id}-"
                                           f"r{self.rank}-status-", timeout=self.config.timeout,
                               for_collectives=False)
-            try:
+            with contextlib.ExitStack() as undo:
+                undo.callback(host.close)
                 self.watchdog = Watchdog(self.control, host, timeout=self.config.timeout,
-                                      stall_warning_s=self.config.stall_warning_s,
-                                      on_failure=weakly(self.fail))
-            except BaseException:
-                host.close()
-                raise
+                                         stall_warning_s=self.config.stall_warning_s,
+                                         on_failure=weakly(self.fail))
+                undo.pop_all()
             self.watchdog_parts += [self.watchdog, host]
 
     def _verify(self, name: str, out: Any) -> None:
@@ -383,53 +344,99 @@ class CallPath:
             self.life.raised(error)
             raise error
 
-    # -- failures -----------------------------------------------------------------------
+    # -- what the communicator asks of its path --------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.life.state is State.CLOSED
+
+    @property
+    def state(self) -> str:
+        """The lifecycle's state, in a word ("open", "failed", "broken", "closed")."""
+        return self.life.state.value
+
+    def check(self, name: str) -> None:
+        """Raise if call `name` (the next collective) may not run (`Lifecycle.check`)."""
+        self.life.check(name, self.seq + 1)
+
+    def synchronize(self, name: str, also: Callable[[], None]) -> None:
+        """Wait for every collective this rank started (`name`: the call that waits), then
+        `also()` (the messages' channels); raise the first failure."""
+        seq = self.seq
+        self.life.check(name, seq)
+        self.wait_engines(name)
+        _routes.sync_levels(self, name)
+        also()
+        self.life.completed(seq)
+
+    def abort(self, reason: str, job_peer: int | None, first: Callable[[], None]) -> None:
+        """`Communicator.abort` (`job_peer`: the rank of the job it is because of, where
+        known): `first()` (the messages' channels abort), the levels across nodes abort, the
+        status board and the control plane tell the peers, and this rank's waits end
+        (`_failures.fail`)."""
+        self.life.by_user = True  # before anything a failure arriving meanwhile could race
+        first()
+        if self.levels is not None:
+            self.levels.abort(reason, job_peer)
+        error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
+        if self.watchdog is not None:
+            self.watchdog.give_up(reason, job_peer=job_peer)
+        self.control.report_failure(f"rank {self.rank} aborted: {reason}", job_peer=job_peer)
+        self.fail(error, by_user=True)
+
+    def close(self, unraised: BaseException | None) -> BaseException | None:
+        """Close the levels across nodes, wait for the engines (where still open) and close
+        NCCL's collectives; the first failure no call raised yet (after `unraised`, the
+        channels'), or None. The engines themselves go with the communicator's finalizer."""
+        if self.levels is not None:
+            unraised = self.levels.close() or unraised
+        kept = Unraised(unraised)
+        if self.life.state is State.OPEN:
+            with kept.step(latest=True):  # (its error already says it comes from close)
+                self.wait_engines("close")
+        else:
+            kept.error = self.life.unraised(self.seq) or kept.error
+        if self.nccl is not None:
+            with kept.step():
+                self.nccl.close()
+        self.life.close()
+        return kept.error
+
+    def default_chunk_bytes(self, kind: str) -> int:
+        """`Communicator.chunk_bytes_for`: the setting, else the engine's default (the
+        device's for this job), else the device's default."""
+        if self.config.chunk_bytes:
+            return self.config.chunk_bytes
+        engine = self.engines.get(kind)
+        return engine.default_chunk_bytes if engine is not None else \
+            device_class(kind).default_chunk_bytes
+
+    def device_operations(self) -> int:
+        """Driver calls the engines' devices made so far (`Communicator.device_operations`)."""
+        return sum(engine.device.operations for engine in self.engines.values())
+
+    def start_timeline(self, filename: str) -> None:
+        """Record every collective from now on (every rank calls it: a common time origin)."""
+        if self.timeline is not None:
+            raise GpuringError("a timeline is already recording; call stop_timeline() first")
+        self.control.barrier(self.config.timeout, "start_timeline()")
+        self.timeline = Timeline(filename, self.rank)
+
+    def stop_timeline(self) -> Timeline | None:
+        """Stop recording; the timeline that recorded (None: none did)."""
+        timeline, self.timeline = self.timeline, None
+        return timeline
+
+    # -- failures (`_failures`) ----------------------------------------------------------
     def on_peer_failure(self, error: PeerFailureError) -> None:
         self.fail(error)
 
-    def job_peer(self, error: BaseException) -> int | None:
-        """The rank of the job `error` blames, where it names one."""
-        return self.control.in_job(getattr(error, "peer", None), getattr(error, "job_peer", None))
-
-    def tell_peers(self, error: BaseException) -> None:
-        """Report to the peers that this rank gave up because of `error` (best effort)."""
-        self.control.report_failure(f"rank {self.rank}: {error!r}", getattr(error, "peer", None),
-                                    isinstance(error, CollectiveTimeoutError),
-                                    getattr(error, "job_peer", None))
-
     def fail(self, error: GpuringError, *, by_user: bool = False) -> None:
-        """Record a failure that came from outside a call (a peer, the watchdog, abort()) and
-        unblock every wait of this rank. Any thread."""
-        watchdog = self.watchdog
-        # a failure that reached no collective of this rank (all had completed) lost nothing
-        in_flight = None if watchdog is None else watchdog.in_flight()
-        if not self.life.fail(error, in_flight=in_flight, by_user=by_user):
-            return
-        if watchdog is not None:
-            watchdog.note_failure(error)
-        for engine in list(self.engines.values()):
-            engine.device.abort(str(error))
-        if self.levels is not None:
-            self.levels.abort(str(error), self.job_peer(error))
-        if self.nccl is not None:
-            self.nccl.abort(str(error))
-        self.control.interrupt(str(error))
-
-    def give_up(self, error: BaseException, name: str, culprit: int | None = None,
-                 seq: int | None = None) -> None:
-        """A call of this rank cannot go on: the communicator is broken; tell the peers."""
-        self.life.raised(error)
-        if self.watchdog is not None:
-            where = f"{name} #{self.seq if seq is None else seq}"
-            self.watchdog.give_up(f"{where}: {error!r}", timed_out_on=culprit, because=error)
-        if culprit is None:
-            self.tell_peers(error)
-        for engine in list(self.engines.values()):
-            engine.device.abort(f"rank {self.rank} gave up: {error!r}")
-        if self.nccl is not None:
-            self.nccl.abort(f"rank {self.rank} gave up: {error!r}")
+        """`_failures.fail`, as a method: what the watchdog and the control plane call
+        (weakly) when a failure comes from outside a call. Any thread."""
+        _failures.fail(self, error, by_user=by_user)
 
     def wait_engines(self, name: str) -> None:
+        """Wait for every collective this rank started (`name`: the call that waits)."""
         if self.nccl is not None:
             try:
                 self.nccl.synchronize()
@@ -438,42 +445,8 @@ class CallPath:
                 self.life.raised(failed)
                 raise failed from None
         for engine in list(self.engines.values()):
-            try:
+            with _failures.on_streams(self, name):
                 engine.synchronize()
-            except BaseException as exc:
-                cause = self.life.cause
-                if cause is not None:  # the cause (a peer died, say) reads better
-                    error: BaseException = in_context(cause, name, self.seq, self.rank)
-                else:
-                    error = self._streams_failure(exc, name)
-                    culprit = (error.peer if isinstance(error, CollectiveTimeoutError)
-                               and error.peer is not None else None)
-                    self.give_up(error, name, culprit)
-                self.life.raised(error)
-                raise error from None
-
-    def _streams_failure(self, cause: BaseException, name: str) -> BaseException:
-        """The error of a failed `engine.synchronize()` (already the root cause among the
-        streams' errors) as a gpuring error naming the call."""
-        collective, seq = self.last_collective, self.seq
-        error: BaseException = cause
-        if isinstance(cause, FlagWaitTimeout):
-            tag = cause.tag
-            peer, what = tag if isinstance(tag, tuple) and len(tag) == 2 else (None, tag)
-            error = CollectiveTimeoutError(
-                f"collectives up to {collective} #{seq} did not complete on rank {self.rank}: "
-                f"timed out after {self.config.timeout} s waiting for rank {peer} ({what}); "
-                f"that rank is stalled, dead, or called a different collective",
-                collective=collective, seq=seq, peer=peer)
-            if self.watchdog is not None:
-                error = self.watchdog.blame(error, collective, seq)
-        elif isinstance(cause, FlagWaitAborted):
-            error = PeerFailureError(f"collectives up to {collective} #{seq} aborted on rank "
-                                     f"{self.rank}: {cause.reason}", collective=collective,
-                                     seq=seq)
-        if isinstance(error, GpuringError):
-            return in_context(error, name, seq, self.rank)
-        return error
 
 
 def _described(signature: Signature) -> str:

@@ -1,7 +1,7 @@
 """CUDA graph capture on the call path: what a capture records of a prepared call, and the
 refusals of what it cannot record. A refusal is raised before anything is enqueued and
 before the call's sequence number moves on, so the capture and the communicator stay usable
-(see the README's "CUDA graphs")."""
+(see docs/gpu.md, "CUDA graphs")."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ._call import PreparedCall, Route
 from ._errors import GpuringError
 
 if TYPE_CHECKING:
-    from ._launch import Launch
+    from ._engine import Launch
 
 __all__ = ["refuse_barrier", "first_call_refused", "recorded", "refuse_route"]
 
@@ -41,11 +41,9 @@ def recorded(prepared: PreparedCall, collective: str, timeline: bool, empty: boo
     timeline records, which times each call on the host)."""
     if timeline or (prepared.captured is None and not empty):
         raise GpuringError(
-            f"{collective} cannot be captured into a CUDA graph: only the collectives that "
-            "run as kernels can (all_reduce, reduce_scatter, all_gather, broadcast, reduce, "
-            "gather, scatter and all_to_all, on up to 8 ranks, with GPURING_CUDA_FUSED=kernel, "
-            "or auto where no two ranks share a GPU), without GPURING_VERIFY or a recording "
-            "timeline (GPURING_TIMELINE)")
+            f"{collective} cannot be captured into a CUDA graph here: graphs record gpuring's "
+            "kernels, on up to 8 ranks with GPURING_CUDA_FUSED auto or kernel, without "
+            "GPURING_VERIFY or a recording timeline (GPURING_TIMELINE)")
     return None if empty else prepared.captured
 
 

@@ -4,10 +4,12 @@ tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 
 __all__ = ["main"]
 
@@ -62,8 +64,37 @@ def _arch(value: str) -> str:
     return value
 
 
+#: seconds between the lines `gpuring kernels` prints while one build runs
+KERNELS_PROGRESS_S = 15.0
+
+
+def _with_progress(what: str, build: Callable[[], object]) -> None:
+    """Run `build`, saying on stderr every KERNELS_PROGRESS_S seconds that `what` still
+    runs (NVRTC compiles reduce.cu for one architecture in one call, minutes of CPU: it
+    reports nothing on the way)."""
+    import threading
+    import time
+
+    start = time.perf_counter()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(KERNELS_PROGRESS_S):
+            print(f"gpuring kernels: {what}: still running after "
+                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, name="gpuring-kernels-progress", daemon=True)
+    ticker.start()
+    try:
+        build()
+    finally:
+        done.set()
+        ticker.join()
+
+
 def _kernels(args: argparse.Namespace) -> int:
-    """Build reduce.cu's CUBIN for each --arch, or for GPU 0 here and load every kernel."""
+    """Build reduce.cu's CUBIN for each --arch, or for GPU 0 here and load every kernel; a
+    line before each build, and one every KERNELS_PROGRESS_S seconds while it runs."""
     import time
 
     from .devices import _kernels as kernels
@@ -74,19 +105,24 @@ def _kernels(args: argparse.Namespace) -> int:
             import cupy
 
             archs = [f"sm_{cupy.cuda.Device(0).compute_capability}"]
-        for arch in archs:
+        for number, arch in enumerate(archs, 1):
             start = time.perf_counter()
-            kernels.cubin_for(arch)
             path = kernels.cubin_path(arch)
+            if not path.is_file():
+                print(f"gpuring kernels: {arch} ({number} of {len(archs)}): compiling "
+                      f"{kernels.SOURCE_NAME} ({len(kernels.ALL_KERNEL_NAMES)} kernels) with "
+                      "NVRTC: tens of seconds to minutes of CPU (or waiting for another "
+                      "process's build of it)", file=sys.stderr, flush=True)
+            _with_progress(f"{arch}'s build", functools.partial(kernels.cubin_for, arch))
             if not path.is_file():
                 print(f"gpuring kernels: built the {arch} CUBIN but could not write {path}",
                       file=sys.stderr)
                 return 1
-            print(f"{arch}: {path} (ready in {time.perf_counter() - start:.1f} s)")
+            print(f"{arch}: {path} (ready in {time.perf_counter() - start:.1f} s)", flush=True)
         if not args.arch:
             for name in kernels.ALL_KERNEL_NAMES:
                 kernels.get_function(name, 0)
-            print(f"GPU 0: all {len(kernels.ALL_KERNEL_NAMES)} kernels loaded")
+            print(f"GPU 0: all {len(kernels.ALL_KERNEL_NAMES)} kernels loaded", flush=True)
     except ImportError as exc:
         print(f"gpuring kernels: {exc} (NVRTC comes with cuda-bindings; without --arch, CuPy "
               "finds the GPU)", file=sys.stderr)

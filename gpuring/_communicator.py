@@ -18,20 +18,31 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from . import _argcheck, _arrays, _persistent, _transport_routes, interop
+from . import _argcheck, _arrays, _persistent, interop
 from ._call import Call
 from ._callpath import CallPath
 from ._config import Config
+from ._engine import Engine
 from ._errors import (
-    CommunicatorClosedError,
     GpuringError,
 )
+from ._failures import Outcome, weakly
+from ._groups import (
+    Channel,
+    Pairs,
+    abort_channels,
+    close_channels,
+    recv,
+    send,
+    sendrecv,
+    split,
+    synchronize_channels,
+)
+from ._hierarchy import LevelParts
 from ._lastcalls import LastCalls
-from ._lifecycle import Outcome, State, weakly
 from ._ops import ReduceOp, check_op_dtype
 from ._persistent import PersistentCollective
-from ._scheduler import Engine
-from ._timeline import Timeline, write_trace
+from ._timeline import write_trace
 from ._watchdog import Watchdog
 from ._work import Executor, Work, public_verb
 from .rendezvous.base import ControlPlane
@@ -93,11 +104,13 @@ class Communicator:
         self.config = config or Config.from_env()
         self._on_close = on_close
         cls, config = type(self), self.config  # (the path must not hold the communicator)
-        self._path = CallPath(control, config, lambda group: cls(group, config))
+        self._path = CallPath(control, config, lambda group: _level(cls(group, config)))
         self._executor: Executor | None = None  # the async thread, made by the first *_async
         self._last_calls = LastCalls()
         self._splits = 0  #: split() calls so far (the same on every rank)
-        self._pairs: dict[int, Communicator] = {}  #: peer -> the pair's communicator
+        #: point-to-point messages: a channel per peer
+        self._pairs = Pairs(self._path, control, self.config,
+                            lambda group, config: _channel(cls(group, config)))
         path = self._path
         self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
                                            control, path.life.outcome)
@@ -122,11 +135,11 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        return self._path.life.state is State.CLOSED
+        return self._path.closed
 
     def __repr__(self) -> str:
         return (f"<gpuring.Communicator rank {self.rank} of {self.size}, "
-                f"{self._path.life.state.value}>")
+                f"{self._path.state}>")
 
     # -- collectives --------------------------------------------------------------------
     @public_verb
@@ -212,7 +225,7 @@ class Communicator:
     def all_gather_v(self, x: Any) -> list[Any]:
         """Every rank's `x` in rank order, as a list: first dimensions may differ between
         ranks, the other dimensions and the dtype may not. (Two collectives: the shapes, then
-        the data padded to the largest; see the README.)"""
+        the data padded to the largest; see docs/api.md.)"""
         from ._uneven import all_gather_v
 
         return all_gather_v(self, x)
@@ -244,18 +257,14 @@ class Communicator:
         that both send to each other first get CollectiveMismatchError; a cycle of sends (a
         ring shift) needs `sendrecv`. The first message between two ranks sets up their
         channel (a communicator of the pair with its own buffers, kept until this one
-        closes). See the README's "Point to point"."""
-        from ._groups import send
-
-        send(self, x, dst)
+        closes). See docs/api.md, "Point to point"."""
+        send(self._pairs, x, dst)
 
     @public_verb
     def recv(self, x: Any, src: int) -> Any:
         """Receive the next message rank `src` sends this rank into `x` (C-contiguous,
         writable, the sender's shape and dtype) and return `x`. See `send`."""
-        from ._groups import recv
-
-        return recv(self, x, src)
+        return recv(self._pairs, x, src)
 
     @public_verb
     def sendrecv(self, x: Any, dst: int, out: Any, src: int) -> Any:
@@ -264,9 +273,7 @@ class Communicator:
         `sendrecv(x, (rank + 1) % size, out, (rank - 1) % size)` shifts a ring without
         deadlock. `dst == src` exchanges with one peer; `dst == src == rank` copies. `out`
         must not overlap `x`."""
-        from ._groups import sendrecv
-
-        return sendrecv(self, x, dst, out, src)
+        return sendrecv(self._pairs, x, dst, out, src)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """A new communicator of the ranks that pass the same `color` (an int >= 0), ranked
@@ -277,9 +284,13 @@ class Communicator:
         in any order that each communicator's ranks share, and it stays usable after this
         one closes. Close it on all its ranks, sub-communicators in the same order on every
         rank (a close waits for the peers' closes)."""
-        from ._groups import split
+        cls, config = type(self), self.config
+        return split(self._path, self._control, self._count_split, color, key,
+                     lambda group: cls(group, config), self._drain_async)
 
-        return split(self, color, key)
+    def _count_split(self) -> int:
+        self._splits += 1
+        return self._splits
 
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
              check: Callable[[], Call]) -> Any:
@@ -303,8 +314,8 @@ class Communicator:
               device: str = "cpu") -> Any:
         """A new array (NumPy for `device="cpu"`, CuPy for `"cuda"`) in memory every peer
         maps: collectives on such arrays read the peers' arrays where they lie instead of
-        staging them through the communication buffers (see the README's "Registered
-        memory"). Every rank calls it alike, as a collective (the same shape, dtype and
+        staging them through the communication buffers (see docs/design.md,
+        "Registered memory"). Every rank calls it alike, as a collective (the same shape, dtype and
         device, in the same order as its other collectives), and a call on such arrays must
         pass them alike on every rank: the same offsets into them (`x=out[rank]` for an
         all_gather in place). The memory is zero-filled. It stays valid for as long as the
@@ -340,7 +351,7 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         if self.size == 1:  # nothing to wait for, and no collective to count
-            self._path.life.check("barrier", self._path.seq + 1)
+            self._path.check("barrier")
             return
         self._path.run(Call("barrier"))
 
@@ -455,12 +466,19 @@ class Communicator:
     @property
     def last_schedule(self) -> str:
         """What this rank's last collective ran, in words: "ring", "chain", "two_shot",
-        "one_shot", "registered two_shot" (and the other registered forms), "one operation"
+        "one_shot", "registered two_shot" (and the other registered forms), "fused"
         (a GPU collective as one kernel or stream operations), "kernels" (one kernel per
         piece, recorded into a CUDA graph), "exchange" (gather, scatter, all_to_all), "mpi",
         "alone", "barrier".
         `gpuring bench` reports it per size."""
         return self._path.last_schedule
+
+    def chunk_bytes_for(self, device: str) -> int:
+        """The piece size collectives on `device` arrays ("cpu", "cuda") use where a call
+        sets none: GPURING_CHUNK_BYTES (`init(chunk_bytes=)`), else the device's default for
+        this job (on ranks that share a GPU a whole buffer region, once the first
+        collective on it made its engine)."""
+        return self._path.default_chunk_bytes(device)
 
     @property
     def device_operations(self) -> int:
@@ -469,7 +487,7 @@ class Communicator:
         and waits; setup, abort and close not counted): on a GPU, the host cost of the
         collectives in calls. 0 on the host device, which calls no driver. `gpuring bench`
         reports it per collective."""
-        return sum(engine.device.operations for engine in self._path.engines.values())
+        return self._path.device_operations()
 
     # -- failures -----------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the user") -> None:
@@ -480,16 +498,8 @@ class Communicator:
     def _abort(self, reason: str, job_peer: int | None = None) -> None:
         """`abort`, telling the peers which rank of the job it is because of (`job_peer`,
         where the communicator is a part of another that failed: a level across nodes)."""
-        self._path.life.by_user = True  # before anything a failure arriving meanwhile could race
-        for channel in list(self._pairs.values()):
-            channel._abort(reason, job_peer)
-        if self._path.levels is not None:
-            self._path.levels.abort(reason, job_peer)
-        error = CommunicatorClosedError(f"communicator aborted on rank {self.rank}: {reason}")
-        if self._path.watchdog is not None:
-            self._path.watchdog.give_up(reason, job_peer=job_peer)
-        self._control.report_failure(f"rank {self.rank} aborted: {reason}", job_peer=job_peer)
-        self._path.fail(error, by_user=True)
+        pairs = self._pairs
+        self._path.abort(reason, job_peer, lambda: abort_channels(pairs, reason, job_peer))
 
     # -- lifetime -----------------------------------------------------------------------
     def __enter__(self) -> Communicator:
@@ -510,26 +520,7 @@ class Communicator:
         if self.closed:
             return
         self._close_training()
-        unraised: BaseException | None = None
-        if self._pairs:
-            from ._groups import close_channels
-
-            unraised = close_channels(self)
-        if self._path.levels is not None:
-            unraised = self._path.levels.close() or unraised
-        if self._path.life.state is State.OPEN:
-            try:
-                self._path.wait_engines("close")
-            except BaseException as exc:  # already says it comes from close
-                unraised = exc
-        else:
-            unraised = self._path.life.unraised(self._path.seq) or unraised
-        if self._path.nccl is not None:
-            try:
-                self._path.nccl.close()
-            except BaseException as exc:
-                unraised = unraised or exc
-        self._path.life.close()
+        unraised = self._path.close(close_channels(self._pairs) if self._pairs else None)
         self._finalizer()
         if self._on_close is not None:
             self._on_close(self)
@@ -541,33 +532,23 @@ class Communicator:
         failure. CUDA collectives return once queued: their errors reach the host here, in the
         next call, or in `close()`; results read before then are not checked."""
         self._drain_async()
-        seq = self._path.seq
-        self._path.life.check("synchronize", seq)
-        self._path.wait_engines("synchronize")
-        _transport_routes.sync_levels(self._path, "synchronize")
-        if self._pairs:
-            from ._groups import synchronize_channels
-
-            synchronize_channels(self)
-        self._path.life.completed(seq)
+        pairs = self._pairs
+        self._path.synchronize("synchronize",
+                               lambda: synchronize_channels(pairs) if pairs else None)
 
     # -- training features: async, timeline --------------------------------------------
     def start_timeline(self, path: str | os.PathLike[str]) -> None:
         """Record every collective and ring round until `stop_timeline()`; every rank calls
         it. Rank 0 writes the merged Chrome trace to `path` at the stop."""
-        self._path.life.check("", self._path.seq)
+        self._path.check("")
         self._drain_async()
-        if self._path.timeline is not None:
-            raise GpuringError("a timeline is already recording; call stop_timeline() first")
-        # a common time origin on every rank
-        self._control.barrier(self.config.timeout, "start_timeline()")
-        self._path.timeline = Timeline(os.fspath(path), self.rank)
+        self._path.start_timeline(os.fspath(path))
 
     def stop_timeline(self) -> str | None:
         """Stop recording; every rank calls it. Rank 0 writes the trace of all ranks and
         returns its path; the other ranks return None."""
         self._drain_async()
-        timeline, self._path.timeline = self._path.timeline, None
+        timeline = self._path.stop_timeline()
         if timeline is None:
             return None
         per_rank = self._control.exchange("stop_timeline()", timeline.events,
@@ -578,7 +559,7 @@ class Communicator:
         return timeline.path
 
     def _submit(self, name: str, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Work:
-        self._path.life.check(name, self._path.seq + 1)
+        self._path.check(name)
         x = args[0]
         with self._path.lock:
             if self._executor is None:
@@ -616,3 +597,16 @@ class Communicator:
             write_trace(path, [[] for _ in range(self.rank)] + [timeline.events])
             warnings.warn(f"timeline: could not merge the ranks' events ({exc}); wrote this "
                           f"rank's to {path}", RuntimeWarning, stacklevel=3)
+
+
+def _level(comm: Communicator) -> LevelParts:
+    """`comm` as a level of a communicator across nodes (`_hierarchy.Levels`) sees it."""
+    path = comm._path
+    return LevelParts(comm, comm._abort, lambda: path.watchdog)
+
+
+def _channel(comm: Communicator) -> Channel:
+    """`comm` as a pair's channel of point-to-point messages (`_groups.Pairs`) sees it."""
+    path = comm._path
+    return Channel(comm, comm._submit, lambda: path.watchdog,
+                   functools.partial(comm._close, report=True), comm._abort)

@@ -19,7 +19,7 @@ from . import _arrays
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from ._communicator import Communicator
+    from ._protocols import Collectives
 
 __all__ = ["COMPRESSIONS", "wire_dtype", "unit_roundoff", "all_reduce_compressed"]
 
@@ -48,7 +48,7 @@ def unit_roundoff(compression: str) -> float:
     return _ROUNDOFF[compression]
 
 
-def all_reduce_compressed(comm: Communicator, x: Any, *, op: ReduceOp, out: Any,
+def all_reduce_compressed(comm: Collectives, x: Any, *, op: ReduceOp, out: Any,
                           compression: str, chunk_bytes: int | None,
                           channels: int | None, algorithm: str | None = None) -> Any:
     """all_reduce of float32/float64 `x` (C-contiguous) into `out` (checked by the caller:

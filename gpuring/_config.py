@@ -15,7 +15,8 @@ __all__ = ["Config", "parse_size"]
 #: the setting each Config field is read from
 _FROM = {"timeout": "GPURING_TIMEOUT", "chunk_bytes": "GPURING_CHUNK_BYTES",
          "channels": "GPURING_CHANNELS", "buffer_bytes": "GPURING_BUFFER_BYTES",
-         "one_shot_bytes": "GPURING_ONE_SHOT_BYTES", "stall_warning_s": "GPURING_STALL_WARNING",
+         "one_shot_bytes": "GPURING_ONE_SHOT_BYTES", "fused_bytes": "GPURING_FUSED_BYTES",
+         "stall_warning_s": "GPURING_STALL_WARNING",
          "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT",
          "algorithm": "GPURING_ALGORITHM", "deterministic": "GPURING_DETERMINISTIC",
          "tuning": "GPURING_TUNING"}
@@ -37,6 +38,7 @@ class Config:
     channels: int | None = _default("channels")
     buffer_bytes: int | None = _default("buffer_bytes")
     one_shot_bytes: int = _default("one_shot_bytes")
+    fused_bytes: int = _default("fused_bytes")
     stall_warning_s: float = _default("stall_warning_s")
     verify: bool = _default("verify")
     transport: str = _default("transport")

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerFailureError",
     "CommunicatorClosedError",
+    "RegistrationError",
 ]
 
 
@@ -76,3 +77,7 @@ def in_ranks(exc: GpuringError, members: Sequence[int], where: str,
                              for field, values in exc.differences.items()}
     return error
 
+
+class RegistrationError(GpuringError):
+    """A rank could not allocate registered memory (every rank raises it; the communicator
+    goes on)."""

@@ -8,7 +8,7 @@ Integer results are identical to separate calls. Float results differ within rou
 ring splits a buffer into one segment per rank and reduces each segment along a chain that
 starts at a different rank, so packing moves an element to another segment and changes the
 order in which the ranks' values are added. Every rank still gets the same bits. In
-deterministic mode (the direct schedule: every element one fold in rank order) the results
+deterministic mode (the two-shot schedule: every element one fold in rank order) the results
 are identical to separate calls, floats too.
 """
 
@@ -21,7 +21,7 @@ from . import _arrays, interop, settings
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from ._communicator import Communicator
+    from ._protocols import Collectives
 
 __all__ = [
     "DEFAULT_FUSION_BYTES", "Bucket", "default_fusion_bytes", "plan_buckets", "all_reduce_many",
@@ -73,7 +73,7 @@ def plan_buckets(groups: Sequence[Any], nbytes: Sequence[int], limit: int) -> li
     return buckets
 
 
-def all_reduce_many(comm: Communicator, arrays: Sequence[Any], *, op: ReduceOp | str = "sum",
+def all_reduce_many(comm: Collectives, arrays: Sequence[Any], *, op: ReduceOp | str = "sum",
                     fusion_bytes: int | None = None) -> list[Any]:
     """`comm.all_reduce` of every array, fused; results in input order, each array's type."""
     if not arrays:
@@ -82,7 +82,7 @@ def all_reduce_many(comm: Communicator, arrays: Sequence[Any], *, op: ReduceOp |
         return _all_reduce_many(comm, arrays, ReduceOp.parse(op), fusion_bytes)
 
 
-def _all_reduce_many(comm: Communicator, arrays: Sequence[Any], rop: ReduceOp,
+def _all_reduce_many(comm: Collectives, arrays: Sequence[Any], rop: ReduceOp,
                      fusion_bytes: int | None) -> list[Any]:
     limit = default_fusion_bytes() if fusion_bytes is None else fusion_bytes
     native = [_arrays.contiguous(interop.to_native(a)) for a in arrays]

@@ -17,16 +17,21 @@ import dataclasses
 import operator
 import os
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _arrays, interop
 from ._errors import GpuringError, PeerFailureError, in_ranks
+from ._failures import Unraised
 
 if TYPE_CHECKING:
-    from ._communicator import Communicator
+    from ._callpath import CallPath
+    from ._config import Config
+    from ._watchdog import Watchdog
+    from ._work import Work
+    from .rendezvous.base import ControlPlane
 
-__all__ = ["split", "send", "recv", "sendrecv"]
+__all__ = ["split", "Channel", "Pairs"]
 
 #: a buffer region of a pair's channel, where GPURING_BUFFER_BYTES does not say (an engine
 #: has four): a rank has a channel per peer it messages, so far less than a collective's
@@ -34,90 +39,115 @@ __all__ = ["split", "send", "recv", "sendrecv"]
 PAIR_BUFFER_BYTES = 4 << 20
 
 
-def split(comm: Communicator, color: int | None, key: int) -> Communicator | None:
-    """`Communicator.split`: every rank of `comm` tells the others its (color, key); the
-    ranks of one color make a communicator of their own, in (key, rank) order."""
+def split(path: CallPath, control: ControlPlane, count: Callable[[], int], color: int | None,
+          key: int, make: Callable[[ControlPlane], Any], drain: Callable[[], None]) -> Any:
+    """`Communicator.split` (`count()`: its number, counted alike on every rank, once the
+    ranks exchanged their colors): every rank tells
+    the others its (color, key); the ranks of one color make a communicator of their own
+    (`make` of its control plane), in (key, rank) order, once `drain()` waited for the
+    async verbs' work."""
     if color is not None:
         color = _index(color, "color")
         if color < 0:
             raise ValueError(f"split: color must be >= 0 or None, got {color}")
     key = _index(key, "key")
-    comm._drain_async()
-    path = comm._path
+    drain()  # (the async verbs' work first, as every collective's)
     path.life.check("split", path.seq + 1)
     entries = path.exchange("split()", (color, key), "split",
                             f"split(color={color}, key={key})")
-    comm._splits += 1
+    number = count()
     if color is None:
         return None
     members = tuple(sorted((r for r, (c, _) in enumerate(entries) if c == color),
                            key=lambda r: (entries[r][1], r)))
-    control = comm._control.subgroup(members, f"{comm._control.job_id}-s{comm._splits}c{color}")
-    return type(comm)(control, comm.config)
+    return make(control.subgroup(members, f"{control.job_id}-s{number}c{color}"))
 
 
-def pair(comm: Communicator, peer: int) -> tuple[Communicator, int, int]:
-    """The communicator of this rank and `peer` (made on first use, kept until `comm`
-    closes), with this rank's and the peer's rank in it."""
-    with comm._path.lock:
-        found = comm._pairs.get(peer)
-        if found is None:
-            comm._path.life.check("a point-to-point message", comm._path.seq + 1)
-            low, high = sorted((comm.rank, peer))
-            control = comm._control.subgroup((low, high), f"{comm._control.job_id}-p{low}x{high}")
-            config = comm.config
-            if config.buffer_bytes is None:
-                config = dataclasses.replace(config, buffer_bytes=PAIR_BUFFER_BYTES)
-            found = comm._pairs[peer] = type(comm)(control, config)
-    mine = int(comm.rank > peer)
-    return found, mine, 1 - mine
+class Channel(NamedTuple):
+    """A pair's communicator, as the communicator that makes it hands it over: its verbs,
+    how to run one on its own thread, its watchdog, how to close and abort it."""
 
+    comm: Any
+    submit: Callable[..., Work]
+    watchdog: Callable[[], Watchdog | None]
+    close: Callable[[], None]
+    abort: Callable[[str, int | None], None]
+
+
+class Pairs:
+    """A communicator's point-to-point messages: one channel per peer it messages (made
+    on first use by `make`, kept until the communicator closes)."""
+
+    def __init__(self, path: CallPath, control: ControlPlane, config: Config,
+                 make: Callable[[ControlPlane, Config], Channel]):
+        self.path, self.control, self.config, self.make = path, control, config, make
+        self.rank, self.size = control.rank, control.size
+        self.channels: dict[int, Channel] = {}  #: peer -> the pair's channel
+
+    def __bool__(self) -> bool:
+        return bool(self.channels)
+
+    def pair(self, peer: int) -> tuple[Channel, int, int]:
+        """The channel of this rank and `peer`, with this rank's and the peer's rank in it."""
+        path = self.path
+        with path.lock:
+            found = self.channels.get(peer)
+            if found is None:
+                path.life.check("a point-to-point message", path.seq + 1)
+                low, high = sorted((self.rank, peer))
+                control = self.control.subgroup((low, high),
+                                                f"{self.control.job_id}-p{low}x{high}")
+                config = self.config
+                if config.buffer_bytes is None:
+                    config = dataclasses.replace(config, buffer_bytes=PAIR_BUFFER_BYTES)
+                found = self.channels[peer] = self.make(control, config)
+        mine = int(self.rank > peer)
+        return found, mine, 1 - mine
 
 @contextlib.contextmanager
-def _in_ranks_of(comm: Communicator, verb: str, peer: int, x: Any = None
-                 ) -> Iterator[None]:
+def _in_ranks_of(pairs: Pairs, verb: str, peer: int, x: Any = None) -> Iterator[None]:
     """A message of `comm` (`x` its array): an event of `comm`'s timeline when one records;
     errors of the channel with `peer` in `comm`'s ranks (their `peer` and `differences` name
     ranks of `comm`, and the message says which message failed)."""
-    timeline = comm._path.timeline
+    timeline = pairs.path.timeline
     try:
         with contextlib.nullcontext() if timeline is None or x is None else \
                 timeline.span(verb, x):
             yield
     except GpuringError as exc:
-        low, high = sorted((comm.rank, peer))
+        low, high = sorted((pairs.rank, peer))
         raise in_ranks(exc, (low, high), f"{verb} (ranks {low} and {high}, which are ranks 0 "
-                                         "and 1 of their channel)", comm._control.job_ranks
+                                         "and 1 of their channel)", pairs.control.job_ranks
                        ) from None
 
 
-def _message(channel: Communicator, array: Any, root: int) -> Any:
+def _message(channel: Channel, array: Any, root: int) -> Any:
     """One message on a pair's channel: a broadcast from `root`; for NumPy arrays the two
     ranks then meet, so that a send returns once the receiver has the data (a send that
     returned early would leave a mismatch found later to the receiver alone)."""
-    result = channel.broadcast(array, root=root)
+    result = channel.comm.broadcast(array, root=root)
     if _arrays.device_kind(array) == "cpu":
-        channel.barrier()
+        channel.comm.barrier()
     return result
 
 
-def send(comm: Communicator, x: Any, dst: Any) -> None:
+def send(comm: Pairs, x: Any, dst: Any) -> None:
     peer = _peer(comm, dst, "dst", "send")
     _arrays.device_kind(x)  # a NumPy or CuPy array, else TypeError
-    channel, mine, _ = pair(comm, peer)
+    channel, mine, _ = comm.pair(peer)
     with _in_ranks_of(comm, f"send to rank {peer}", peer, x):
         _message(channel, _arrays.contiguous(x), mine)
 
 
-def recv(comm: Communicator, x: Any, src: Any) -> Any:
+def recv(comm: Pairs, x: Any, src: Any) -> Any:
     peer = _peer(comm, src, "src", "recv")
     _check_filled(x, "recv", "x")
-    channel, _, theirs = pair(comm, peer)
+    channel, _, theirs = comm.pair(peer)
     with _in_ranks_of(comm, f"recv from rank {peer}", peer, x):
         return _message(channel, x, theirs)
 
 
-def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
+def sendrecv(comm: Pairs, x: Any, dst: Any, out: Any, src: Any) -> Any:
     """Send `x` to `dst` and receive `out` from `src` at once (neither waits for the
     other, so a ring shift cannot deadlock)."""
     dst, src = _rank(comm, dst, "dst", "sendrecv"), _rank(comm, src, "src", "sendrecv")
@@ -137,17 +167,37 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
     if _arrays.device_kind(x) == _arrays.device_kind(out) and _arrays.may_overlap(x, out):
         raise ValueError("sendrecv: out must not overlap x (x is read while out is written)")
     if dst == src:  # one pair, both ways: the lower rank's message first
-        channel, mine, theirs = pair(comm, dst)
+        channel, mine, theirs = comm.pair(dst)
         with _in_ranks_of(comm, f"sendrecv with rank {dst}", dst, x):
             for root in (0, 1):
                 _message(channel, x if root == mine else out, root)
         return given
     if _arrays.device_kind(x) == "cuda":
         _check_hardware_queues()
-    sending, mine, _ = pair(comm, dst)
-    receiving, _, theirs = pair(comm, src)
+    sending, mine, _ = comm.pair(dst)
+    receiving, _, theirs = comm.pair(src)
     # the send on the pair's own thread (made on the caller's stream, as its async verbs)
-    work = sending._submit("sendrecv", lambda a: _message(sending, a, mine), x)
+    work = sending.submit("sendrecv", lambda a: _message(sending, a, mine), x)
+    with contextlib.ExitStack() as undo:
+        # the send is bounded by its channel's timeout; when both halves fail, the receive's
+        # error is the one raised (a peer that gave up because of it fails the send), but
+        # the send is waited for whatever ends the receive
+        undo.callback(_wait_quietly, work)
+        _receive_beside(comm, work, receiving, sending, out, src, dst, theirs, x)
+        undo.pop_all()
+    with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
+        work.wait()
+    return given
+
+
+def _wait_quietly(work: Work) -> None:
+    with contextlib.suppress(BaseException):
+        work.wait()
+
+
+def _receive_beside(comm: Pairs, work: Work, receiving: Channel, sending: Channel, out: Any,
+                    src: int, dst: int, theirs: int, x: Any) -> None:
+    """sendrecv's receive, while its send runs as `work`."""
     try:
         with _in_ranks_of(comm, f"sendrecv: recv from rank {src}", src, out):
             _message(receiving, out, theirs)
@@ -166,21 +216,12 @@ def sendrecv(comm: Communicator, x: Any, dst: Any, out: Any, src: Any) -> Any:
         except Exception:
             pass
         raise
-    except BaseException:
-        # the send is bounded by its channel's timeout; when both halves fail, the receive's
-        # error is the one raised (a peer that gave up because of it fails the send)
-        with contextlib.suppress(BaseException):
-            work.wait()
-        raise
-    with _in_ranks_of(comm, f"sendrecv: send to rank {dst}", dst, x):
-        work.wait()
-    return given
 
 
-def _peer_only_left(channel: Communicator) -> bool:
+def _peer_only_left(channel: Channel) -> bool:
     """Whether the peer of a pair's channel closed it cleanly, neither dying nor giving up
     (as the channel's status board shows)."""
-    watchdog = channel._path.watchdog
+    watchdog = channel.watchdog()
     if watchdog is None:
         return False
     board = watchdog.board
@@ -207,25 +248,28 @@ def _check_hardware_queues() -> None:
                   RuntimeWarning, stacklevel=5)
 
 
-def synchronize_channels(comm: Communicator) -> None:
+def synchronize_channels(comm: Pairs) -> None:
     """`comm.synchronize()` for its messages: wait for every pair's channel."""
-    for peer, channel in sorted(comm._pairs.items()):
+    for peer, channel in sorted(comm.channels.items()):
         with _in_ranks_of(comm, f"synchronize (messages with rank {peer})", peer):
-            channel.synchronize()
+            channel.comm.synchronize()
 
 
-def close_channels(comm: Communicator) -> BaseException | None:
+def abort_channels(comm: Pairs, reason: str, job_peer: int | None) -> None:
+    """Abort every pair's channel (`Communicator.abort`)."""
+    for channel in list(comm.channels.values()):
+        channel.abort(reason, job_peer)
+
+
+def close_channels(comm: Pairs) -> BaseException | None:
     """Close `comm`'s pairs' channels, in the order of the pairs' ranks on every rank (a close
     waits for the peer's, and a common order cannot make a cycle of waits); the first error
     a channel had not raised yet, in `comm`'s ranks."""
-    first: BaseException | None = None
-    for peer, channel in sorted(comm._pairs.items()):
-        try:
-            with _in_ranks_of(comm, f"close (messages with rank {peer})", peer):
-                channel._close(report=True)
-        except BaseException as exc:
-            first = first or exc
-    return first
+    kept = Unraised()
+    for peer, channel in sorted(comm.channels.items()):
+        with kept.step(), _in_ranks_of(comm, f"close (messages with rank {peer})", peer):
+            channel.close()
+    return kept.error
 
 
 def _index(value: Any, name: str) -> int:
@@ -237,7 +281,7 @@ def _index(value: Any, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
-def _rank(comm: Communicator, value: Any, name: str, verb: str) -> int:
+def _rank(comm: Pairs, value: Any, name: str, verb: str) -> int:
     rank = _index(value, name)
     if not 0 <= rank < comm.size:
         raise ValueError(f"{verb}: {name}={rank} is not a rank of this communicator "
@@ -245,7 +289,7 @@ def _rank(comm: Communicator, value: Any, name: str, verb: str) -> int:
     return rank
 
 
-def _peer(comm: Communicator, value: Any, name: str, verb: str) -> int:
+def _peer(comm: Pairs, value: Any, name: str, verb: str) -> int:
     rank = _rank(comm, value, name, verb)
     if rank == comm.rank:
         raise ValueError(f"{verb}: {name} is this rank ({rank}); a rank does not message "

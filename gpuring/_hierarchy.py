@@ -28,6 +28,7 @@ otherwise collectives across nodes run flat (MPI).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -37,12 +38,14 @@ import numpy as np
 from . import _arrays
 from ._call import Call
 from ._errors import GpuringError, PeerFailureError, in_ranks
+from ._failures import Unraised
 from ._ops import ReduceOp, divide_toward_zero, fold
 from ._status import outside
 from .rendezvous.base import ControlPlane
 
 if TYPE_CHECKING:
-    from ._communicator import Communicator
+    from ._protocols import Collectives
+    from ._watchdog import Watchdog
 
 __all__ = ["Layout", "Levels", "HIERARCHICAL"]
 
@@ -96,13 +99,24 @@ class Tune(NamedTuple):
     channels: int | None
 
 
+class LevelParts(NamedTuple):
+    """A level's communicator, as the communicator that makes it hands it over: the
+    communicator, how to abort it telling its peers whom it gave up because of, and its
+    watchdog (None until its first collective)."""
+
+    comm: Collectives
+    abort: Callable[[str, int | None], None]
+    watchdog: Callable[[], Watchdog | None]
+
+
 class _Level:
     """One level's communicator; its errors name ranks of the job (`ranks[i]` is its rank
     i) and say which level raised them."""
 
-    def __init__(self, comm: Communicator, ranks: tuple[int, ...], what: str,
-                 job_ranks: tuple[int, ...]):
-        self.comm, self.ranks, self.what = comm, ranks, what
+    def __init__(self, parts: LevelParts, control: ControlPlane, ranks: tuple[int, ...],
+                 what: str, job_ranks: tuple[int, ...]):
+        self.comm, self.ranks, self.what = parts.comm, ranks, what
+        self.parts, self.control = parts, control
         self.job_ranks = job_ranks  #: the ranks of the job's communicator in the launcher's
 
     def run(self, verb: str, *args: Any, **kwargs: Any) -> Any:
@@ -119,27 +133,27 @@ class Levels:
     the job's control plane without a meeting (every rank knows every rank's node)."""
 
     def __init__(self, control: ControlPlane, layout: Layout, deterministic: bool,
-                 make: Callable[[ControlPlane], Communicator]):
+                 make: Callable[[ControlPlane], LevelParts]):
         self.layout = layout
         self.deterministic = deterministic
         job, node, local = control.job_id, layout.ranks[layout.node], layout.local
         self.job_ranks = control.job_ranks
-        self.intra = _Level(make(control.subgroup(node, f"{job}-n{layout.node}")), node,
-                            "in the node", control.job_ranks)
-        try:
+        sub = control.subgroup(node, f"{job}-n{layout.node}")
+        self.intra = _Level(make(sub), sub, node, "in the node", control.job_ranks)
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.intra.comm.close)
+            undo.callback(self.intra.parts.abort,
+                          "the communicator across nodes could not be made", None)
             across = tuple(members[local] for members in layout.ranks)
-            self.inter = _Level(make(control.subgroup(across, f"{job}-l{local}")), across,
-                                "between nodes", control.job_ranks)
-        except BaseException:
-            self.intra.comm.abort("the communicator across nodes could not be made")
-            self.intra.comm.close()
-            raise
+            sub = control.subgroup(across, f"{job}-l{local}")
+            self.inter = _Level(make(sub), sub, across, "between nodes", control.job_ranks)
+            undo.pop_all()
         # waits between nodes (this rank's job and the level between nodes) also end when
         # a rank of this node dies or gives up (its status board tells)
         control.watch(self.node_failure)
         for level in (self.intra, self.inter):  # the job giving up ends both levels' waits
-            level.comm._control.follow(control)
-        self.inter.comm._control.watch(lambda: self.node_failure(named=False))
+            level.control.follow(control)
+        self.inter.control.watch(lambda: self.node_failure(named=False))
 
     def node_failure(self, named: bool = True) -> PeerFailureError | None:
         """A rank of this node that died or gave up, as the node's status board shows it,
@@ -149,7 +163,7 @@ class Levels:
         is not made yet. A rank that closed its communicator is no failure: it
         took part in every collective (one that closed too early leaves its node's peers
         failing in the node's level, which tells the job)."""
-        watchdog = self.intra.comm._path.watchdog
+        watchdog = self.intra.parts.watchdog()
         if watchdog is None:
             return None
         trouble = watchdog.board.troubled_peer()
@@ -265,17 +279,15 @@ class Levels:
         """Abort both levels; each tells its peers (`job_peer`: the rank of the job it gave
         up because of, where known, so that a peer on another node names it, not this rank)."""
         for level in (self.intra, self.inter):
-            level.comm._abort(reason, job_peer)
+            level.parts.abort(reason, job_peer)
 
     def close(self) -> BaseException | None:
         """Close both levels (intra first, on every rank); the first failure, unraised."""
-        failure: BaseException | None = None
+        kept = Unraised()
         for level in (self.intra, self.inter):
-            try:
+            with kept.step():
                 level.comm.close()
-            except BaseException as exc:
-                failure = failure or exc
-        return failure
+        return kept.error
 
 
 def _where(layout: Layout, rank: int) -> tuple[int, int]:

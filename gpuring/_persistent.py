@@ -20,7 +20,7 @@ from . import interop
 from ._call import Call
 
 if TYPE_CHECKING:
-    from ._callpath import CallPath
+    from ._protocols import StartPath
 
 __all__ = ["PersistentCollective", "init"]
 
@@ -81,7 +81,7 @@ class PersistentCollective:
         return self._result
 
 
-def init(path: CallPath, before: Callable[[], None], name: str, x: Any, out: Any,
+def init(path: StartPath, before: Callable[[], None], name: str, x: Any, out: Any,
          check: Callable[[Any, Any], Call], returns: bool = True) -> PersistentCollective:
     """The persistent form of `name` on `x` and `out` (arrays of any library gpuring takes):
     `check(x, out)` checks the native views into a call, which the call path prepares now

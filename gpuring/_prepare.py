@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _arrays
+from . import _arrays, _failures
 from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature
 from ._choices import FOLDS
@@ -18,12 +18,12 @@ from .algorithms.collectives import plan_collective
 from .devices import device_class
 
 if TYPE_CHECKING:
-    from ._callpath import CallPath
+    from ._transport_routes import RoutePath
 
 __all__ = ["prepare"]
 
 
-def prepare(path: CallPath, call: Call) -> PreparedCall:
+def prepare(path: RoutePath, call: Call) -> PreparedCall:
     """Agree with the peers on the call's signature (every setting that shapes the plan
     included), pick its route, and for the engine, the engine and the plan."""
     name, x, config = call.collective, call.x, path.config
@@ -42,12 +42,12 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
     plain = plain._replace(algorithm=algorithm, tuning=path.choices.digest,
                            transport=config.transport)
     if path.size == 1:
-        path._agree(plain)
+        path.agree(plain)
         return PreparedCall(Route.ALONE, schedule="alone")
     across = not path.control.single_node
     if x is not None and _routes.asks_reach(path, kind):
-        path._ensure_watchdog()  # (whichever route follows: the ranks share a node)
-        path._agree(plain, remember=False)  # (every rank asks on the same call)
+        path.ensure_watchdog()  # (whichever route follows: the ranks share a node)
+        path.agree(plain, remember=False)  # (every rank asks on the same call)
         path.mappable[kind] = _routes.peers_reachable(path, kind, name)
     if x is None and across and config.transport == "auto":  # every call agrees first:
         return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
@@ -55,7 +55,7 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
             kind != "cpu" or _routes.via_mpi(path)):
         plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
         if config.deterministic and algorithm == "ring":
-            path._agree(plain, remember=False)
+            path.agree(plain, remember=False)
             raise GpuringError(_RING_REFUSED.format(name=name))
         return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
     flat = "mpi" if x is None or kind == "cpu" else "nccl"
@@ -68,7 +68,7 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
             refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
                        f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {reach}, or "
                        f"GPURING_TRANSPORT={flat}): its reduction order is its own")
-        path._agree(plain, remember=refusal is None)
+        path.agree(plain, remember=refusal is None)
         if refusal is not None:
             raise GpuringError(refusal)
         return PreparedCall(Route.MPI if flat == "mpi" else Route.NCCL, schedule=flat)
@@ -77,24 +77,25 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
         chunk = picked.chunk_bytes
         nchannels = picked.channels or devices.default_channels
         Config(chunk_bytes=chunk, channels=nchannels).validate()
-    capacity = path._capacity(kind)
+    capacity = path.capacity(kind)
     placement = call.placement
     if x is None:
         signature = plain._replace(chunk_bytes=1, channels=1, verify=config.verify)
     else:
         signature = plain._replace(chunk_bytes=chunk, channels=nchannels,
                                    one_shot_bytes=config.one_shot_bytes,
+                                   fused_bytes=config.fused_bytes,
                                    buffer_bytes=capacity, verify=config.verify,
                                    device_settings=devices.capability_settings())
         if placement is not None:
             signature = signature._replace(registered=placement)
-    path._ensure_watchdog()
+    path.ensure_watchdog()
     refused = config.deterministic and algorithm == "ring"
-    path._agree(signature, remember=not refused)
+    path.agree(signature, remember=not refused)
     if refused:  # agreed: every rank refuses it
         raise GpuringError(_RING_REFUSED.format(name=name))
-    try:
-        engine = path._engine(kind, capacity)
+    with _failures.giving_up(path, name):  # after agreement the peers go on: tell them
+        engine = path.engine(kind, capacity)
         piece = chunk or engine.default_chunk_bytes
         where = placement or _PLAIN
         peer_in, peer_out = where.inp is not None, where.out is not None
@@ -111,25 +112,22 @@ def prepare(path: CallPath, call: Call) -> PreparedCall:
         peers = path.registry.peer_arrays(where, path.size, count * itemsize) \
             if registered else ()
         fused = name in engine.fused_kinds and algorithm != "ring" and \
-            0 < count * itemsize <= min(config.one_shot_bytes, engine.fused_bytes)
+            0 < count * itemsize <= engine.fused_bytes
         launch = engine.prepare(rounds, dtype=dtype, itemsize=itemsize, op=call.op,
                                 inline=nchannels == 1, fused=fused, collective=name,
                                 root=call.root, nbytes=count * itemsize, peers=peers)
         # what a CUDA graph records (made now, outside any capture)
         captured = None if config.verify or x is None else \
             engine.prepare_captured(launch, count * itemsize)
-    except BaseException as exc:  # after agreement the peers go on: tell them
-        path.give_up(exc, name)
-        raise
     text = "barrier()" if x is None else (
         f"{name}(shape={shape}, dtype={dtype}, op={call.op.value}, root={call.root}, "
         f"device={kind}, chunk_bytes={piece}, channels={nchannels}, "
         f"algorithm={algorithm})")
     if fused:
-        text += " as one operation"
+        text += " fused"
     elif registered:
         text += f" in registered memory {tuple(where)}"
-    schedule = "one operation" if fused else rounds[0].schedule if rounds else "nothing"
+    schedule = "fused" if fused else rounds[0].schedule if rounds else "nothing"
     return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
                         schedule)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _arrays
-from ._launch import PeerArrays
+from ._engine import PeerArrays
 from .devices.base import Memory, Span
 
 __all__ = ["Registration", "Where", "Placement", "Registry"]

@@ -11,6 +11,7 @@ array.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -50,18 +51,17 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta
         server = StoreServer(size, key, "127.0.0.1")
         host, port = server.address
         store.set(_ADDRESS_KEY, f"{host} {port} {key.hex()} {secrets.token_hex(8)}")
-    try:
+    with contextlib.ExitStack() as undo:  # (the server goes if this rank cannot join)
+        if server is not None:
+            undo.callback(server.close)
         host, port, key_hex, job = store.get(_ADDRESS_KEY).decode().split()
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
         local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_size != size else rank
         control = StoreClient(rank, size, local_rank, local_size, (host, int(port)),
                               bytes.fromhex(key_hex), job, timeout=config.timeout)
-    except BaseException:
-        if server is not None:
-            server.close()
-        raise
+        undo.pop_all()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        control._device_slot = torch.cuda.current_device()  # the GPU the caller set
+        control.device_slot = torch.cuda.current_device()  # the GPU the caller set
     return GpuringProcessGroup(Communicator(control, config), server)
 
 

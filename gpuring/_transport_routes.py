@@ -7,30 +7,65 @@ Functions of the `CallPath` they serve.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _failures
 from ._call import Call, PreparedCall
 from ._errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    CommunicatorClosedError,
     GpuringError,
-    PeerFailureError,
 )
+from ._failures import Path, weakly
 from ._hierarchy import HIERARCHICAL, Levels
-from ._lifecycle import weakly
 from .devices import device_class
 
 if TYPE_CHECKING:
-    from ._callpath import CallPath
+    from ._call import Signature
+    from ._choices import Choices
+    from ._engine import Engine
+    from ._hierarchy import Layout, LevelParts
+    from ._registry import Registry
+    from .rendezvous.base import ControlPlane
+    from .transports.mpi import MpiCollectives
+    from .transports.nccl import NcclCollectives
 
-__all__ = ["run_via_mpi", "run_nodes", "sync_levels", "run_via_nccl", "nodes_route",
+__all__ = ["RoutePath", "run_via_mpi", "run_nodes", "sync_levels", "run_via_nccl", "nodes_route",
            "asks_reach", "peers_reachable", "via_mpi"]
+
+class RoutePath(Path, Protocol):
+    """The call path as preparing a call (`_prepare`) and the routes that leave gpuring's
+    engines (`_transport_routes`) see it: its facts, its agreement, its engines."""
+
+    size: int
+    choices: Choices
+    registry: Registry
+    mappable: dict[str, bool]
+    layout: Layout | None
+    make_communicator: Callable[[ControlPlane], LevelParts] | None
+    mpi: MpiCollectives | None
+    nccl: NcclCollectives | None  # type: ignore[assignment]
+    levels: Levels | None  # type: ignore[assignment]
+
+    @property
+    def engines(self) -> dict[str, Engine]: ...
+
+    def agree(self, signature: Signature, *, remember: bool = True) -> None: ...
+
+    def exchange(self, what: str, obj: Any, name: str, described: str) -> list[Any]: ...
+
+    def ensure_watchdog(self) -> None: ...
+
+    def capacity(self, kind: str) -> int: ...
+
+    def engine(self, kind: str, capacity: int) -> Engine: ...
+
+    def nccl_failed(self, error: Any) -> None: ...
+
 
 log = logging.getLogger("gpuring")
 
 
-def run_via_mpi(path: CallPath, prepared: PreparedCall, call: Call) -> Any:
+def run_via_mpi(path: RoutePath, prepared: PreparedCall, call: Call) -> Any:
     name = call.collective
     if path.mpi is None:
         from .rendezvous.mpi import MpiControl
@@ -38,130 +73,67 @@ def run_via_mpi(path: CallPath, prepared: PreparedCall, call: Call) -> Any:
 
         assert isinstance(path.control, MpiControl)
         path.mpi = MpiCollectives(path.control, path.config.timeout)
-    try:
+    with _failures.on_transport(path, name, mpi=True):
         if call.x is None:
             path.mpi.barrier()
         else:
             path.mpi.run(name, call.x, call.out, call.op, call.root)
-    except BaseException as exc:
-        error: BaseException = exc
-        known = first_failure(path) if isinstance(
-            exc, (PeerFailureError, CollectiveTimeoutError)) else None
-        if known is not None:
-            error = path.life.explain(known, name, path.seq)
-        elif isinstance(exc, GpuringError):  # which call, like the engine's errors
-            error = path.life.explain(exc, name, path.seq)
-        path.give_up(error, name)  # the other nodes learn it from this rank's notice
-        if error is exc:
-            raise
-        raise error from None
     return call.out
 
 
-def run_nodes(path: CallPath, prepared: PreparedCall, call: Call) -> Any:
+def run_nodes(path: RoutePath, prepared: PreparedCall, call: Call) -> Any:
     """In two levels (`_hierarchy`), after the ranks agree on the call (at every call: a
     rank that calls something else is a mismatch on every rank, not a wait for data that
     never comes); a failure of either level breaks this communicator and both levels,
     and is told to the peers of all three."""
     assert prepared.signature is not None
-    try:
-        path._agree(prepared.signature, remember=False)
-    except CollectiveMismatchError:
-        raise  # found alike on every rank, before anything moved
-    except BaseException as exc:
-        nodes_failed(path, exc, call.collective)
+    with _failures.on_nodes(path, call.collective, agreeing=True):
+        path.agree(prepared.signature, remember=False)
     if call.x is None:  # a barrier: the agreement was one
         return None
-    try:
+    with _failures.on_nodes(path, call.collective):
         if path.levels is None:
             assert path.layout is not None and path.make_communicator is not None
             path.levels = Levels(path.control, path.layout, path.config.deterministic,
                                  path.make_communicator)
         return path.levels.run(call, path.size)
-    except BaseException as exc:
-        nodes_failed(path, exc, call.collective)
 
 
-def sync_levels(path: CallPath, name: str) -> None:
+def sync_levels(path: RoutePath, name: str) -> None:
     """Across nodes, wait for both levels' collectives; their failure is this
     communicator's (`name`: the call that waits)."""
     if path.levels is not None:
-        try:
+        with _failures.on_nodes(path, name):
             path.levels.synchronize()
-        except BaseException as exc:
-            nodes_failed(path, exc, name)
 
 
-def nodes_failed(path: CallPath, exc: BaseException, name: str) -> NoReturn:
-    """Raise the error of a failed call in two levels, after breaking this communicator
-    and both levels and telling every peer (a mismatch of a level is found by every rank
-    of that level: it only breaks them)."""
-    error: BaseException = exc
-    known = first_failure(path) if isinstance(
-        exc, (PeerFailureError, CommunicatorClosedError)) else None
-    if known is not None:
-        error = path.life.explain(known, name, path.seq)
-    elif isinstance(exc, CommunicatorClosedError) and path.life.cause is not None:
-        error = path.life.explain(path.life.cause, name, path.seq)
-    elif isinstance(exc, GpuringError):
-        error = path.life.explain(exc, name, path.seq)
-    if not isinstance(error, CollectiveMismatchError):
-        path.give_up(error, name)
-    else:
-        path.life.raised(error)
-    if path.levels is not None:
-        path.levels.abort(f"rank {path.rank}: {error!r}", path.job_peer(error))
-    if error is exc:
-        raise exc
-    raise error from None
-
-
-def first_failure(path: CallPath) -> GpuringError | None:
-    """Across nodes, the failure that came first, where it is known: a rank's report to
-    the job (naming the rank it blames, where it knows one), else a rank of this node
-    that died or gave up (a failure one level raised may only be a peer's giving up
-    because of it)."""
-    notice = path.control.failure_notice()
-    if notice is not None:
-        return notice
-    return None if path.levels is None else path.levels.node_failure()
-
-
-def run_via_nccl(path: CallPath, prepared: PreparedCall, call: Call) -> Any:
+def run_via_nccl(path: RoutePath, prepared: PreparedCall, call: Call) -> Any:
     name = call.collective
-    try:
+    with _failures.on_transport(path, name, mpi=False):
         if path.nccl is None:
             from .transports.nccl import NcclCollectives
 
             path.nccl = NcclCollectives(path.control, int(call.x.device.id),
                                         path.config.timeout, weakly(path.nccl_failed))
         path.nccl.run(name, call.x, call.out, call.op, call.root, path.size)
-    except BaseException as exc:
-        error: BaseException = exc
-        if isinstance(exc, GpuringError):
-            error = path.life.explain(exc, name, path.seq)
-        path.give_up(error, name)
-        if error is exc:
-            raise
-        raise error from None
     return call.out
 
 
-def nodes_route(path: CallPath, name: str) -> bool:
+def nodes_route(path: RoutePath, name: str) -> bool:
     """Whether collective `name` runs in two levels across nodes (NumPy arrays: between
     nodes on MPI, which the ranks must then come from; CuPy arrays: on NCCL)."""
     return (path.layout is not None and path.config.transport == "auto"
             and path.make_communicator is not None and name in HIERARCHICAL)
 
 
-def asks_reach(path: CallPath, kind: str) -> bool:
+def asks_reach(path: RoutePath, kind: str) -> bool:
     """Whether the ranks have yet to find out whether they map each other's memory of
     `kind` (once, on one node, where gpuring picks the route)."""
     return (kind not in path.mappable and path.control.single_node
             and path.config.transport == "auto" and device_class(kind).may_be_unreachable)
 
 
-def peers_reachable(path: CallPath, kind: str, name: str) -> bool:
+def peers_reachable(path: RoutePath, kind: str, name: str) -> bool:
     """Whether every rank of this node can map every other's memory of `kind` (CUDA IPC
     needs peer access between different GPUs), decided by all ranks at once with call
     `name`; where one cannot, their collectives of `kind` run on NCCL."""
@@ -183,7 +155,7 @@ def peers_reachable(path: CallPath, kind: str, name: str) -> bool:
     return not refused
 
 
-def via_mpi(path: CallPath) -> bool:
+def via_mpi(path: RoutePath) -> bool:
     """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
     if path.control.single_node and path.config.transport != "mpi":
         return False

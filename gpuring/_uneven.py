@@ -21,7 +21,7 @@ from ._errors import CollectiveMismatchError, GpuringError
 from ._ops import ReduceOp
 
 if TYPE_CHECKING:
-    from ._communicator import Communicator
+    from ._protocols import Collectives
 
 __all__ = ["all_gather_v", "all_to_all_v", "reduce_scatter_v", "MAX_DIMS"]
 
@@ -47,7 +47,7 @@ def _refuse_capture(name: str, x: Any) -> None:
                            "every rank's shapes first")
 
 
-def _gathered(comm: Communicator, like: Any, headers: list[list[int]]) -> np.ndarray:
+def _gathered(comm: Collectives, like: Any, headers: list[list[int]]) -> np.ndarray:
     """Every rank's `headers` (rows of int64), as a host array (rank, row, field), through
     an all_gather on the device of `like` (the call's array)."""
     mine = _arrays.array_module(like).asarray(np.asarray(headers, np.int64))
@@ -60,7 +60,7 @@ def _mismatch(name: str, what: str, values: dict[int, object]) -> CollectiveMism
                                    differences={what: values})
 
 
-def all_gather_v(comm: Communicator, x: Any) -> list[Any]:
+def all_gather_v(comm: Collectives, x: Any) -> list[Any]:
     """Every rank's `x` in rank order; first dimensions may differ, the rest and the dtype
     must match."""
     _refuse_capture("all_gather_v", x)
@@ -83,7 +83,7 @@ def all_gather_v(comm: Communicator, x: Any) -> list[Any]:
     return [out[q, :rows[q]] for q in range(comm.size)]
 
 
-def all_to_all_v(comm: Communicator, blocks: Sequence[Any]) -> list[Any]:
+def all_to_all_v(comm: Collectives, blocks: Sequence[Any]) -> list[Any]:
     """`blocks[j]` (any shape, one dtype) goes to rank j; returns what every rank sent this
     one, `result[j]` from rank j with the shape rank j gave it."""
     n, rank = comm.size, comm.rank
@@ -110,7 +110,7 @@ def all_to_all_v(comm: Communicator, blocks: Sequence[Any]) -> list[Any]:
     return [received[q, :sizes[q][rank]].reshape(_shape(headers[q, rank])) for q in range(n)]
 
 
-def reduce_scatter_v(comm: Communicator, x: Any, counts: Sequence[int],
+def reduce_scatter_v(comm: Collectives, x: Any, counts: Sequence[int],
                      op: ReduceOp | str = "sum") -> Any:
     """Elements `[sum(counts[:rank]), sum(counts[:rank + 1]))` of the flattened reduction of
     `x` over the ranks; `counts` the same on every rank, summing to `x.size`."""

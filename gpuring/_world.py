@@ -49,7 +49,7 @@ def _control_plane(timeout: float) -> ControlPlane:
                 raise
             raise GpuringError(f"{exc}; set GPURING_PORT to a free port") from None
         if job.local_rank is not None:  # the GPU the launcher gave this rank
-            control._device_slot = job.local_rank
+            control.device_slot = job.local_rank
         return control
     from .rendezvous.local import SingleProcess
 

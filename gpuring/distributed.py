@@ -86,7 +86,7 @@ def init_process_group(n_devices: int, rank: int, *, backend: str = "gpuring",
             raise
     cupy = sys.modules.get("cupy")
     if cupy is not None:  # CuPy arrays live on the device current now, as with cupyx
-        control._device_slot = int(cupy.cuda.runtime.getDevice())
+        control.device_slot = int(cupy.cuda.runtime.getDevice())
     return GpuringBackend(Communicator(control, config))
 
 
@@ -188,6 +188,6 @@ def _as(array: Any, shape: tuple[int, ...], name: str) -> Any:
 
 def _on(stream: Any, array: Any) -> Any:
     """`with` it: CuPy work queued on `stream` where one is given."""
-    if stream is None or not _arrays._is_cupy(array):
+    if stream is None or not _arrays.is_cupy(array):
         return contextlib.nullcontext()
     return stream

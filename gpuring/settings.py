@@ -1,5 +1,5 @@
 """Every GPURING_* setting, declared once: its variable, how it is read, its default and what
-it means. The rest of gpuring reads settings through `get`; README.md's settings table is
+it means. The rest of gpuring reads settings through `get`; docs/settings.md's table is
 `markdown_table()` (a test keeps the two equal).
 
 Not settings in this sense: the variables `gpuring run` hands its ranks (GPURING_RANK,
@@ -67,8 +67,8 @@ def _algorithm(text: str) -> str:
 @dataclass(frozen=True)
 class Setting:
     """One environment variable. `default` is what `get` returns when the variable is unset
-    or empty (None: decided elsewhere, e.g. per device); `shown` is that default as the README
-    writes it."""
+    or empty (None: decided elsewhere, e.g. per device); `shown` is that default as the
+    settings table writes it."""
 
     name: str
     parse: Callable[[str], Any]
@@ -99,8 +99,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_BUFFER_BYTES", parse_size, None, "16M (CPU), 64M (GPU)",
             "size of one buffer region; larger collectives run in rounds"),
     Setting("GPURING_ONE_SHOT_BYTES", parse_size, 64 << 10, "64K",
-            "all_reduce up to this size runs one-shot (lowest latency); on the GPU, any "
-            "collective whose input is up to this size (and 4M) runs as one operation"),
+            "all_reduce up to this size runs one-shot (every rank reduces every rank's data: "
+            "one flag hop, the lowest latency)"),
+    Setting("GPURING_FUSED_BYTES", parse_size, 64 << 10, "64K",
+            "on the GPU, any collective whose input is up to this size (and 4M, 8 ranks) runs "
+            "fused: as one operation on the caller's stream instead of in rounds "
+            "(`GPURING_CUDA_FUSED` says in which form)"),
     Setting("GPURING_ALGORITHM", _algorithm, "auto", "auto",
             "all_reduce, reduce_scatter and reduce: `ring` (a chain for reduce), `two_shot` "
             "(each rank reduces its segment of every rank's data in rank order, then the "
@@ -144,15 +148,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
             "`auto` (memops where available, else kernel with a warning)"),
     Setting("GPURING_CUDA_FUSED", _choice("auto", "kernel", "memops", "off"), "auto", "auto",
-            "GPU collectives of up to `GPURING_ONE_SHOT_BYTES` (at most 4M, 8 ranks) as one "
-            "operation on the caller's stream: `kernel` (one kernel that spins on its peers' "
-            "flags, any collective; capturable in CUDA graphs), `memops` (all_reduce as three "
-            "stream operations that wait with stream memory operations), `auto` (memops where "
-            "ranks share a GPU: processes sharing a GPU without MPS take turns on it, and a "
-            "spinning kernel holds its turn; else kernel), `off` (in rounds)"),
+            "the form of a fused GPU collective (up to `GPURING_FUSED_BYTES`, at most 4M, 8 "
+            "ranks: one operation on the caller's stream): `kernel` (one kernel that spins "
+            "on its peers' flags, any collective; capturable in CUDA graphs), `memops` "
+            "(all_reduce as three stream operations that wait with stream memory operations), "
+            "`auto` (memops where ranks share a GPU: processes sharing a GPU without MPS take "
+            "turns on it, and a spinning kernel holds its turn; else kernel), `off` (in rounds)"),
     Setting("GPURING_CUDA_GRAPH_PIECE_BYTES", _graph_piece, 1 << 20, "1M",
             "a GPU collective that runs in rounds, captured into a CUDA graph, runs there as "
-            "one kernel per piece of this size, or of `GPURING_ONE_SHOT_BYTES` where larger "
+            "one kernel per piece of this size, or of `GPURING_FUSED_BYTES` where larger "
             "(4K to 4M; each rank's GPU holds two pieces per communicator); where the input "
             "holds a block per rank (reduce_scatter, scatter, all_to_all) the piece is that "
             "divided by the ranks"),
@@ -173,7 +177,7 @@ def get(name: str) -> Any:
 
 
 def markdown_table() -> str:
-    """README.md's settings table."""
+    """The settings table of docs/settings.md."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{s.name}` | {s.shown} | {s.meaning} |" for s in SETTINGS.values()]
     return "\n".join(rows)

@@ -487,7 +487,7 @@ extern "C" __global__ void gpuring_write_flags(volatile u64* f0, volatile u64* f
 // ---------------------------------------------------------------------------------------
 // One-kernel collectives of small arrays (the fused path): every rank launches
 //
-//   gpuring_direct_<dtype>_<op>(out, in, n, stride, divisor, kind, root, rank, nranks,
+//   gpuring_fused_<dtype>_<op>(out, in, n, stride, divisor, kind, root, rank, nranks,
 //                               r0, ..., r7, slot_bytes, timeout_ns, status, abort)
 //
 // once, with the same grid on every rank. kind: all_reduce, reduce_scatter, all_gather,
@@ -693,7 +693,7 @@ __device__ void fused_collective(T* out, const T* in, u64 n, u64 stride, long lo
 }
 
 #define GPURING_FUSED(NAME, T, OPNAME, OP) \
-    extern "C" __global__ void gpuring_direct_##NAME##_##OPNAME( \
+    extern "C" __global__ void gpuring_fused_##NAME##_##OPNAME( \
         T* out, const T* in, u64 n, u64 stride, long long divisor, int kind, int root, \
         int rank, int nranks, unsigned char* r0, unsigned char* r1, unsigned char* r2, \
         unsigned char* r3, unsigned char* r4, unsigned char* r5, unsigned char* r6, \

@@ -1,4 +1,4 @@
-"""An element-wise reduction written from the documented arithmetic rules alone (README,
+"""An element-wise reduction written from the documented arithmetic rules alone (docs/api.md,
 kernels/reduce.cu), sharing no code with gpuring: the reference the kernels are checked
 against, so a rule broken in both the kernels and the host device still fails.
 

@@ -8,7 +8,6 @@ import os
 import sys
 import warnings
 
-from .direct import TWO_SHOT_KINDS, two_shot_round
 from .exchange import EXCHANGE_KINDS, exchange_rounds
 from .oneshot import barrier_round, one_shot_all_reduce
 from .plan import RoundPlan, relabel, split_even
@@ -23,13 +22,14 @@ from .ring import (
     chain_round,
     ring_round,
 )
+from .two_shot import TWO_SHOT_KINDS, two_shot_round
 
 __all__ = ["plan_collective", "ALGORITHMS", "FORMER_NAMES", "algorithm_name"]
 
 #: what `algorithm` may ask for: "auto" (all_reduce: one-shot up to `one_shot_bytes` where it
 #: fits one buffer region, else the ring; the others: the ring or chain),
 #: "ring" (the ring; a chain for reduce), "two_shot" (a reduce-scatter then an all-gather,
-#: every rank reading its peers directly: `direct`), "one_shot" (every rank reduces
+#: every rank reading its peers directly; formerly "direct"), "one_shot" (every rank reduces
 #: everything, in rounds of a buffer region; all_reduce only)
 ALGORITHMS = ("auto", "ring", "two_shot", "one_shot")
 

@@ -1,7 +1,7 @@
 """The vocabulary of plans: locations and the operations a rank performs on one channel.
 
 A plan is pure data. Element offsets, never arrays; flag values relative to the round, never
-absolute. The scheduler binds locations to memory and turns operations into stream calls.
+absolute. The engine binds locations to memory and turns operations into stream calls.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ pieces of `chunk` elements; a piece is published with a READY flag as soon as it
 so the next rank works on it while this one moves to the next piece.
 
 Within a round no buffer location is written twice: staged input and partials go to region RS,
-final and forwarded segments to region AG. Rounds alternate buffer halves; the scheduler makes
+final and forwarded segments to region AG. Rounds alternate buffer halves; the engine makes
 a round wait until peers have finished reading the half it is about to overwrite.
 """
 

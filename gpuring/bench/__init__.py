@@ -22,7 +22,8 @@ Quantities (S = the size column in bytes, n ranks, t = time):
   the same run at the same size: every rank copies S bytes (a working set of 2S) about 64 MiB
   in all, all ranks at once (a NumPy copy on the CPU, a CuPy device copy on a GPU, read +
   write counted, host clock to the end of the last copy), and the bytes all ranks of the
-  memory copied are divided by the longest of their times. Efficiency is floor / t; above
+  memory copied are divided by the longest of their times; sampled before and after each
+  size's measurements in every repeat, the fastest sample counts. Efficiency is floor / t; above
   100 % beyond noise would mean the count or the bandwidth is wrong. The bytes gpuring's own
   plan moves are reported beside it (`plan`, `plan_bytes`): a copy of k bytes moves 2k, a
   reduction 3k; the 2-rank ring all_reduce 4.5S per rank, the one-shot (n+3)S.

@@ -12,8 +12,9 @@ from .._config import parse_size
 from .._ops import SUPPORTED_DTYPES, ReduceOp, check_op_dtype
 from . import preflight
 from .metrics import MEASURED, REDUCING
+from .options import Settings
 from .peers import parse_peers
-from .runner import Settings, run
+from .runner import run
 
 __all__ = ["add_arguments", "main", "settings_from_args", "to_argv", "already_launched"]
 

@@ -10,7 +10,7 @@ import platform
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -26,19 +26,33 @@ from .metrics import (
     required_traffic,
     shared_floor,
 )
+from .options import Settings
 from .stats import Summary, combine_ranks, per_iteration
 from .systems import Arena, Buffers, System, Unsupported, make_buffers
 from .timing import Backend, blocking, rotating, time_calls, time_loop
 
-if TYPE_CHECKING:
-    from .runner import Settings
-
-__all__ = ["Case", "Measurer", "CORRUPT_ENV", "OFF_CACHE_SETS"]
+__all__ = ["Case", "Measurer", "CORRUPT_ENV", "OFF_CACHE_SETS", "COPY_SAMPLES", "fastest"]
 
 #: testing hook: with "1", rank 0 spoils one element of every checked result
 CORRUPT_ENV = "GPURING_BENCH_CORRUPT"
 #: the most buffer sets --off-cache rotates over
 OFF_CACHE_SETS = 1024
+#: samples of the copy bandwidth each time it is measured (`Measurer.memories_at`,
+#: `Measurer.bandwidth`): a memory's bandwidth is the fastest of them
+COPY_SAMPLES = 2
+
+
+def fastest(samples: list[list[Memory]]) -> list[Memory]:
+    """Each memory's best bandwidth over `samples` (each a list of the same memories, as
+    `group_memories` makes them): the most the memory showed it can move. A sample slowed by
+    something else running then (another process, a page fault, a frequency change) would
+    set a floor the memory does not have, and efficiencies above 100 %."""
+    best: dict[str, Memory] = {}
+    for sample in samples:
+        for m in sample:
+            if m.name not in best or m.GBps > best[m.name].GBps:
+                best[m.name] = Memory(m.name, list(m.ranks), m.GBps)
+    return list(best.values())
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,7 @@ class Measurer:
         self.n, self.rank = comm.size, comm.rank
         self.corrupt = os.environ.get(CORRUPT_ENV, "") == "1"
         self.notes: dict[str, str] = {}
-        self._memories_at: dict[int, list[Memory]] = {}
+        self._memories_at: dict[int, list[list[Memory]]] = {}  # size: every sample
         self._cache = backend.cache_bytes()
         self.arena: Arena | None = None  # -R 1: registered memory the arrays are carved from
 
@@ -97,6 +111,8 @@ class Measurer:
             self._rewind()
             all_buffers = [self._buffers(case, placement) for _ in range(self.sets(case))]
             calls = [system.call(kind, b, case.op, case.root) for b in all_buffers]
+            for b in all_buffers:
+                b.steady(kind, case.op)
         except Unsupported as exc:
             self.notes.setdefault(f"{system.name} {kind} {case.op}", f"{system.name}: {exc}")
             return None
@@ -271,6 +287,7 @@ class Measurer:
                         fn = system.call(case.collective, buffers, case.op, case.root)
                     except Unsupported:
                         continue
+                    buffers.steady(case.collective, case.op)
                     for _ in range(self.s.warmup):
                         fn()
                     self.backend.synchronize()
@@ -291,31 +308,39 @@ class Measurer:
                                      self.backend.name)
 
     def bandwidth(self) -> dict[str, Any]:
-        """The memories' bandwidth on `membw_bytes` copies (the header's figure)."""
+        """The memories' bandwidth on `membw_bytes` copies (the header's figure): the fastest
+        of `COPY_SAMPLES` samples, per memory and per rank."""
         repeats = 5
-        table, memories = self._copies(self.s.membw_bytes, repeats)
-        per_rank = table[:, 2] / table[:, 3] / 1e9
+        samples = [self._copies(self.s.membw_bytes, repeats) for _ in range(COPY_SAMPLES)]
+        per_rank = np.max([table[:, 2] / table[:, 3] / 1e9 for table, _ in samples], axis=0)
+        memories = fastest([found for _, found in samples])
         what = "CuPy device copy" if self.backend.name == "cuda" else "NumPy copy"
         return {"GBps_per_rank": float(per_rank.mean()), "per_rank": per_rank.tolist(),
                 "memories": [{"memory": m.name, "ranks": m.ranks, "GBps": m.GBps}
                              for m in memories],
                 "cache_bytes": self._cache,
                 "method": f"{what} of {self.s.membw_bytes >> 20} MiB, {repeats} in a row, on "
-                          "every rank at once, read + write counted; a memory's GBps = the "
-                          "bytes all ranks sharing it copied / the longest of their times; "
-                          "per_rank = each rank's bytes / its own time"}
+                          "every rank at once, read + write counted, the fastest of "
+                          f"{COPY_SAMPLES} samples; a memory's GBps = the bytes all ranks "
+                          "sharing it copied / the longest of their times; per_rank = each "
+                          "rank's bytes / its own time"}
 
     def memories_at(self, size: int) -> list[Memory]:
-        """The memories' bandwidth at one size: every rank copies `size` bytes (a working set
-        of 2 x size, as a collective's input and output) `copy_repeats(size)` times in a
-        row, all ranks at once. Remembered per size."""
-        if size not in self._memories_at:
-            self._memories_at[size] = self._copies(max(size, 8), copy_repeats(size))[1]
-        return self._memories_at[size]
+        """The memories' bandwidth at one size, sampled again: `COPY_SAMPLES` times, every
+        rank copies `size` bytes (a working set of 2 x size, as a collective's input and
+        output) `copy_repeats(size)` times in a row, all ranks at once. The runner samples
+        before and after each size's measurements, in every repeat; what is returned (and
+        what the floor uses, `memories_known`) is each memory's fastest sample at this size
+        so far."""
+        samples = self._memories_at.setdefault(size, [])
+        for _ in range(COPY_SAMPLES):
+            samples.append(self._copies(max(size, 8), copy_repeats(size))[1])
+        return fastest(samples)
 
     def memories_known(self, size: int) -> list[Memory]:
-        """What `memories_at(size)` measured (empty before it ran)."""
-        return self._memories_at.get(size, [])
+        """Each memory's fastest sample at `size` so far (empty before `memories_at(size)`
+        ran)."""
+        return fastest(self._memories_at.get(size, []))
 
     def floor(self, gp: Summary, memories: list[Memory]) -> report.Floor | None:
         """The memory-bandwidth floor of gpuring's line `gp`: the bytes the collective must

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 __all__ = ["COLLECTIVES", "MEASURED", "ROOTED", "REDUCING", "bus_factor", "size_series",
            "align_bytes", "plan_count", "memory_traffic", "rank_traffic", "closed_form_traffic",
-           "required_traffic", "copy_repeats", "Memory", "group_memories", "shared_floor"]
+           "required_traffic", "copy_repeats", "Memory", "group_memories", "shared_floor", "STEADY"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 #: what `gpuring bench` measures: the collectives, and the barrier's latency
@@ -16,6 +16,9 @@ ROOTED = ("broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 OUT_OF_PLACE = "out-of-place"
 IN_PLACE = "in-place"
+#: the value an in-place reduction by this op maps to itself on every rank, call after call,
+#: which its timed calls work on (min, max and avg keep any input within its range)
+STEADY = {"sum": 0, "prod": 1}
 
 
 def bus_factor(kind: str, n: int) -> float:

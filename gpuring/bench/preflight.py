@@ -14,12 +14,10 @@ import importlib
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .options import Settings
 from .peers import all_ranks_ok
-
-if TYPE_CHECKING:
-    from .runner import Settings
 
 __all__ = ["problems", "device_problems", "output_problems", "agree", "check_ranks"]
 

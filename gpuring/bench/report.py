@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import IN_PLACE, OUT_OF_PLACE, REDUCING, ROOTED
+from .metrics import IN_PLACE, OUT_OF_PLACE, REDUCING, ROOTED, STEADY
 
 __all__ = ["Result", "Floor", "SCHEMA", "header_lines", "table_header", "table_row",
            "footer_lines", "driver_lines", "repeat_lines", "overlap_lines", "peer_lines",
@@ -185,15 +185,24 @@ def header_lines(machine: dict[str, Any], settings: dict[str, Any],
                    3: "the slowest rank's"}[settings.get("average", 1)]
         lines.append(f"# time: one barrier, then {settings['iters']} calls back to back, time "
                      f"per call; {combine} (-a {settings.get('average', 1)}); {how}")
+    steady = [op for op in settings.get("ops", []) if op in STEADY
+              and settings.get("collective") in REDUCING]
     lines.append(f"# warm-up: {settings['warmup']} calls of each system in each placement at "
                  "every size of a dtype, op and root, before them, in every repeat; systems "
-                 "alternate going first; checks run apart from the timed calls")
+                 "alternate going first; checks run apart from the timed calls, on the real "
+                 "inputs" + (f"; in place, timed {' and '.join(steady)} calls run on "
+                             f"{' and '.join(_WORDS[STEADY[op]] for op in steady)}, which "
+                             f"{'that op keeps' if len(steady) == 1 else 'those ops keep'} "
+                             "call after call" if steady else ""))
     if bandwidth is not None:
         lines.append(f"# floor: the bytes the collective must move, over the copy bandwidth "
-                     f"at each size; at 128 MiB: {floor_basis(bandwidth)} (each with all its "
-                     "ranks copying at once); the ranks sharing a memory move all their bytes "
-                     "through it")
+                     f"at each size (the fastest sample around it); at 128 MiB: "
+                     f"{floor_basis(bandwidth)} (each with all its ranks copying at once); the "
+                     "ranks sharing a memory move all their bytes through it")
     return lines
+
+
+_WORDS = {0: "zeros", 1: "ones"}
 
 
 def table_header() -> list[str]:
@@ -380,8 +389,10 @@ def floor_lines(bandwidth: dict[str, Any], floors: list[Floor]) -> list[str]:
              "once, every output byte written once: 2 x size per rank for all_reduce; not "
              "gpuring's plan, whose bytes are the `plan` column), summed over the ranks sharing "
              "a memory (k ranks moving the same: k x bytes/rank), over that memory's copy "
-             "bandwidth measured at the same size (every rank copying `size` bytes at once, "
-             "about 64 MiB in all), for the most loaded memory; efficiency = floor / gpuring's "
+             "bandwidth at the same size (every rank copying `size` bytes at once, about 64 MiB "
+             "in all; the fastest of the samples taken before and after the size's "
+             "measurements in every repeat), for the most loaded memory; efficiency = floor / "
+             "gpuring's "
              "time (the median over repeats); cache: input and output fit in the largest "
              f"cache. (At 128 MiB: {floor_basis(bandwidth)}; {bandwidth['method']}.)"]
     if not floors:

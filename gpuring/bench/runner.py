@@ -7,7 +7,7 @@ import datetime
 import functools
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from .metrics import (
     align_bytes,
     size_series,
 )
+from .options import Settings
 from .peers import select_peers
 from .progress import Output, stream_path_from_env
 from .stats import Summary, combine_ranks, summarize
@@ -29,40 +30,6 @@ from .systems import Gpuring, GpuringPersistent, System
 from .timing import Backend, cuda_backend, host_backend
 
 __all__ = ["Settings", "run", "CORRUPT_ENV", "combine_ranks", "cases_of"]
-
-
-@dataclass
-class Settings:
-    """Everything one `gpuring bench` run needs (sizes in bytes)."""
-
-    collective: str = "all_reduce"
-    min_bytes: int = 8
-    max_bytes: int = 64 << 20
-    factor: int = 2
-    step_bytes: int | None = None  # -i: sizes grow by this many bytes instead of by -f
-    iters: int = 20
-    warmup: int = 5
-    average: int = 1  # nccl-tests' -a: 0 rank 0, 1 average, 2 minimum, 3 maximum
-    per_iteration: bool = False
-    repeats: int = 1  # -N: the whole sweep this many times
-    blocking: bool = False  # -z 1: wait for every call to complete
-    graph_launches: int = 0  # -G: launches of a CUDA graph of `iters` calls (0: no graphs)
-    check_iters: int = 1
-    ops: list[str] = field(default_factory=lambda: ["sum"])
-    dtypes: list[str] = field(default_factory=lambda: ["float32"])
-    roots: list[int] = field(default_factory=lambda: [0])
-    device: str = "cpu"
-    peers: list[str] = field(default_factory=list)
-    chunk_bytes: int | None = None
-    channels: int | None = None
-    off_cache: bool = False
-    registered: bool = False  # -R 1: every array in registered memory (comm.empty)
-    overlap: bool = False
-    persistent: bool = False  # -P: gpuring's persistent form too, as the system "persist"
-    json: str | None = None
-    csv: str | None = None
-    plot: str | None = None
-    membw_bytes: int = 128 << 20
 
 
 def cases_of(s: Settings, n: int) -> list[list[Case]]:
@@ -124,10 +91,8 @@ def _in_force(comm: Any, device: str, registered: bool) -> dict[str, Any]:
 
     config = comm.config
     devices = device_class(device)
-    engine = comm._path.engines.get(device)  # its default piece depends on the job
     values = {
-        "chunk_bytes": config.chunk_bytes or (engine.default_chunk_bytes if engine else
-                                              devices.default_chunk_bytes),
+        "chunk_bytes": comm.chunk_bytes_for(device),
         "channels": config.channels or devices.default_channels,
         "buffer_bytes": config.buffer_bytes or devices.default_buffer_bytes,
         "one_shot_bytes": config.one_shot_bytes, "transport": config.transport,
@@ -180,6 +145,8 @@ def _run(s: Settings, comm: Any, backend: Backend, out: Output, peers: list[Syst
                     expected = expected_for_rank(case.collective, case.op,
                                                  functools.partial(m.source, case), n, rank,
                                                  case.root)
+                if n > 1 and case.size:  # the copy bandwidth around the size: before it
+                    m.memories_at(case.size)  # and after it, every rank in step
                 row: dict[str, report.Result] = {}
                 # systems take turns going first from one size to the next
                 for system in systems if (index + repeat) % 2 == 0 else systems[::-1]:

@@ -9,23 +9,26 @@ import threading
 import warnings
 from typing import Any
 
-__all__ = ["FLAGS_ENV", "check_cu", "memops_support", "occupancy", "warn_spin_waits", "Scope"]
+__all__ = ["FLAGS_ENV", "MEMCPY_DEFAULT", "cupy_module", "check_cu", "memops_support",
+           "flag_waits", "occupancy", "warn_spin_waits", "Scope"]
 
 #: the setting that selects how flags are waited for (gpuring.settings declares it)
 FLAGS_ENV = "GPURING_CUDA_FLAGS"
+#: cudaMemcpyDefault (a stable ABI value): the direction follows from the pointers
+MEMCPY_DEFAULT = 4
 
 
-_cupy_module: Any = None
+_cupy: Any = None
 
 
-def _cupy() -> Any:
+def cupy_module() -> Any:
     """The cupy module, imported on first use (it needs a CUDA driver to import)."""
-    global _cupy_module
-    if _cupy_module is None:
+    global _cupy
+    if _cupy is None:
         import cupy
 
-        _cupy_module = cupy
-    return _cupy_module
+        _cupy = cupy
+    return _cupy
 
 
 def check_cu(result: tuple[Any, ...], what: str) -> None:
@@ -58,6 +61,21 @@ def memops_support(device_id: int) -> str | None:
     return None
 
 
+def flag_waits(requested: str, device_id: int) -> str:
+    """How the streams of device `device_id` wait for flags, as `requested` (GPURING_CUDA_FLAGS:
+    "memops", "kernel" or "auto"): "memops" (stream memory operations) where asked and
+    available, else "kernel" (spinning kernels; auto says why, once: `warn_spin_waits`)."""
+    mode = requested.lower()
+    if mode not in ("auto", "memops", "kernel"):
+        raise ValueError(f"{FLAGS_ENV}={mode!r}: use memops, kernel or auto")
+    why_not = memops_support(device_id)
+    if mode == "memops" and why_not is not None:
+        raise RuntimeError(f"{FLAGS_ENV}=memops, but {why_not}; use {FLAGS_ENV}=kernel")
+    if mode == "auto" and why_not is not None:
+        warn_spin_waits(why_not)
+    return "memops" if mode != "kernel" and why_not is None else "kernel"
+
+
 def occupancy(kernel: Any, threads: int) -> int | None:
     """Blocks of `threads` threads of `kernel` that fit on one SM at once, as the driver
     computes it from the kernel's registers and shared memory
@@ -78,7 +96,7 @@ def occupancy(kernel: Any, threads: int) -> int | None:
     except Exception:  # no cuda-bindings, or no driver library behind it
         pass
     try:
-        blocks = _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        blocks = cupy_module().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
             handle, threads, 0)
     except Exception:  # an old CuPy, a driver error
         return None
@@ -101,7 +119,7 @@ def warn_spin_waits(reason: str) -> None:
         "hand-off can cost a whole time slice. Install cuda-bindings matching your CUDA "
         "driver (pip install 'gpuring[cuda13]' or 'gpuring[cuda12]'), and start MPS "
         f"(nvidia-cuda-mps-control -d) for shared GPUs; {FLAGS_ENV}=kernel silences this.",
-        RuntimeWarning, stacklevel=4)
+        RuntimeWarning, stacklevel=5)
 
 
 class _Thread(threading.local):
@@ -123,7 +141,7 @@ class Scope:
     def __init__(self, device_id: int):
         self._id = device_id
         self._local = _Thread()
-        self._get_device = _cupy().cuda.runtime.getDevice
+        self._get_device = cupy_module().cuda.runtime.getDevice
 
     def enter(self) -> contextlib.AbstractContextManager[Any]:
         """What `with` enters: nothing to do where the device is current already and this
@@ -139,7 +157,7 @@ class Scope:
         return self
 
     def __enter__(self) -> None:
-        cuda = _cupy().cuda
+        cuda = cupy_module().cuda
         runtime = cuda.runtime
         restore = None
         if runtime.getDevice() != self._id:
@@ -156,4 +174,4 @@ class Scope:
     def __exit__(self, *exc: object) -> None:
         restore = self._local.stack.pop()
         if restore is not None:
-            _cupy().cuda.runtime.setDevice(restore)
+            cupy_module().cuda.runtime.setDevice(restore)

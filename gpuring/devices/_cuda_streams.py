@@ -1,74 +1,92 @@
-"""CudaDevice's memory records, events and streams: every stream operation is one or a few
-driver calls (a copy, a kernel launch, a stream memory operation, an event record or wait),
-counted in the device's `operations`. See `gpuring.devices.cuda` for the design."""
+"""CudaDevice's events and streams: every stream operation is one or a few driver calls (a
+copy, a kernel launch, a stream memory operation, an event record or wait), counted in the
+device's `operations`. What a stream asks of its device is `StreamDevice`. See
+`gpuring.devices.cuda` for the design."""
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._ops import ReduceOp
 from . import _kernels
-from ._cuda_driver import _cupy, check_cu
-from .base import Event, Flag, FlagWaitAborted, Memory, Span, Stream
+from ._cuda_driver import MEMCPY_DEFAULT, check_cu, cupy_module
+from ._cuda_memory import CudaMemory
+from ._streams import Event, Flag, FlagWaitAborted, Span, Stream
 
-if TYPE_CHECKING:
-    from .cuda import CudaDevice
-
-__all__ = ["CudaMemory", "THREADS"]
+__all__ = ["THREADS", "CudaEvent", "CudaStream", "StreamDevice", "addr", "flag_addr",
+           "new_event", "take_event", "record_on"]
 
 # CUDA runtime constants (stable ABI values)
-_MEMCPY_DEFAULT = 4
 _SUCCESS = 0
 _NOT_READY = 600  # cudaErrorNotReady
 #: threads per block of the data kernels
 THREADS = 256
 _RECENT_WAITS = 256  # waits remembered per stream, for error messages and abort
-
-
-class CudaMemory(Memory):
-    """Device memory: `kind` is "local" (allocated here), "peer" (opened from a peer) or
-    "borrowed" (a user's array)."""
-
-    def __init__(self, ptr: int, nbytes: int, kind: str, owner: Any = None):
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.kind = kind
-        self._owner = owner  # keeps the cupy Memory / array alive
-
-    def release(self) -> None:
-        """Drop the reference that keeps the allocation alive (frees a local allocation)."""
-        self._owner = None
-        self.ptr = 0
-
-    def __repr__(self) -> str:
-        return f"CudaMemory({self.kind}, ptr={self.ptr:#x}, nbytes={self.nbytes})"
-
-
-_new = object.__new__
-
 #: events kept for reuse per device (creating one is a driver call)
 _SPARE_EVENTS = 64
 
 
-class _CudaEvent(Event):
-    __slots__ = ("_device", "_spare", "raw")
+class StreamDevice(Protocol):
+    """What a stream and its events ask of their device (`CudaDevice`)."""
+
+    device_id: int
+    #: `with device.scope():` the device is current in the calling thread
+    scope: Callable[[], AbstractContextManager[Any]]
+    #: "memcpy" or "kernel" (GPURING_CUDA_COPY); "memops" or "kernel" (GPURING_CUDA_FLAGS)
+    copy_mode: str
+    flags_mode: str
+    #: the abort word every kernel checks first, and the status word (see `_cuda_waits`)
+    abort_ptr: int
+    status_ptr: int
+    timeout: float
+    timeout_ns: int
+    #: driver calls made to enqueue work or make events (`Device.operations`)
+    operations: int
+    #: events recorded before that nothing holds any more, free to record again
+    spare_events: list[Any]
+    #: the last event recorded on a caller's stream
+    last_on_caller: CudaEvent | None
+
+    @property
+    def aborted(self) -> str | None: ...
+
+    def check(self, tag: Any = None, stream: CudaStream | None = None) -> None: ...
+
+    def timeout_error(self, stream: CudaStream | None) -> Exception: ...
+
+    def note_wait_word(self, word: int) -> None: ...
+
+    def grid_for(self, kernel: Any, n: int, per_thread: int) -> int: ...
+
+    def reduce_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]: ...
+
+    def reduce_n_kernel(self, dtype: str, op: ReduceOp) -> tuple[Any, int]: ...
+
+
+_new = object.__new__
+
+
+class CudaEvent(Event):
+    """A CUDA event. `scope` makes its device current; `spare` (where not None) is where
+    the raw event goes back once this object is gone (`record_on`)."""
+
+    __slots__ = ("raw", "scope", "spare")
     _SPARE_EVENTS_KEPT = _SPARE_EVENTS
 
-    def __init__(self, raw: Any, device: CudaDevice, *, reuse: bool = False):
-        """`reuse`: `raw` came from `CudaDevice._event` and goes back to it once this object
-        is gone. Nothing else holds it then, so recording it again is safe: the waits queued
-        on it already took the record they saw."""
+    def __init__(self, raw: Any, scope: Callable[[], AbstractContextManager[Any]],
+                 spare: list[Any] | None = None):
         self.raw = raw
-        self._device = device
-        self._spare: list[Any] | None = device._spare_events if reuse else None
+        self.scope = scope
+        self.spare = spare
 
     def __del__(self) -> None:
-        spare = getattr(self, "_spare", None)  # None too if __init__ did not finish
+        spare = getattr(self, "spare", None)  # None too if __init__ did not finish
         if spare is not None and len(spare) < self._SPARE_EVENTS_KEPT:
             spare.append(self.raw)  # builtins only: this may run late in interpreter exit
 
@@ -76,8 +94,8 @@ class _CudaEvent(Event):
         """True once the stream passed the event; raises the CUDA error of a failed kernel
         (`Event.done` would read False forever instead). Any thread may ask (the watchdog
         does): the query runs with this device current."""
-        runtime = _cupy().cuda.runtime
-        with self._device.scope():
+        runtime = cupy_module().cuda.runtime
+        with self.scope():
             status = runtime.eventQuery(self.raw.ptr)
         if status == _SUCCESS:
             return True
@@ -87,7 +105,37 @@ class _CudaEvent(Event):
         raise RuntimeError(f"cudaEventQuery returned {status}")
 
 
-def _addr(span_or_flag: Span | Flag) -> int:
+def new_event() -> Any:
+    """A new CuPy event to record (a driver call); inside the device's `scope()`."""
+    return cupy_module().cuda.Event(block=False, disable_timing=True)
+
+
+def take_event(device: StreamDevice) -> Any:
+    """An event to record: one the device recorded before and nothing holds any more (given
+    back by a collected `CudaEvent`), else a new one (counted). Inside `device.scope()`."""
+    try:
+        return device.spare_events.pop()
+    except IndexError:
+        device.operations += 1
+        return new_event()
+
+
+def record_on(device: StreamDevice, raw_stream: Any) -> CudaEvent:
+    """An event recorded on the CuPy stream `raw_stream` (inside `device.scope()`), which
+    goes back to the device's spare events once the returned object is gone: nothing else
+    holds it then, so recording it again is safe (the waits queued on it already took the
+    record they saw)."""
+    raw = take_event(device)
+    raw.record(raw_stream)
+    device.operations += 1
+    # CudaEvent(raw, device.scope, spare) without the call of __init__ (on every call's path)
+    event = _new(CudaEvent)
+    event.raw, event.scope, event.spare = raw, device.scope, device.spare_events
+    return event
+
+
+def addr(span_or_flag: Span | Flag) -> int:
+    """The device address of a span or flag of live CUDA memory."""
     mem = span_or_flag.mem
     if not isinstance(mem, CudaMemory) or not mem.ptr:
         raise ValueError(f"not live CUDA memory: {mem!r}")
@@ -101,40 +149,37 @@ def _elements(span: Span, itemsize: int, dtype: str) -> int:
     return span.nbytes // itemsize
 
 
-def _inbox(region: Span, producer: int) -> Flag:
-    """The word of `region`'s inbox where `producer` tells its rank (the first block's row of
-    the one-kernel all_reduce's inbox: the two forms never run in one job)."""
-    return Flag(region.mem, region.offset + _kernels.FUSED_INBOX + 8 * producer)
-
-
-def _flag_addr(flag: Flag) -> int:
+def flag_addr(flag: Flag) -> int:
+    """The device address of a flag: an aligned 8-byte word of its memory."""
     if flag.offset % 8 or flag.offset + 8 > flag.mem.nbytes:
         raise ValueError(f"flag at offset {flag.offset} is not an aligned 8-byte word in "
                          f"{flag.mem.nbytes} bytes")
-    return _addr(flag)
+    return addr(flag)
 
 
-class _CudaStream(Stream):
+class CudaStream(Stream):
     """A CuPy non-blocking stream. Every method only enqueues (except synchronize)."""
 
-    def __init__(self, device: CudaDevice, raw: Any, *, caller: bool = False):
+    def __init__(self, device: StreamDevice, raw: Any, *, caller: bool = False):
         """`caller`: a stream of the caller's, which only one-kernel all_reduces use."""
         self._device = device
         self.raw = raw
         self._caller = caller
+        #: the recent flag waits: (flag, value, tag)
         self.waits: collections.deque[tuple[Flag, int, Any]] = collections.deque(
             maxlen=_RECENT_WAITS)
-        #: (driver module, the driver's CUstream) for stream memory operations
-        self._cu: tuple[Any, Any] | None = None
+        #: (driver module, the driver's CUstream) for stream memory operations, once made
+        #: (`driver_stream`)
+        self.cu: tuple[Any, Any] | None = None
 
-    def _driver_stream(self) -> tuple[Any, Any]:
+    def driver_stream(self) -> tuple[Any, Any]:
         """(driver module, CUstream), made once per stream. Called inside `scope()`, which
         makes the device's context current for the driver call."""
-        found = self._cu
+        found = self.cu
         if found is None:
             from cuda.bindings import driver
 
-            found = self._cu = (driver, driver.CUstream(self.raw.ptr))
+            found = self.cu = (driver, driver.CUstream(self.raw.ptr))
         return found
 
     def copy(self, dst: Span, src: Span) -> None:
@@ -153,12 +198,12 @@ class _CudaStream(Stream):
                 kernel = _kernels.get_function(_kernels.COPY_KERNEL, dev.device_id)
                 kernel(
                     (dev.grid_for(kernel, n, 16),), (THREADS,),
-                    (np.uint64(_addr(dst)), np.uint64(_addr(src)), np.uint64(n),
+                    (np.uint64(addr(dst)), np.uint64(addr(src)), np.uint64(n),
                      np.uint64(dev.abort_ptr)),
                     stream=self.raw)
             else:
-                runtime = _cupy().cuda.runtime
-                runtime.memcpyAsync(_addr(dst), _addr(src), dst.nbytes, _MEMCPY_DEFAULT,
+                runtime = cupy_module().cuda.runtime
+                runtime.memcpyAsync(addr(dst), addr(src), dst.nbytes, MEMCPY_DEFAULT,
                                     self.raw.ptr)
         dev.operations += 1
 
@@ -173,7 +218,7 @@ class _CudaStream(Stream):
             return
         with dev.scope():
             kernel((dev.grid_for(kernel, n, max(1, 16 // itemsize)),), (THREADS,),
-                   (np.uint64(_addr(dst)), np.uint64(_addr(a)), np.uint64(_addr(b)),
+                   (np.uint64(addr(dst)), np.uint64(addr(a)), np.uint64(addr(b)),
                     np.uint64(n), np.int64(divisor), np.uint64(dev.abort_ptr)),
                    stream=self.raw)
         dev.operations += 1
@@ -188,8 +233,8 @@ class _CudaStream(Stream):
         n = _elements(dst, itemsize, dtype)
         if n == 0:
             return
-        out = _addr(dst)
-        launches = _kernels.fold_launches(out, [_addr(s) for s in srcs])
+        out = addr(dst)
+        launches = _kernels.fold_launches(out, [addr(s) for s in srcs])
         with dev.scope():
             grid = (dev.grid_for(kernel, n, max(1, 16 // itemsize)),)
             for sources, last in launches:
@@ -207,20 +252,20 @@ class _CudaStream(Stream):
         if not (isinstance(flag.mem, CudaMemory) and flag.mem.kind == "local"):
             raise ValueError("a stream may only wait on a flag in memory this device "
                              f"allocated (abort must be able to release it), not {flag.mem!r}")
-        addr = _flag_addr(flag)
-        dev.note_wait_word(addr)
+        word = flag_addr(flag)
+        dev.note_wait_word(word)
         self.waits.append((flag, value, tag))
         with dev.scope():
             if dev.flags_mode == "memops":
-                driver, cu = self._driver_stream()
+                driver, cu = self.driver_stream()
                 geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
                 check_cu(driver.cuStreamWaitValue64(
-                    cu, driver.CUdeviceptr(addr), driver.cuuint64_t(value), geq),
+                    cu, driver.CUdeviceptr(word), driver.cuuint64_t(value), geq),
                     "cuStreamWaitValue64")
             else:
                 _kernels.get_function(_kernels.WAIT_FLAG_KERNEL, dev.device_id)(
                     (1,), (1,),
-                    (np.uint64(addr), np.uint64(value), np.uint64(dev.timeout_ns),
+                    (np.uint64(word), np.uint64(value), np.uint64(dev.timeout_ns),
                      np.uint64(dev.status_ptr), np.uint64(dev.abort_ptr)),
                     stream=self.raw)
         dev.operations += 1
@@ -231,10 +276,10 @@ class _CudaStream(Stream):
         queued before the abort would still run once the stream is released)."""
         dev = self._device
         dev.check()
-        addr = _flag_addr(flag)
+        word = flag_addr(flag)
         with dev.scope():
             _kernels.get_function(_kernels.WRITE_FLAG_KERNEL, dev.device_id)(
-                (1,), (1,), (np.uint64(addr), np.uint64(value), np.uint64(dev.abort_ptr)),
+                (1,), (1,), (np.uint64(word), np.uint64(value), np.uint64(dev.abort_ptr)),
                 stream=self.raw)
         dev.operations += 1
 
@@ -245,7 +290,7 @@ class _CudaStream(Stream):
             return
         dev = self._device
         dev.check()
-        addrs = [_flag_addr(flag) for flag in flags]
+        addrs = [flag_addr(flag) for flag in flags]
         kernel = _kernels.get_function(_kernels.WRITE_FLAGS_KERNEL, dev.device_id)
         with dev.scope():
             for first in range(0, len(addrs), _kernels.MAX_FLAGS):
@@ -264,21 +309,15 @@ class _CudaStream(Stream):
         with self._device.scope():
             return self.record_in_scope()
 
-    def record_in_scope(self) -> _CudaEvent:
+    def record_in_scope(self) -> CudaEvent:
         """`record()` where the device is current already (inside `device.scope()`)."""
-        dev = self._device
-        raw = dev._event()
-        raw.record(self.raw)
-        dev.operations += 1
-        # _CudaEvent(raw, dev, reuse=True) without the call of __init__ (on every call's path)
-        event = _new(_CudaEvent)
-        event.raw, event._device, event._spare = raw, dev, dev._spare_events
+        event = record_on(self._device, self.raw)
         if self._caller:
-            dev.last_on_caller = event
+            self._device.last_on_caller = event
         return event
 
     def wait_event(self, event: Event) -> None:
-        if not isinstance(event, _CudaEvent):
+        if not isinstance(event, CudaEvent):
             raise TypeError(f"not a CUDA event: {event!r}")
         with self._device.scope():
             self.raw.wait_event(event.raw)

@@ -8,9 +8,9 @@ import os
 
 import numpy as np
 
-from .base import Flag, Memory
+from ._streams import Flag, Memory
 
-__all__ = ["HostMemory", "HostArray"]
+__all__ = ["HostMemory", "HostArray", "check_local", "unlink_quietly"]
 
 
 class HostMemory(Memory):
@@ -36,7 +36,7 @@ class HostMemory(Memory):
     def release(self) -> None:
         """Unmap (and remove the file if this process created it and still names it)."""
         if self.owner and self.path is not None:
-            _unlink_quietly(self.path)
+            unlink_quietly(self.path)
             self.path = None
         if self.mapping is not None:
             if self.i64 is not None:
@@ -70,14 +70,14 @@ class HostArray(Memory):
         return self.u8[offset:offset + nbytes].view(dtype)
 
 
-def _check_local(flag: Flag) -> None:
+def check_local(flag: Flag) -> None:
     """Streams wait only on flags in memory this process allocated (see Stream.wait_flag)."""
     if not (isinstance(flag.mem, HostMemory) and flag.mem.owner):
         raise ValueError(f"a stream may only wait on a flag in memory this device allocated, "
                          f"not {flag.mem!r}")
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

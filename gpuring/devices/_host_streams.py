@@ -10,18 +10,35 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._ops import ReduceOp
-from ._host_memory import _check_local
-from .base import Event, Flag, Span, Stream
+from ._host_memory import check_local
+from ._streams import Event, Flag, Span, Stream
 
-if TYPE_CHECKING:
-    from .host import HostDevice
+__all__ = ["UFUNCS", "fold_into", "average_into", "HostEvent", "InlineStream", "ThreadStream",
+           "StreamOwner"]
 
-_UFUNCS = {
+
+class StreamOwner(Protocol):
+    """What a stream asks of its device (`HostDevice`)."""
+
+    #: sleep a random few hundred microseconds before some operations (see `HostDevice`)
+    jitter: bool
+
+    def check_aborted(self, tag: Any) -> None:
+        """Raise FlagWaitAborted(tag) once the device is aborted."""
+
+    def wait_flag(self, flag: Flag, value: int, tag: Any) -> None:
+        """Block until the flag reaches value (bounded, cut short by abort)."""
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and future flag wait."""
+
+
+UFUNCS = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,
     ReduceOp.PROD: np.multiply,
@@ -30,7 +47,7 @@ _UFUNCS = {
 }
 
 
-class _HostEvent(Event):
+class HostEvent(Event):
     def __init__(self, done: bool = False):
         self._done = threading.Event()
         if done:
@@ -42,21 +59,26 @@ class _HostEvent(Event):
     def set(self) -> None:
         self._done.set()
 
-    def wait(self, device: HostDevice) -> None:
-        while not self._done.wait(0.05):
+    def wait(self, device: StreamOwner) -> None:
+        while not self.wait_for(0.05):
             device.check_aborted(("event",))
+
+    def wait_for(self, seconds: float) -> bool:
+        """Block until the event completes or `seconds` pass; whether it completed."""
+        return self._done.wait(seconds)
 
 
 class _StreamBase(Stream):
     """Operation bodies shared by inline and threaded streams."""
 
-    def __init__(self, device: HostDevice):
+    def __init__(self, device: StreamOwner):
         self._device = device
         self._rng = random.Random(secrets.randbits(32)) if device.jitter else None
         if self._rng is None:
-            self._jitter = self._no_jitter  # type: ignore[method-assign]
+            self.jitter = self._no_jitter  # type: ignore[method-assign]
 
-    def _jitter(self) -> None:
+    def jitter(self) -> None:
+        """Sleep a random few hundred microseconds, now and then, in jitter mode."""
         if self._rng is not None and self._rng.random() < 0.3:
             time.sleep(self._rng.random() * 300e-6)
 
@@ -64,39 +86,39 @@ class _StreamBase(Stream):
         pass
 
     def _do_copy(self, dst: Span, src: Span) -> None:
-        self._jitter()
+        self.jitter()
         d = dst.mem.u8[dst.offset:dst.offset + dst.nbytes]  # type: ignore[attr-defined]
         s = src.mem.u8[src.offset:src.offset + src.nbytes]  # type: ignore[attr-defined]
         np.copyto(d, s)
 
     def _do_reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
                    divisor: int) -> None:
-        self._jitter()
+        self.jitter()
         d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
         x = a.mem.view(a.offset, a.nbytes, dtype)  # type: ignore[attr-defined]
         y = b.mem.view(b.offset, b.nbytes, dtype)  # type: ignore[attr-defined]
         if divisor == 1:
-            _UFUNCS[op](x, y, out=d)
+            UFUNCS[op](x, y, out=d)
         else:
-            _average_into(d, x, y, divisor)
+            average_into(d, x, y, divisor)
 
     def _do_reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
                      divisor: int) -> None:
-        self._jitter()
+        self.jitter()
         d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
-        _fold_into(d, [s.mem.view(s.offset, s.nbytes, dtype)  # type: ignore[attr-defined]
+        fold_into(d, [s.mem.view(s.offset, s.nbytes, dtype)  # type: ignore[attr-defined]
                        for s in srcs], op, divisor)
 
     def _do_wait(self, flag: Flag, value: int, tag: Any) -> None:
-        self._jitter()
+        self.jitter()
         self._device.wait_flag(flag, value, tag)
 
     def _do_write(self, flag: Flag, value: int) -> None:
-        self._jitter()
+        self.jitter()
         flag.mem.i64[flag.offset >> 3] = value  # type: ignore[attr-defined]
 
 
-def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: int) -> None:
+def fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: int) -> None:
     """d = xs[0] op xs[1] op ... op xs[-1], each step one binary reduce (rounded to the
     dtype), the divisor at the last step only: exactly the chain d = xs[0] op xs[1], d = d op
     xs[2], ... d may be the same memory as any operand (an in-place fold): where it is one
@@ -104,7 +126,7 @@ def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: i
     go through a temporary."""
     if len(xs) < 2:
         raise ValueError(f"a fold needs at least two operands, not {len(xs)}")
-    ufunc = _UFUNCS[op]
+    ufunc = UFUNCS[op]
     acc = xs[0]
     last = len(xs) - 1
     into = d
@@ -113,13 +135,13 @@ def _fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: i
     for k in range(1, len(xs)):
         step_out = d if k == last else into
         if k == last and divisor != 1:
-            _average_into(step_out, acc, xs[k], divisor)
+            average_into(step_out, acc, xs[k], divisor)
         else:
             ufunc(acc, xs[k], out=step_out)
         acc = step_out
 
 
-def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
+def average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> None:
     """d = (x + y) / divisor: float16 and bfloat16 computed in float32 and rounded once;
     other floats in their own type; complex parts each divided by the divisor (as the CUDA
     kernel does; NumPy's complex division would multiply by a rounded reciprocal); integers
@@ -142,7 +164,7 @@ def _average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> 
         d[...] = quotient
 
 
-class _InlineStream(_StreamBase):
+class InlineStream(_StreamBase):
     """Runs each operation at once in the calling thread; errors raise from the call."""
 
     def copy(self, dst: Span, src: Span) -> None:
@@ -157,28 +179,28 @@ class _InlineStream(_StreamBase):
         self._do_reduce_n(dst, srcs, dtype, op, divisor)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
-        _check_local(flag)
+        check_local(flag)
         self._do_wait(flag, value, tag)
 
     def write_flag(self, flag: Flag, value: int) -> None:
         self._do_write(flag, value)
 
     def record(self) -> Event:
-        return _HostEvent(done=True)
+        return HostEvent(done=True)
 
     def wait_event(self, event: Event) -> None:
-        assert isinstance(event, _HostEvent)
+        assert isinstance(event, HostEvent)
         event.wait(self._device)
 
     def synchronize(self) -> None:
         pass
 
 
-class _ThreadStream(_StreamBase):
+class ThreadStream(_StreamBase):
     """A worker thread that runs operations in order. After an error it skips the rest,
     still completing events, and `synchronize` raises the error."""
 
-    def __init__(self, device: HostDevice):
+    def __init__(self, device: StreamOwner):
         super().__init__(device)
         self._queue: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
             collections.deque())
@@ -203,7 +225,7 @@ class _ThreadStream(_StreamBase):
                         return
                     self._ready.wait()
                 fn, args = self._queue.popleft()
-            if fn is _HostEvent.set:
+            if fn is HostEvent.set:
                 fn(*args)
                 continue
             if self._error is not None:
@@ -226,25 +248,25 @@ class _ThreadStream(_StreamBase):
         self._put(self._do_reduce_n, dst, tuple(srcs), dtype, op, divisor)
 
     def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
-        _check_local(flag)
+        check_local(flag)
         self._put(self._do_wait, flag, value, tag)
 
     def write_flag(self, flag: Flag, value: int) -> None:
         self._put(self._do_write, flag, value)
 
-    def record(self) -> _HostEvent:
-        event = _HostEvent()
-        self._put(_HostEvent.set, event)
+    def record(self) -> HostEvent:
+        event = HostEvent()
+        self._put(HostEvent.set, event)
         return event
 
     def wait_event(self, event: Event) -> None:
-        assert isinstance(event, _HostEvent)
+        assert isinstance(event, HostEvent)
         self._put(event.wait, self._device)
 
     def synchronize(self) -> None:
         event = self.record()
         while not event.query():
-            event._done.wait(0.05)
+            event.wait_for(0.05)
             if not self._thread.is_alive():
                 raise RuntimeError("stream worker died")
         if self._error is not None:

@@ -59,7 +59,7 @@ __all__ = [
     "get_function",
     "get_kernel",
     "get_reduce_n_kernel",
-    "get_direct_kernel",
+    "get_fused_kernel",
 ]
 
 SOURCE_NAME = "reduce.cu"
@@ -89,9 +89,9 @@ def reduce_n_kernel_name(dtype: str, op: ReduceOp | str) -> str:
     return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_reduce_n_", 1)
 
 
-def direct_kernel_name(dtype: str, op: ReduceOp | str) -> str:
+def fused_kernel_name(dtype: str, op: ReduceOp | str) -> str:
     """Symbol of the one-kernel collectives of `dtype` with `op` (avg uses the sum kernel)."""
-    return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_direct_", 1)
+    return reduce_kernel_name(dtype, op).replace("gpuring_reduce_", "gpuring_fused_", 1)
 
 
 _OP_PAIRS = tuple((dtype, op) for dtype in SUPPORTED_DTYPES
@@ -102,8 +102,8 @@ REDUCE_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_kernel_name(d, o) for d, o i
 REDUCE_N_KERNEL_NAMES: tuple[str, ...] = tuple(reduce_n_kernel_name(d, o) for d, o in _OP_PAIRS)
 #: every one-kernel collective in reduce.cu, one per (dtype, op)
 DIRECT_KERNEL_NAMES: tuple[str, ...] = tuple(
-    direct_kernel_name(d, o) for d, o in _OP_PAIRS)
-#: the collectives gpuring_direct_* runs, by its `kind` argument (GPURING_ALL_REDUCE ...)
+    fused_kernel_name(d, o) for d, o in _OP_PAIRS)
+#: the collectives gpuring_fused_* runs, by its `kind` argument (GPURING_ALL_REDUCE ...)
 DIRECT_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3,
                 "reduce": 4, "gather": 5, "scatter": 6, "all_to_all": 7}
 #: those whose input holds a block per rank (in rank order), and those that only copy
@@ -370,9 +370,9 @@ def get_reduce_n_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     return get_function(reduce_n_kernel_name(dtype, op), device_id)
 
 
-def get_direct_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
+def get_fused_kernel(dtype: str, op: ReduceOp | str, device_id: int) -> Any:
     """The one-kernel collectives for (dtype, op) on GPU `device_id`, with the signature
     `(out, in, n: uint64, stride: uint64, divisor: int64, kind: int32 (DIRECT_KINDS),
     root: int32, rank: int32, nranks: int32, r0, ..., r7, slot_bytes: uint64,
     timeout_ns: uint64, status, abort)`."""
-    return get_function(direct_kernel_name(dtype, op), device_id)
+    return get_function(fused_kernel_name(dtype, op), device_id)

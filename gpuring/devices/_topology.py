@@ -2,7 +2,7 @@
 between each pair, else the closest PCIe ancestor they share (as `nvidia-smi topo -m` and
 NCCL name it: PIX, PXB, PHB, NODE, SYS), whether peer-to-peer access works, and each GPU's
 NUMA node. None where NVML is unavailable (no driver, no GPU, no nvidia-ml-py). And the order
-in which a ring should visit the ranks' GPUs (`Topology.ring`).
+in which a ring should visit the ranks' GPUs (`Topology.ring`, `ring_order`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Gpu", "Topology", "read"]
+__all__ = ["Gpu", "Topology", "read", "ring_order"]
 
 #: NVML's nvmlGpuTopologyLevel_t, by the name nvidia-smi gives it
 _LEVELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -187,3 +187,13 @@ def read(nvml: Any = None) -> Topology | None:
             nvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def ring_order(bus_ids: list[str]) -> tuple[int, ...]:
+    """The ranks (on the GPUs at `bus_ids`, of this host) in the order the ring visits
+    them, along NVLink where NVML tells: the same on every rank, which reads the same host's
+    topology; () for rank order (one GPU, or no NVML)."""
+    if len(set(bus_ids)) < 2:
+        return ()
+    topology = read()
+    return () if topology is None else topology.ring(bus_ids)

@@ -1,100 +1,48 @@
-"""The device interface: the only thing the scheduler knows about memory and execution.
+"""The device interface: the only thing the engine knows about memory and execution.
 
 A device provides peer-mappable memory, ordered streams of operations, and 64-bit flags
-that streams wait on and write. `HostDevice` implements it with shared memory and threads,
-`CudaDevice` with CUDA IPC, CuPy kernels and stream memory operations. The same schedule
-runs on both.
+that streams wait on and write (`gpuring.devices._streams`), and runs the programs a schedule
+compiles to (`gpuring.devices._program`). `HostDevice` implements it with shared memory and
+threads, `CudaDevice` with CUDA IPC, CuPy kernels and stream memory operations. The same
+schedule runs on both. The names of those two modules are importable from here too.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._errors import GpuringError, PeerFailureError
 from .._ops import ReduceOp
+from ._program import (
+    CopyI,
+    Instruction,
+    ReduceI,
+    ReduceNI,
+    Runner,
+    WaitI,
+    WriteI,
+    enqueue_program,
+)
+from ._streams import (
+    Arg,
+    Event,
+    Flag,
+    FlagWaitAborted,
+    FlagWaitTimeout,
+    Memory,
+    Span,
+    Stream,
+)
 
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
 
-__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "Direct", "Device", "Capabilities",
+__all__ = ["Memory", "Span", "Arg", "Flag", "Event", "Stream", "FusedOp", "Device", "Capabilities",
            "FlagWaitTimeout",
            "FlagWaitAborted", "CopyI", "ReduceI", "ReduceNI", "WaitI", "WriteI", "Instruction",
            "Runner", "open_peer"]
-
-
-class Memory(abc.ABC):
-    """A device allocation: local, opened from a peer, or a borrowed user array."""
-
-    nbytes: int
-
-
-class Span(NamedTuple):
-    """`nbytes` bytes of `mem` starting at byte `offset`."""
-
-    mem: Memory
-    offset: int
-    nbytes: int
-
-
-class Arg(NamedTuple):
-    """`nbytes` bytes at `offset` of a memory given at each run of a program: the collective's
-    input (which = 0) or output (which = 1)."""
-
-    which: int
-    offset: int
-    nbytes: int
-
-
-class Flag(NamedTuple):
-    """The 64-bit word at byte `offset` of `mem` (8-byte aligned)."""
-
-    mem: Memory
-    offset: int
-
-
-Operand = Span | Arg
-
-
-class CopyI(NamedTuple):
-    dst: Operand
-    src: Operand
-
-
-class ReduceI(NamedTuple):
-    dst: Operand
-    a: Operand
-    b: Operand
-    divisor: int
-
-
-class ReduceNI(NamedTuple):
-    """dst = srcs[0] op srcs[1] op ... in order (see `Stream.reduce_n`)."""
-
-    dst: Operand
-    srcs: tuple[Operand, ...]
-    divisor: int
-
-
-class WaitI(NamedTuple):
-    """Wait until `flag` >= value, with value = rel + (seq << shift) for the run's seq."""
-
-    flag: Flag
-    rel: int
-    shift: int
-    tag: Any
-
-
-class WriteI(NamedTuple):
-    """Set `flag` to rel + (seq << shift)."""
-
-    flag: Flag
-    rel: int
-    shift: int
-
-
-Instruction = CopyI | ReduceI | ReduceNI | WaitI | WriteI
 
 
 class Capabilities(NamedTuple):
@@ -103,117 +51,28 @@ class Capabilities(NamedTuple):
     every rank."""
 
     #: the largest input (bytes) of a collective that runs as one operation
-    #: (`Device.prepare_direct`); 0: none
+    #: (`Device.prepare_fused`); 0: none
     fused_bytes: int = 0
     #: pieces are whole buffer regions where the user set no chunk size: the ranks share one
     #: processor, which runs one rank's work at a time, so pipelining pieces overlaps nothing
     whole_pieces: bool = False
-    #: the collectives that run as one operation (`Device.prepare_direct`) up to `fused_bytes`
+    #: the collectives that run as one operation (`Device.prepare_fused`) up to `fused_bytes`
     fused_kinds: frozenset[str] = frozenset()
-    #: those operations can be captured into a CUDA graph (nothing they enqueue changes
-    #: from call to call), and larger inputs run as one of them per piece there
-    #: (`Device.prepare_direct`'s `pieces`)
-    fused_capturable: bool = False
+    #: the collectives a CUDA graph can record (`Device.prepare_fused`'s `graph`: one operation
+    #: each, or one per piece where the input is larger); empty: none can be captured
+    graph_kinds: frozenset[str] = frozenset()
     #: the ranks in the order the ring and the chains visit them (following the fastest
     #: links between the ranks' processors); empty: rank order
     ring: tuple[int, ...] = ()
 
-#: a compiled program: runner(input memory, output memory, seq)
-Runner = Callable[[Memory | None, Memory | None, int], None]
 
-
-class FlagWaitTimeout(Exception):
-    """A flag wait ran past its deadline. Carries what was waited for."""
-
-    def __init__(self, flag: Flag, value: int, observed: int, tag: Any):
-        super().__init__(f"flag wait timed out: wanted >= {value}, saw {observed} ({tag})")
-        self.flag = flag
-        self.value = value
-        self.observed = observed
-        self.tag = tag
-
-
-class FlagWaitAborted(Exception):
-    """A flag wait was interrupted because the device was aborted."""
-
-    def __init__(self, reason: str, tag: Any):
-        super().__init__(reason)
-        self.reason = reason
-        self.tag = tag
-
-
-class Event(abc.ABC):
-    """A point in a stream that other streams (or the host) can wait for."""
-
-    @abc.abstractmethod
-    def query(self) -> bool:
-        """True once every operation before the event has completed."""
-
-
-class Stream(abc.ABC):
-    """An ordered queue of operations. Enqueueing never blocks on the operations themselves."""
-
-    @abc.abstractmethod
-    def copy(self, dst: Span, src: Span) -> None:
-        """dst[:] = src[:] (same byte count)."""
-
-    @abc.abstractmethod
-    def reduce(self, dst: Span, a: Span, b: Span, dtype: str, op: ReduceOp,
-               divisor: int = 1) -> None:
-        """dst = op(a, b) element-wise, then dst /= divisor when divisor != 1 (avg)."""
-
-    @abc.abstractmethod
-    def reduce_n(self, dst: Span, srcs: Sequence[Span], dtype: str, op: ReduceOp,
-                 divisor: int = 1) -> None:
-        """dst = srcs[0] op srcs[1] op ... op srcs[-1] element-wise (two or more sources, same
-        byte count), folded in that order with every step rounded to the dtype, then dst /=
-        divisor at the last step when divisor != 1: the same bits as `reduce(dst, srcs[0],
-        srcs[1])` followed by `reduce(dst, dst, srcs[k])` for k = 2, 3, ..., the divisor
-        passed to the last. dst may be the same memory as one source, at the same positions
-        (an in-place fold: each element is read from every source before it is written; a
-        device that cannot for some folds raises ValueError), and overlap none otherwise."""
-
-    @abc.abstractmethod
-    def wait_flag(self, flag: Flag, value: int, tag: Any = None) -> None:
-        """Hold later operations until the flag is >= value. `tag` names the wait in errors.
-        The flag must live in memory this device allocated (never a peer's): a stream waits
-        only on words its own device can write, so `Device.abort` can release every wait."""
-
-    @abc.abstractmethod
-    def write_flag(self, flag: Flag, value: int) -> None:
-        """Set the flag to value once every earlier operation is complete and visible to peers.
-        The flag may be a peer's (a producer writes into its reader's memory). Once the device
-        is aborted, writes to peers' memory are dropped: nothing computed after a failure
-        reaches a peer."""
-
-    def write_flags(self, flags: Sequence[Flag], value: int) -> None:
-        """`write_flag` of each of `flags`, all to `value` (a device may do it in one
-        operation)."""
-        for flag in flags:
-            self.write_flag(flag, value)
-
-    def capturing(self) -> bool:
-        """Whether the stream records work into a graph instead of running it (CUDA graph
-        capture). Default: never."""
-        return False
-
-    @abc.abstractmethod
-    def record(self) -> Event:
-        """An event that completes when everything enqueued so far has."""
-
-    @abc.abstractmethod
-    def wait_event(self, event: Event) -> None:
-        """Hold later operations until `event` completes."""
-
-    @abc.abstractmethod
-    def synchronize(self) -> None:
-        """Block the host until the stream is idle; raise the first error an operation hit."""
-
-
-class Direct(abc.ABC):
+class FusedOp(abc.ABC):
     """A collective prepared to run as one operation that every rank enqueues alike, every
-    rank reading its peers directly (`Device.prepare_direct`): reductions fold in rank order
+    rank reading its peers directly (`Device.prepare_fused`): reductions fold in rank order
     (the bits of `Stream.reduce_n`). It waits for the peers itself, each wait bounded."""
+
+    #: whether `run` can record it into a CUDA graph (`captured`)
+    capturable: bool = False
 
     @abc.abstractmethod
     def bind(self, out: Memory, inp: Memory) -> Any:
@@ -226,7 +85,7 @@ class Direct(abc.ABC):
     def run(self, stream: Stream, operands: Any, *, captured: bool = False) -> Event | None:
         """Enqueue the collective of `operands` (from `bind`) on `stream` (the caller's), and
         return an event that completes with it (`stream.record()`, made in the same step;
-        the scheduler orders and watches later work by it). `captured`: the stream records
+        the engine orders and watches later work by it). `captured`: the stream records
         it into a graph, whose replays run it again; None then, and only then (the host
         never waits for a graph's work)."""
 
@@ -236,9 +95,9 @@ class Device(abc.ABC):
 
     #: short name used in signatures and messages ("cpu", "cuda")
     kind: str
-    #: piece size the scheduler uses when the user sets none
+    #: piece size the engine uses when the user sets none
     default_chunk_bytes: int
-    #: parallel rings the scheduler uses when the user sets none
+    #: parallel rings the engine uses when the user sets none
     default_channels: int
     #: size of one buffer region when the user sets none (collectives run in rounds of it)
     default_buffer_bytes: int = 16 << 20
@@ -256,7 +115,7 @@ class Device(abc.ABC):
     operations: int = 0
 
     #: the largest input (bytes) of a collective the device can run as one operation
-    #: (`Device.prepare_direct`)
+    #: (`Device.prepare_fused`)
     #: among at most `fused_max_ranks` ranks; 0: it has no such operation
     fused_max_bytes: int = 0
     fused_max_ranks: int = 0
@@ -273,7 +132,7 @@ class Device(abc.ABC):
 
     def fused_region_bytes(self, limit: int) -> int:
         """Bytes of each rank's region that the one-operation collectives
-        (`prepare_direct`) of at most `limit` bytes use (allocated once with the communication
+        (`prepare_fused`) of at most `limit` bytes use (allocated once with the communication
         buffer); 0: none."""
         return 0
 
@@ -293,20 +152,22 @@ class Device(abc.ABC):
         """Raise what the device's completed work says went wrong by itself: FlagWaitTimeout
         for a wait that gave up, FlagWaitAborted once aborted. Default: nothing to say."""
 
-    def prepare_direct(self, kind: str, regions: Sequence[Span], rank: int, root: int,
+    def prepare_fused(self, kind: str, regions: Sequence[Span], rank: int, root: int,
                        dtype: str, op: ReduceOp, divisor: int, nbytes: int, *,
-                       pieces: bool = False) -> Direct:
+                       graph: bool = False) -> FusedOp:
         """The collective `kind` (one of `Capabilities.fused_kinds`) of an input of `nbytes`
         prepared as one operation. `regions[q]` is rank q's region of `fused_region_bytes`,
         mapped here, which only these operations use (its size says how large an input it
-        holds). `pieces` (where `Capabilities.fused_capturable`): an input larger than that as
-        one operation per piece, in order (what a CUDA graph records of a collective that
-        runs in rounds outside it). A device that offers none raises NotImplementedError."""
+        holds). `graph` (`kind` one of `Capabilities.graph_kinds`): what a CUDA graph records
+        of the collective, an operation that can be captured (`FusedOp.capturable`), or one
+        per piece, in order, where the input is larger than the region holds (a collective
+        that runs in rounds outside a graph). A device that offers none raises
+        NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} runs no collective as one operation")
 
     def caller_stream(self) -> Stream:
         """The caller's current stream, as a stream of this device (the same object for the
-        same stream): where a prepared `Direct` runs."""
+        same stream): where a prepared `FusedOp` runs."""
         raise NotImplementedError(f"{type(self).__name__} has no caller's stream")
 
     #: whether the ranks of one node may be unable to map each other's memory (GPUs without
@@ -365,36 +226,9 @@ class Device(abc.ABC):
                 stream: Stream) -> Runner:
         """Prepare `program` for repeated runs on `stream`; each run enqueues it with the given
         input and output memory and round number. Devices may override this to bind memory
-        once (host) or capture a graph (GPU); this default enqueues instruction by instruction.
-        """
-
-        def run(inp: Memory | None, out: Memory | None, seq: int) -> None:
-            mems = (inp, out)
-
-            def span(o: Operand) -> Span:
-                if isinstance(o, Arg):
-                    mem = mems[o.which]
-                    assert mem is not None
-                    return Span(mem, o.offset, o.nbytes)
-                return o
-
-            for ins in steps:
-                if isinstance(ins, CopyI):
-                    stream.copy(span(ins.dst), span(ins.src))
-                elif isinstance(ins, ReduceI):
-                    stream.reduce(span(ins.dst), span(ins.a), span(ins.b), dtype, op,
-                                  ins.divisor)
-                elif isinstance(ins, ReduceNI):
-                    stream.reduce_n(span(ins.dst), [span(s) for s in ins.srcs], dtype, op,
-                                    ins.divisor)
-                elif isinstance(ins, WaitI):  # early credits are <= 0: flags start at 0
-                    stream.wait_flag(ins.flag, max(0, ins.rel + (seq << ins.shift)), ins.tag)
-                else:  # consecutive writes of one value: one call
-                    stream.write_flags([w.flag for w in ins],
-                                       ins[0].rel + (seq << ins[0].shift))
-
-        steps = _group_writes(program)
-        return run
+        once (host) or capture a graph (GPU); this default enqueues instruction by instruction
+        (`enqueue_program`)."""
+        return enqueue_program(program, dtype, op, stream)
 
     def detach_peers(self) -> None:
         """Unmap every peer's memory (once this rank no longer reads it). Closing a
@@ -440,19 +274,3 @@ def open_peer(device: Device, handle: Any, rank: int) -> Memory:
     except FileNotFoundError:
         raise PeerFailureError(f"rank {rank} left before its memory could be mapped",
                                peer=rank) from None
-
-
-def _group_writes(program: tuple[Instruction, ...]) -> list[Any]:
-    """`program` with each run of consecutive WriteI of the same value (rel and shift) as one
-    tuple of them, so that a device can set them all in one operation."""
-    steps: list[Any] = []
-    for ins in program:
-        if isinstance(ins, WriteI):
-            last = steps[-1] if steps else None
-            if isinstance(last, list) and (last[0].rel, last[0].shift) == (ins.rel, ins.shift):
-                last.append(ins)
-            else:
-                steps.append([ins])
-        else:
-            steps.append(ins)
-    return [tuple(s) if isinstance(s, list) else s for s in steps]

@@ -13,6 +13,7 @@ before some operations, so a missing dependency in a schedule shows up in tests.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -26,29 +27,16 @@ import numpy as np
 from .. import settings
 from .._errors import GpuringError
 from .._ops import ReduceOp
-from ._host_memory import HostArray, HostMemory, _check_local, _unlink_quietly
-from ._host_streams import _UFUNCS, _average_into, _fold_into, _InlineStream, _ThreadStream
-from .base import (
-    Arg,
-    CopyI,
-    Device,
-    Flag,
-    FlagWaitAborted,
-    FlagWaitTimeout,
-    Instruction,
-    Memory,
-    ReduceI,
-    ReduceNI,
-    Runner,
-    Span,
-    Stream,
-    WaitI,
-)
+from ._host_memory import HostArray, HostMemory, check_local, unlink_quietly
+from ._host_streams import UFUNCS, InlineStream, ThreadStream, average_into, fold_into
+from ._program import CopyI, Instruction, ReduceI, ReduceNI, Runner, WaitI
+from ._streams import Arg, Flag, FlagWaitAborted, FlagWaitTimeout, Memory, Span, Stream
+from .base import Device
 
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
 
-__all__ = ["HostDevice", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["HostDevice", "HostMemory", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 #: machines whose stores become visible to other cores in program order (TSO)
@@ -84,7 +72,7 @@ class HostDevice(Device):
         self.jitter = bool(settings.get("GPURING_JITTER")) if jitter is None else jitter
         self._owned: list[HostMemory] = []
         self._opened: dict[str, HostMemory] = {}
-        self._streams: list[_ThreadStream] = []
+        self._streams: list[ThreadStream] = []
         self._abort_reason: str | None = None
         self._closed = False
 
@@ -97,7 +85,9 @@ class HostDevice(Device):
     def alloc(self, nbytes: int) -> HostMemory:
         path = os.path.join(SHM_DIR, f"{self.name_prefix}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(os.close, fd)  # (always: the mapping outlives the descriptor)
+            undo.callback(unlink_quietly, path)  # (only if the mapping is not made)
             try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
@@ -106,11 +96,8 @@ class HostDevice(Device):
                     "make it larger (docker: --shm-size) or lower GPURING_BUFFER_BYTES"
                 ) from exc
             mapping = mmap.mmap(fd, nbytes)
-        except BaseException:
-            _unlink_quietly(path)
-            raise
-        finally:
-            os.close(fd)
+            undo.pop_all()
+        os.close(fd)
         mem = HostMemory(np.frombuffer(mapping, np.uint8), mapping=mapping, path=path,
                          owner=True)
         self._owned.append(mem)
@@ -139,7 +126,7 @@ class HostDevice(Device):
     def seal(self, mem: Memory) -> None:
         assert isinstance(mem, HostMemory)
         if mem.owner and mem.path is not None:
-            _unlink_quietly(mem.path)
+            unlink_quietly(mem.path)
 
     def array(self, mem: Memory, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         assert isinstance(mem, HostMemory) and mem.mapping is not None
@@ -157,7 +144,7 @@ class HostDevice(Device):
                 stream: Stream) -> Runner:
         """On an inline stream, bind every buffer view once and run the program as a list of
         small closures; elsewhere, the generic enqueueing."""
-        if not isinstance(stream, _InlineStream):
+        if not isinstance(stream, InlineStream):
             return super().compile(program, dtype, op, stream)
         steps = [self._step(ins, dtype, op, stream) for ins in program]
 
@@ -169,11 +156,11 @@ class HostDevice(Device):
         return run
 
     def _step(self, ins: Instruction, dtype: str, op: ReduceOp,
-              stream: _InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
+              stream: InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
         step = self._bare_step(ins, dtype, op)
         if not self.jitter:
             return step
-        jitter = stream._jitter
+        jitter = stream.jitter
 
         def jittered(mems: tuple[Any, Any], seq: int) -> Any:
             jitter()
@@ -210,13 +197,13 @@ class HostDevice(Device):
         if isinstance(ins, ReduceI):
             d, a, b = view(ins.dst), view(ins.a), view(ins.b)
             divisor = ins.divisor
-            ufunc = _UFUNCS[op]
+            ufunc = UFUNCS[op]
 
             def reduce(mems: tuple[Any, Any], seq: int) -> None:
                 if divisor == 1:
                     ufunc(a(mems), b(mems), out=d(mems))
                 else:
-                    _average_into(d(mems), a(mems), b(mems), divisor)
+                    average_into(d(mems), a(mems), b(mems), divisor)
 
             return reduce
         if isinstance(ins, ReduceNI):
@@ -225,7 +212,7 @@ class HostDevice(Device):
         index, rel, shift = ins.flag.offset >> 3, ins.rel, ins.shift
         if isinstance(ins, WaitI):
             flag, tag = ins.flag, ins.tag
-            _check_local(flag)
+            check_local(flag)
 
             def wait(mems: tuple[Any, Any], seq: int) -> None:
                 value = rel + (seq << shift)
@@ -247,15 +234,15 @@ class HostDevice(Device):
         divisor = ins.divisor
 
         def reduce_n(mems: tuple[Any, Any], seq: int) -> None:
-            _fold_into(d(mems), [src(mems) for src in srcs], op, divisor)
+            fold_into(d(mems), [src(mems) for src in srcs], op, divisor)
 
         return reduce_n
 
     # -- streams and flags ------------------------------------------------------------------
     def create_stream(self, *, inline: bool = False) -> Stream:
         if inline:
-            return _InlineStream(self)
-        stream = _ThreadStream(self)
+            return InlineStream(self)
+        stream = ThreadStream(self)
         self._streams.append(stream)
         return stream
 

@@ -62,6 +62,11 @@ class ControlPlane(abc.ABC):
         the job, kept by the sub-groups it joins."""
         return self.local_rank if self._device_slot is None else self._device_slot
 
+    @device_slot.setter
+    def device_slot(self, slot: int) -> None:
+        """Use the node's GPU `slot` (where the caller chose one: the current device)."""
+        self._device_slot = slot
+
     def subgroup(self, members: tuple[int, ...], name: str) -> ControlPlane:
         """The control plane of the ranks `members` (ranks of this one, in the new group's
         rank order), named `name` (unique in the job, the same on every member; it is the
@@ -69,7 +74,7 @@ class ControlPlane(abc.ABC):
         control plane that must meet them does so in its first exchange)."""
         raise NotImplementedError(f"{type(self).__name__} has no sub-groups")
 
-    def _join(self, group: ControlPlane, members: tuple[int, ...], name: str,
+    def join_subgroup(self, group: ControlPlane, members: tuple[int, ...], name: str,
               nodes: tuple[str, ...]) -> None:
         """Set up `group`, a sub-group of this control plane: its rank, size, job_id and
         where its members run (`nodes`: every member's node, in group order)."""
@@ -79,10 +84,10 @@ class ControlPlane(abc.ABC):
                              "rank, each rank once")
         group.rank, group.size, group.job_id = members.index(self.rank), len(members), name
         group.job_ranks = tuple(self.job_ranks[m] for m in members)
-        group._place(nodes)
+        group.locate(nodes)
         group._device_slot = self.device_slot
 
-    def _place(self, nodes: Sequence[str]) -> None:
+    def locate(self, nodes: Sequence[str]) -> None:
         """Set where the ranks run from `nodes` (each rank's node name, in rank order): this
         rank's local rank and local size among the ranks of its node, and `single_node`."""
         self.nodes = tuple(nodes)
@@ -131,6 +136,14 @@ class ControlPlane(abc.ABC):
         it returns fails the wait (a peer that died, seen by other means). Control planes
         that learn of deaths themselves need none, and ignore it."""
         self._watches.append(check)
+
+    def watched_failure(self) -> GpuringError | None:
+        """The first failure a watch (`watch`) sees now, if any."""
+        for check in list(self._watches):
+            found = check()
+            if isinstance(found, GpuringError):
+                return found
+        return None
 
     def follow(self, other: ControlPlane) -> None:
         """Fail this control plane's waits on failures reported in `other` too (a group that

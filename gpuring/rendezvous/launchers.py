@@ -22,6 +22,7 @@ meets on the same server. After the meeting each rank knows every rank's node na
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import os
 import re
@@ -177,15 +178,14 @@ def meet(rank: int, size: int, host: str, port: int, key: bytes, timeout: float,
     if rank == 0:
         serve(size, key, host, port, timeout, who)
     control = StoreClient(rank, size, 0, 1, (host, port), key, "pending", timeout=timeout)
-    try:
+    with contextlib.ExitStack() as undo:
+        undo.callback(control.close)  # (if the meeting fails)
         with waiting_line(f"gpuring: rank {rank} is waiting for all {size} ranks to meet at "
                           f"{host}:{port} (up to {timeout:g} s): start the others with the "
                           "same host, port and number of ranks"):
             met = control.exchange("meeting", (secrets.token_hex(8) if rank == 0 else None,
                                                host_name()), timeout)
-    except BaseException:
-        control.close()
-        raise
+        undo.pop_all()
     control.job_id = met[0][0]
-    control._place([name for _, name in met])
+    control.locate([name for _, name in met])
     return control

@@ -21,7 +21,7 @@ class SingleProcess(ControlPlane):
 
     def subgroup(self, members: tuple[int, ...], name: str) -> SingleProcess:
         group = SingleProcess()
-        self._join(group, members, name, ("local",))
+        self.join_subgroup(group, members, name, ("local",))
         return group
 
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:

@@ -146,7 +146,7 @@ class MpiControl(ControlPlane):
         self._alarm = _Alarm(self.comm, MPI, self.job_id) if alarm is None else alarm
         #: the groups whose failure notices fail this control plane's waits
         self.lineage: set[str] = {self.job_id}
-        self._place(self.comm.allgather(host_name()))
+        self.locate(self.comm.allgather(host_name()))
         self._closed = False
         self._interrupted: str | None = None
         self._abandoned: list[Any] = []
@@ -246,7 +246,7 @@ class MpiGroup(MpiControl):
     members call, completes at once."""
 
     def __init__(self, parent: MpiControl, members: tuple[int, ...], name: str):
-        parent._join(self, members, name, tuple(parent.nodes[m] for m in members))
+        parent.join_subgroup(self, members, name, tuple(parent.nodes[m] for m in members))
         self._MPI = parent._MPI
         self._alarm = parent._alarm
         self._own_alarm = False

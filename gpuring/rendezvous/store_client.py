@@ -185,7 +185,7 @@ class StoreClient(ControlPlane):
 
     def subgroup(self, members: tuple[int, ...], name: str) -> StoreClient:
         group = StoreClient.__new__(StoreClient)
-        self._join(group, members, name, tuple(self.nodes[m] for m in members))
+        self.join_subgroup(group, members, name, tuple(self.nodes[m] for m in members))
         group._link = self._link
         group._setup(name)
         return group

@@ -142,11 +142,7 @@ class NcclCollectives:
         notice = self._control.failure_notice()
         if notice is not None:
             return notice
-        for watch in list(self._control._watches):
-            found = watch()
-            if isinstance(found, GpuringError):
-                return found
-        return None
+        return self._control.watched_failure()
 
     def _connect_peers(self, ptr: int) -> None:
         """(Under the lock, before the first point-to-point call, queued on stream `ptr`.)
@@ -164,17 +160,15 @@ class NcclCollectives:
 
         def connect() -> None:
             cupy.cuda.runtime.setDevice(self._device)
-            nccl.groupStart()
-            try:
+            with contextlib.ExitStack() as undo:
+                nccl.groupStart()
+                undo.callback(_end_group_quietly, nccl)
                 for peer in range(size):
                     if peer != rank:
                         self.comm.send(scratch.data.ptr + peer, 1, nccl.NCCL_UINT8, peer, ptr)
                         self.comm.recv(scratch.data.ptr + size + peer, 1, nccl.NCCL_UINT8,
                                        peer, ptr)
-            except BaseException:
-                with contextlib.suppress(Exception):  # (the first error is the one to tell)
-                    nccl.groupEnd()
-                raise
+                undo.pop_all()
             nccl.groupEnd()
 
         def give_up(error: GpuringError) -> None:  # (the lock is held)
@@ -271,16 +265,14 @@ class NcclCollectives:
             recvs = [(out.data.ptr + r * block, r) for r in range(size) if r != rank]
         if block:  # (every rank agreed on the shape; NCCL's empty sends vary by version)
             self._connect_peers(ptr)
-            nccl.groupStart()
-            try:
+            with contextlib.ExitStack() as undo:
+                nccl.groupStart()
+                undo.callback(_end_group_quietly, nccl)
                 for address, peer in sends:
                     c.send(address, block, t, peer, ptr)
                 for address, peer in recvs:
                     c.recv(address, block, t, peer, ptr)
-            except BaseException:
-                with contextlib.suppress(Exception):  # (the first error is the one to tell)
-                    nccl.groupEnd()
-                raise
+                undo.pop_all()
             nccl.groupEnd()
         if name == "gather" and rank == root:
             out[rank] = x
@@ -424,3 +416,9 @@ def _divide(cupy: Any, out: Any, size: int) -> None:
         out /= size
     else:
         divide_toward_zero(out, size)
+
+
+def _end_group_quietly(nccl: Any) -> None:
+    """End an NCCL group whose calls failed (the first error is the one to tell)."""
+    with contextlib.suppress(Exception):
+        nccl.groupEnd()

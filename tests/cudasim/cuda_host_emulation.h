@@ -199,11 +199,11 @@ extern "C" void emu_launch_write_many(void* kernel, unsigned grid, unsigned bloc
                                          (P)f7, count, value, (const volatile int*)abort));
 }
 
-typedef void (*emu_direct_fn)(void*, const void*, emu_u64, emu_u64, long long, int, int, int,
+typedef void (*emu_fused_fn)(void*, const void*, emu_u64, emu_u64, long long, int, int, int,
                               int, void*, void*, void*, void*, void*, void*, void*, void*,
                               emu_u64, emu_u64, volatile int*, volatile int*);
 
-extern "C" void emu_launch_direct(void* kernel, unsigned grid, unsigned block, void* out,
+extern "C" void emu_launch_fused(void* kernel, unsigned grid, unsigned block, void* out,
                                   const void* in, emu_u64 n, emu_u64 stride,
                                   long long divisor, int kind, int root, int rank, int nranks,
                                   void* r0, void* r1, void* r2, void* r3, void* r4, void* r5,
@@ -211,7 +211,7 @@ extern "C" void emu_launch_direct(void* kernel, unsigned grid, unsigned block, v
                                   void* status, void* abort) {
     emu_vector_width = -1;
     const std::function<void()> body = [&] {
-        ((emu_direct_fn)kernel)(out, in, n, stride, divisor, kind, root, rank, nranks, r0, r1,
+        ((emu_fused_fn)kernel)(out, in, n, stride, divisor, kind, root, rank, nranks, r0, r1,
                                 r2, r3, r4, r5, r6, r7, slot_bytes, timeout_ns,
                                 (volatile int*)status, (volatile int*)abort);
     };

@@ -838,7 +838,7 @@ def _device_stack() -> list[int]:
 # ------------------------------------------------------------------------------ kernels
 
 # kernel name prefix: (launcher family, argument count); the first matching prefix wins
-_FAMILIES = {"gpuring_direct_": ("direct", 21), "gpuring_stage_publish": ("stage", 15),
+_FAMILIES = {"gpuring_fused_": ("fused", 21), "gpuring_stage_publish": ("stage", 15),
              "gpuring_reduce_n_": ("reduce_n", 13), "gpuring_reduce_": ("reduce", 6),
              "gpuring_copy_bytes": ("copy", 4), "gpuring_wait_flag": ("wait", 5),
              "gpuring_write_flags": ("write_many", 11), "gpuring_write_flag": ("write", 3)}
@@ -846,7 +846,7 @@ _FAMILIES = {"gpuring_direct_": ("direct", 21), "gpuring_stage_publish": ("stage
 #: write_many beyond its count, is unused)
 _POINTERS = {"reduce_n": (*range(9), 12), "reduce": (0, 1, 2, 5), "copy": (0, 1, 3),
              "wait": (0, 3, 4), "write": (0, 2), "write_many": (*range(8), 10),
-             "direct": (0, 1, *range(9, 17), 19, 20),
+             "fused": (0, 1, *range(9, 17), 19, 20),
              "stage": (0, 1, *range(3, 11), 13, 14)}
 #: live array buffers: id -> (start, end, device)
 _array_ranges: dict[int, tuple[int, int, int]] = {}
@@ -942,7 +942,7 @@ class RawKernel:
         bad = [why for i in _POINTERS[self._family]
                if not (self._family == "reduce_n" and 2 <= i < 9 and values[i] == 0)
                and not (self._family == "write_many" and values[8] <= i < 8)
-               and not (self._family == "direct" and values[8] <= i - 9 < 8)
+               and not (self._family == "fused" and values[8] <= i - 9 < 8)
                and not (self._family == "stage" and values[11] <= i - 3 < 8)
                and (why := _bad_address(values[i], device))]
         if bad:  # the launch succeeds; the kernel faults when it runs, killing the context

@@ -27,6 +27,12 @@ SHIM = HERE / "cuda_host_emulation.h"
 COMPUTE_CAPABILITY = "90"
 
 
+#: what installs the simulator's tools: pyproject's `sim` extra (CI installs it)
+INSTALL = "pip install -e '.[sim]'"
+#: why a test that needs NVRTC is skipped where cuda-bindings is missing
+NVRTC_MISSING = f"cuda-bindings (NVRTC) is not installed: the CUDA simulator's extra, {INSTALL}"
+
+
 class Unavailable(RuntimeError):
     """No host compiler or no CUDA headers here."""
 
@@ -47,9 +53,9 @@ def header_dirs() -> list[str]:
     for wanted in ("cuda_fp16.h", "crt/host_defines.h", "nv/target"):
         found = next((d for d in candidates if (d / wanted).is_file()), None)
         if found is None:
-            raise Unavailable(f"no CUDA header {wanted} for a host build (pip install "
-                              "nvidia-cuda-crt nvidia-cuda-runtime nvidia-cuda-nvrtc, or a "
-                              "CUDA toolkit)")
+            raise Unavailable(f"no CUDA header {wanted} for the CUDA simulator's host build "
+                              f"of the kernels: the simulator's extra, {INSTALL} (or a CUDA "
+                              "toolkit)")
         if str(found) not in dirs:
             dirs.append(str(found))
     return dirs
@@ -58,7 +64,8 @@ def header_dirs() -> list[str]:
 def build(directory: Path) -> Path:
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if compiler is None:
-        raise Unavailable("no host C++ compiler")
+        raise Unavailable("no host C++ compiler (c++ or g++, or $CXX) for the CUDA "
+                          "simulator's host build of the kernels")
     source = _kernels.kernel_source_path()
     cmd = [compiler, "-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off",
            *(f"-I{d}" for d in header_dirs()), "-include", str(SHIM), "-x", "c++", str(source)]
@@ -89,7 +96,8 @@ def simulator_env(directory: Path, **extra: str) -> dict[str, str]:
     try:
         _kernels.cubin_for(f"sm_{COMPUTE_CAPABILITY}")
     except ImportError as exc:  # no NVRTC here (a compile error is an error, not this)
-        raise Unavailable(f"no NVRTC to build the simulated GPU's CUBIN: {exc}") from exc
+        raise Unavailable(f"no NVRTC to build the simulated GPU's CUBIN ({exc}): the "
+                          f"simulator's extra, {INSTALL}") from exc
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, GPURING_CUDASIM_LIB=str(lib), **extra)
 
@@ -105,7 +113,7 @@ def load(path: Path | str) -> ctypes.CDLL:
     lib.emu_launch_wait.argtypes = [vp, uint, uint, vp, u64, u64, vp, vp]
     lib.emu_launch_write.argtypes = [vp, uint, uint, vp, u64, vp]
     lib.emu_launch_write_many.argtypes = [vp, uint, uint, *[vp] * 8, ctypes.c_int, u64, vp]
-    lib.emu_launch_direct.argtypes = [vp, uint, uint, vp, vp, u64, u64, i64,
+    lib.emu_launch_fused.argtypes = [vp, uint, uint, vp, vp, u64, u64, i64,
                                       *[ctypes.c_int] * 4,
                                       *[vp] * 8, u64, u64, vp, vp]
     lib.emu_launch_stage.argtypes = [vp, uint, uint, vp, vp, u64, *[vp] * 8, ctypes.c_int, u64,

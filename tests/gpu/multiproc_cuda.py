@@ -212,14 +212,26 @@ def test_registered_memory(group, item, named_launches, cuda_platform):
 
 @pytest.mark.parametrize(("group", "item"), params(
     # one kernel up to 1 MiB, then 1 MiB pieces
-    cuda_group(("cases_cuda:graph_capture",), 2, SHARED_KERNEL, tag="one_shot1M",
-               env=(("GPURING_ONE_SHOT_BYTES", "1M"),)),
+    cuda_group(("cases_cuda:graph_capture",), 2, SHARED_KERNEL, tag="fused1M",
+               env=(("GPURING_FUSED_BYTES", "1M"),)),
     # one kernel up to 64 KiB, then 1 MiB pieces in a graph
     cuda_group(("cases_cuda:graph_capture",), 4, SHARED_KERNEL)))
 def test_collectives_captured_in_a_cuda_graph(group, item, named_launches, cuda_platform):
     """Collectives from a few elements to 4 MiB captured into a CUDA graph (as one kernel, or
     one per piece) and replayed with fresh inputs; what cannot be captured is refused, and
     the communicator goes on."""
+    _check(named_launches, cuda_platform, group, item)
+
+
+@pytest.mark.parametrize(("group", "item"), params(
+    cuda_group(("cases_cuda:graph_capture_shared",), 2, SHARED_AUTO),
+    cuda_group(("cases_cuda:graph_capture_shared",), 2, SHARED_MEMOPS)))
+def test_capture_where_ranks_share_a_gpu(group, item, named_launches, cuda_platform):
+    """2 ranks on one GPU with stream memory operations: in the default form (auto), whose
+    small all_reduces use them outside graphs, a capture records the kernel form (warning
+    once per process) and replays between eager calls of both forms give every result;
+    GPURING_CUDA_FUSED=memops refuses the capture, and the communicator goes on. (Skipped
+    on a GPU without stream memory operations.)"""
     _check(named_launches, cuda_platform, group, item)
 
 
@@ -377,6 +389,6 @@ def test_persistent_collectives(case, mode, tmp_path, cuda_platform):
     form, all_reduce in the auto form (stream memory operations where the GPU has them, as
     the simulator does under GPURING_CUDASIM_MEMOPS=1); a small start's driver calls (at most
     2 in the kernel form), started results in both forms, and starts captured into a CUDA
-    graph in the kernel form (persistent_cuda)."""
+    graph (persistent_cuda; the kernel form in both)."""
     run_worker(PERSISTENT, "gpuring", 2, case, tmp_path, env=cuda_platform.env(
         SHARED_AUTO, 2, GPURING_JITTER="0", GPURING_CUDA_FUSED=mode), device="cuda")

@@ -462,7 +462,7 @@ def test_streams_wait_only_on_their_own_memory(device: CudaDevice) -> None:
 
 def test_spin_fallback_warns_once_with_cause_and_remedy(monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
-    monkeypatch.setattr(cuda_module, "memops_support", lambda device_id: "a test reason")
+    monkeypatch.setattr(_cuda_driver, "memops_support", lambda device_id: "a test reason")
     monkeypatch.setattr(_cuda_driver, "_warned_spin", False)
     monkeypatch.delenv(cuda_module.FLAGS_ENV, raising=False)
     with pytest.warns(RuntimeWarning, match="a test reason") as caught:

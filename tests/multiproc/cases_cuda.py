@@ -1,4 +1,5 @@
-"""Named items only CuPy arrays have: collectives captured into CUDA graphs, small
+"""Named items only CuPy arrays have: collectives captured into CUDA graphs (also where
+ranks share a GPU and small all_reduces use stream memory operations outside graphs), small
 all_reduces as one operation on the caller's stream, GPUs without peer access (NCCL's
 route), NCCL refusing ranks that share a GPU, closing while a peer still maps the buffers.
 On a GPU or on the CUDA simulator (families of items: harness.py)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -60,7 +62,7 @@ def graph_capture(plan: Plan) -> Iterator[Item]:
     pieces. Those that run in rounds outside a graph run as one kernel per piece in it. An
     empty collective records nothing. A first call during a capture, a barrier and an
     uneven form are refused without harm to the capture or the communicator. Needs
-    GPURING_CUDA_FUSED=kernel (GPURING_ONE_SHOT_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as
+    GPURING_CUDA_FUSED=kernel (GPURING_FUSED_BYTES and GPURING_CUDA_GRAPH_PIECE_BYTES as
     the test sets them). It runs last: the communicator's close keeps the buffers the graphs
     use."""
     ids = _graph_ids(plan.n)
@@ -148,9 +150,9 @@ def _graph_body(c: ItemChecker, ids: dict[str, str]) -> None:
                         refused[mode + 2])
     with c.into(ids["schedules"]):
         c.check(schedules[0] == "nothing", f"an empty all_to_all: {schedules[0]}")
-        one_shot = gpuring.settings.get("GPURING_ONE_SHOT_BYTES")
+        one_shot = gpuring.settings.get("GPURING_FUSED_BYTES")
         c.check(schedules[1:6] == [
-            "one operation" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
+            "fused" if size * np.dtype(dtype).itemsize <= one_shot else "kernels"
             for size, dtype, _ in GRAPH_SHAPES], f"schedules {schedules}")
     for replay in range(3):  # each graph, then the first again
         folds = []
@@ -230,6 +232,119 @@ def _graph_body(c: ItemChecker, ids: dict[str, str]) -> None:
         c.expect(comm.all_reduce(dev(c, ins[rank])), c.reduce_reference(ins, "sum"),
                  "eager in rounds after replays")
 
+
+
+def graph_capture_shared(plan: Plan) -> Iterator[Item]:
+    """Ranks that share a GPU with stream memory operations. GPURING_CUDA_FUSED=auto: their
+    small all_reduces run with stream memory operations outside graphs, and a capture records
+    the kernel form instead (small ones, larger ones in pieces, the other collectives),
+    warning once per process that it spins; replays and eager calls of both forms then take
+    turns, each with fresh inputs, and every result holds (the forms' counters, inboxes and
+    slots are apart). GPURING_CUDA_FUSED=memops: a capture is refused, briefly, and the
+    communicator goes on. It runs last: the communicator's close keeps the buffers the graphs
+    use."""
+    mode = plan.env.get("GPURING_CUDA_FUSED", "auto")
+    ids = {"before": "eager_before_capture-all_reduce-float32-sum-3000elems-in_place-fused"}
+    if mode == "memops":
+        ids["refused"] = "capture-all_reduce-float32-sum-1000elems-memops-refused"
+        ids["after"] = "eager_after_refusal-all_reduce-float32-sum-3000elems-in_place-fused"
+        yield Item(tuple(ids.values()), lambda c: _shared_body(c, ids, mode), last=True)
+        return
+    ids.update({
+        "capture": "capture-all_reduce_all_gather-kernel_form-warns_once",
+        "small": "graph_replay-all_reduce-float32-sum-1000elems-out_of_place",
+        "in pieces": "graph_replay-all_reduce-float32-sum-300001elems-out_of_place",
+        "all_gather": "graph_replay-all_gather-int32-700elems-out_of_place",
+        "between": "eager_between_replays-all_reduce-float32-sum-3000elems-in_place-fused",
+        "rounds": "eager_after_replays-all_reduce-float32-sum-300001elems-out_of_place"})
+    yield Item(tuple(ids.values()), lambda c: _shared_body(c, ids, mode), last=True,
+               stderr=KEEPS_CAPTURED_BUFFERS)
+
+
+def _shared_body(c: ItemChecker, ids: dict[str, str], mode: str) -> None:
+    comm, xp, n, rank = c.comm, c.xp, c.comm.size, c.comm.rank
+    stream = xp.cuda.Stream(non_blocking=True)
+    small, big = (xp.zeros(1000, "float32"), xp.zeros(1000, "float32")), \
+        (xp.zeros(300_001, "float32"), xp.zeros(300_001, "float32"))
+    gathered = (xp.zeros(700, "int32"), xp.zeros((n, 700), "int32"))
+    eager = xp.zeros(3000, "float32")
+
+    def calls() -> list[str]:  # what the graph holds, and each call's schedule
+        schedules = []
+        for x, out in (small, big):
+            comm.all_reduce(x, out=out)
+            schedules.append(comm.last_schedule)
+        comm.all_gather(gathered[0], out=gathered[1])
+        schedules.append(comm.last_schedule)
+        return schedules
+
+    def eager_call(seed: int) -> None:  # an all_reduce outside the graph, in the form it takes
+        ins = c.inputs("float32", (eager.size,), seed)
+        eager[...] = dev(c, ins[rank])
+        comm.all_reduce(eager, out=eager)
+        c.check(comm.last_schedule == "fused", f"eager {seed}: {comm.last_schedule}")
+        c.expect(eager, rank_order_fold(ins, "sum"), f"eager {seed}", copy=True)
+
+    with stream:
+        with c.into(ids["before"]):
+            first = calls()[0]
+            c.check(first == "fused", f"a small all_reduce before capture: {first}")
+            eager_call(9700)
+        stream.synchronize()
+        if mode == "memops":
+            with c.into(ids["refused"]):
+                text = None
+                stream.begin_capture()
+                try:
+                    comm.all_reduce(small[0], out=small[1])
+                except GpuringError as exc:
+                    text = str(exc)
+                finally:
+                    stream.end_capture()
+                c.check(text is not None, "a capture in the memops form was not refused")
+                if text is not None:
+                    c.check("GPURING_CUDA_FUSED auto or kernel" in text and len(text) < 250,
+                            f"refused as: {text}")
+            with c.into(ids["after"]):
+                eager_call(9701)
+            return
+        with c.into(ids["capture"]):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                graphs = []
+                for _ in range(2):  # two graphs: one warning
+                    stream.begin_capture()
+                    schedules = calls()
+                    graphs.append(stream.end_capture())
+                    c.check(schedules == ["kernels"] * 3, f"captured as {schedules}")
+            spins = [str(w.message) for w in caught if "captured into a CUDA graph" in
+                     str(w.message)]
+            c.check(len(spins) == 1 and "MPS" in spins[0] and "spin" in spins[0] and
+                    "GPURING_CUDA_FUSED=kernel" in spins[0],
+                    f"warnings: {[str(w.message) for w in caught]}")
+        for replay in range(4):  # each graph, eager calls between them
+            seed = 9710 + 10 * replay
+            smalls, bigs = c.inputs("float32", (1000,), seed), \
+                c.inputs("float32", (300_001,), seed + 1)
+            gathers = c.inputs("int32", (700,), seed + 2)
+            small[0][...], big[0][...] = dev(c, smalls[rank]), dev(c, bigs[rank])
+            gathered[0][...] = dev(c, gathers[rank])
+            graphs[replay % 2].launch(stream)
+            stream.synchronize()
+            with c.into(ids["small"]):
+                c.expect(small[1], rank_order_fold(smalls, "sum"), f"replay {replay}",
+                         copy=True)
+            with c.into(ids["in pieces"]):
+                c.expect(big[1], rank_order_fold(bigs, "sum"), f"replay {replay}", copy=True)
+            with c.into(ids["all_gather"]):
+                c.expect(gathered[1], np.stack(gathers), f"replay {replay}", copy=True)
+            with c.into(ids["between"]):
+                eager_call(seed + 3)
+                eager_call(seed + 4)
+    with c.into(ids["rounds"]):  # in rounds after the replays
+        ins = c.inputs("float32", (300_001,), 9800)
+        c.expect(comm.all_reduce(dev(c, ins[rank])), c.reduce_reference(ins, "sum"),
+                 "eager in rounds after replays")
 
 def one_kernel(plan: Plan) -> Iterator[Item]:
     """Small all_reduces on CuPy arrays, which run as one operation on the caller's stream
@@ -368,9 +483,10 @@ def peer_access(plan: Plan) -> Iterator[Item]:
         else:
             comm.send(xp.full(4, rank), 0)
         peers = {right, left, partner} | (set(range(n)) if rank == 0 else {0})
-        c.check(set(comm._pairs) == peers - {rank}, f"pairs {sorted(comm._pairs)}")
-        c.check(all(ch._path.last_schedule == "nccl" for ch in comm._pairs.values()),
-                f"{[ch._path.last_schedule for ch in comm._pairs.values()]}")
+        channels = comm._pairs.channels
+        c.check(set(channels) == peers - {rank}, f"pairs {sorted(channels)}")
+        c.check(all(ch.comm.last_schedule == "nccl" for ch in channels.values()),
+                f"{[ch.comm.last_schedule for ch in channels.values()]}")
 
     def capture(c: ItemChecker) -> None:
         comm, xp = c.comm, c.xp
@@ -395,6 +511,7 @@ def peer_access(plan: Plan) -> Iterator[Item]:
     yield Item.one("all_reduce-float32-sum-3-capture_on_nccl-refused", capture)
 
 
-FAMILIES = {"graph_capture": graph_capture, "one_kernel": one_kernel,
+FAMILIES = {"graph_capture": graph_capture, "graph_capture_shared": graph_capture_shared,
+            "one_kernel": one_kernel,
             "uneven_close": uneven_close, "nccl_on_a_shared_gpu": nccl_on_a_shared_gpu,
             "peer_access": peer_access}

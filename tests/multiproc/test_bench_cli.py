@@ -218,3 +218,20 @@ def test_the_persistent_form_beside_the_plain_calls(tmp_path):
     assert "persist 0" in done.stdout  # its wrong elements: checked, none
     results = json.loads((tmp_path / "out.json").read_text())["results"]
     assert {r["system"] for r in results} == {"gpuring", "persist"}
+
+
+@pytest.mark.parametrize(("dtype", "op"), [("float32", "sum"), ("float16", "sum"),
+                                           ("float32", "prod")])
+def test_many_in_place_calls_keep_their_values_finite(dtype, op, tmp_path):
+    """An in-place all_reduce reduces its own result again at every timed call: 200 sums on
+    2 ranks multiply the values by 2^200, far past float32's range (and products square
+    them). The timed calls start from values the op keeps, so no rank's reduction
+    overflows (a RuntimeWarning, made an error here, would end that rank), and the checked
+    calls, run apart on the real inputs, are right."""
+    proc = bench(["all_reduce", "--ranks", "2", "-b", "64", "-e", "4K", "-f", "8", "-n", "200",
+                  "-w", "2", "-d", dtype, "-o", op, "--device", "cpu"],
+                 tmp_path, PYTHONWARNINGS="error::RuntimeWarning")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "RuntimeWarning" not in output and "overflow" not in output
+    assert "# Wrong elements    : 0 OK" in proc.stdout

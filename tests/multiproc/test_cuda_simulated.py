@@ -18,7 +18,7 @@ import pytest
 
 from ..cudasim import kernels_host_build
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
+pytest.importorskip("cuda.bindings.nvrtc", reason=kernels_host_build.NVRTC_MISSING)
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_TESTS = ROOT / "tests" / "gpu"
@@ -31,6 +31,7 @@ from ..gpu.multiproc_cuda import (  # noqa: E402, F401
     CudaPlatform,
     test_a_killed_rank_on_a_simulated_node,
     test_back_to_back,
+    test_capture_where_ranks_share_a_gpu,
     test_close_waits_until_every_peer_unmapped,
     test_collectives_captured_in_a_cuda_graph,
     test_cuda_training_features,
@@ -151,4 +152,4 @@ def test_bench_cuda_graph_replays_on_the_simulator(sim_env: dict[str, str],
     assert timed == {(size, placement) for size in (1024, 16384, 262144)
                      for placement in ("out-of-place", "in-place")}
     schedules = {r["size"]: r["schedule"] for r in doc["results"] if r["system"] == "gpuring"}
-    assert schedules[1024] == "one operation" and schedules[262144] == "kernels", schedules
+    assert schedules[1024] == "fused" and schedules[262144] == "kernels", schedules

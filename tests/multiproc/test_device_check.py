@@ -27,14 +27,10 @@ import pytest
 
 from ..cudasim import kernels_host_build, shm_names
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
-
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "bench" / "device_check.sh"
 ROUND_TRIPS = 200
 SCALE = 5
-
-pytestmark = pytest.mark.slow
 
 #: the dry run: tiny sizes, few iterations, one sweep point, the smoke test
 DRY_RUN = {
@@ -109,6 +105,7 @@ def _remove_leaked_memory(probe_json: Path) -> None:
 
 @pytest.fixture(scope="module")
 def check_env(host_build_dir: Path) -> dict[str, str]:
+    pytest.importorskip("cuda.bindings.nvrtc", reason=kernels_host_build.NVRTC_MISSING)
     try:
         env = kernels_host_build.simulator_env(host_build_dir,
                                                PYTHON=sys.executable, **DRY_RUN)
@@ -127,6 +124,7 @@ def _run(env: dict[str, str], out: Path) -> Run:
     return Run(done, out, seconds)
 
 
+@pytest.mark.slow
 def test_the_dry_run(check_env: dict[str, str], tmp_path: Path) -> None:
     """One dry run, every check of what it hands back. One test, not one per check: the dry
     run takes minutes, and pytest-xdist would make a module fixture once per worker (and again
@@ -217,6 +215,7 @@ def _summary_is_printed_last(dry_run: Run) -> None:
     assert f"({ROUND_TRIPS} of {ROUND_TRIPS} round trips, values right)" in summary
 
 
+@pytest.mark.slow
 def test_a_failed_step_fails_the_check(check_env: dict[str, str], tmp_path: Path) -> None:
     """Benches that refuse their flags: the check still leaves its three files, names the
     failed steps and their logs' last lines in the summary, and exits 1."""
@@ -242,6 +241,7 @@ def _probe_json(path: Path) -> dict[str, Any]:
         return {}
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_the_probes_record(check_env: dict[str, str], tmp_path: Path) -> None:
     """`timeout` stops the probe with SIGTERM: the running part and its peer are killed, and
     probe.json keeps every part so far, the interrupted one included."""
@@ -279,6 +279,7 @@ echo "fake control log" > "$CUDA_MPS_LOG_DIRECTORY/control.log"
 """
 
 
+@pytest.mark.slow
 def test_mps_is_started_for_the_ping_pongs_and_stopped(check_env: dict[str, str],
                                                        tmp_path: Path) -> None:
     """The MPS part's orchestration, with a fake nvidia-cuda-mps-control (the simulator has
@@ -305,3 +306,35 @@ def test_mps_is_started_for_the_ping_pongs_and_stopped(check_env: dict[str, str]
     assert record["control.log"].strip() == "fake control log"
     for name in ("pingpong_memops", "pingpong_kernel", "pingpong_gpuring"):
         assert record[name]["status"] == "ok" and record[name]["mps"] is True, record[name]
+
+
+#: stand-ins for CuPy where there is no GPU: not installed, or installed and finding none
+NO_GPU = {
+    "no CuPy": 'raise ImportError("No module named cupy (a stand-in)")\n',
+    "no GPU": ("class _Runtime:\n"
+               "    @staticmethod\n"
+               "    def getDeviceCount():\n"
+               "        raise RuntimeError('cudaErrorNoDevice: no CUDA-capable device')\n"
+               "class cuda:\n"
+               "    runtime = _Runtime\n"),
+}
+
+
+@pytest.mark.parametrize("lacks", sorted(NO_GPU))
+def test_without_a_gpu_it_stops_at_once_with_one_line(tmp_path: Path, lacks: str) -> None:
+    """Where CuPy does not import, or sees no GPU, every step would fail for that one reason:
+    the check says it in one line, writes nothing and exits 2, before its first step."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "cupy.py").write_text(NO_GPU[lacks])
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(fake))
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(CHECK), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    want = "needs CuPy" if lacks == "no CuPy" else "needs a CUDA GPU"
+    assert lines[0].startswith("gpuring device check: stopped before the first step: " + want)
+    assert not out.exists()  # nothing written, not even the output folder

@@ -36,3 +36,9 @@ def test_persistent_refusals_and_close(n, tmp_path):
     plain calls interleave with starts; a start after close() raises
     CommunicatorClosedError."""
     run_worker(WORKER, "gpuring", n, "persistent_lifecycle", tmp_path)
+
+
+def test_a_repeated_call_reaches_the_engine_in_few_frames(tmp_path):
+    """The call path's weight, checked from the source's behaviour: a repeated small
+    all_reduce and a persistent start reach `Engine.run` in at most 6 Python frames."""
+    run_worker(WORKER, "gpuring", 2, "call_depth", tmp_path)

@@ -238,7 +238,7 @@ def case_interrupt(comm: gpuring.Communicator) -> None:
             if calls[0] == 2:
                 raise KeyboardInterrupt
 
-        stream._jitter = interrupt
+        stream.jitter = interrupt
     since = time.monotonic()
     for _ in range(2):
         try:
@@ -503,14 +503,14 @@ def case_channels(comm: gpuring.Communicator) -> None:
         if not engine.device.blocking:  # the streams' timeout, not the watchdog's, fires
             comm._path.watchdog._timeout = 3600.0
         deadline = time.monotonic() + 10 * comm.config.timeout
-        original = stream0._jitter
+        original = stream0.jitter
 
         def hold() -> None:
             while engine.device.aborted is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-            stream0._jitter = original
+            stream0.jitter = original
 
-        stream0._jitter = hold
+        stream0.jitter = hold
     since = time.monotonic()
     try:
         comm.all_reduce(x, channels=2)

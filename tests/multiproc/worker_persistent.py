@@ -238,7 +238,8 @@ def case_persistent_lifecycle(c: Checker) -> None:
 def case_persistent_cuda(c: Checker) -> None:
     """CuPy only: a small persistent all_reduce's start makes at most 2 driver calls in the
     kernel form (GPURING_CUDA_FUSED=kernel), and persistent starts captured into a CUDA
-    graph replay with fresh inputs (the rank-order fold's bits, on every rank)."""
+    graph replay with fresh inputs (the rank-order fold's bits, on every rank), in the kernel
+    form and in auto (where ranks that share a GPU capture the kernel form)."""
     comm, rank, xp = c.comm, c.comm.rank, c.xp
     assert xp is not np, "a CuPy case"
     fused = os.environ.get("GPURING_CUDA_FUSED")
@@ -251,7 +252,7 @@ def case_persistent_cuda(c: Checker) -> None:
     calls = (comm.device_operations - before) / 10
     if fused == "kernel":
         assert calls <= 2, f"a persistent start made {calls} driver calls"
-        assert comm.last_schedule == "one operation", comm.last_schedule
+        assert comm.last_schedule == "fused", comm.last_schedule
     print(f"rank {rank}: {calls:g} driver calls per persistent start ({fused})")
     stream = xp.cuda.Stream(non_blocking=True)
     big_x, big_out = xp.zeros(300_001, "float32"), xp.zeros(300_001, "float32")
@@ -270,7 +271,7 @@ def case_persistent_cuda(c: Checker) -> None:
             c.expect(gather.wait(), np.stack([a[:5] for a in ins]),
                      f"started {replay} all_gather", copy=True)
         stream.synchronize()
-        if fused != "kernel":  # only the kernel form can be captured where ranks share a GPU
+        if fused in ("memops", "off"):  # (these forms refuse captures)
             return
         stream.begin_capture()
         for op in (small, big, gather):
@@ -288,6 +289,62 @@ def case_persistent_cuda(c: Checker) -> None:
                      copy=True)
             c.expect(gather.wait(), np.stack([a[:5] for a in ins]),
                      f"graph replay {replay} all_gather", copy=True)
+
+
+def _frames_below(top_file: str, top_name: str) -> int:
+    """Frames from the nearest caller frame of function `top_name` in `top_file` (itself not
+    counted) down to the caller of this function (counted); -1 where there is none."""
+    frame, depth = sys._getframe(2), 1
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == top_name and code.co_filename.endswith(top_file):
+            return depth - 1
+        frame, depth = frame.f_back, depth + 1
+    return -1
+
+
+#: the most Python frames a repeated small call may take from the public verb (below it) or
+#: a persistent start (itself counted) to the engine's run
+MOST_FRAMES = 6
+
+
+def case_call_depth(c: Checker) -> None:
+    """A repeated small all_reduce reaches `Engine.run` in at most MOST_FRAMES frames below
+    the public verb, and a persistent start in at most MOST_FRAMES from `start`: counted by
+    a probe that wraps `Engine.run` (its result checked, so the probe ran the call)."""
+    from gpuring._engine import Engine
+
+    comm, rank = c.comm, c.comm.rank
+    depths: list[tuple[int, int]] = []
+    plain_run = Engine.run
+
+    def probe(self, *args, **kwargs):
+        start = _frames_below("_persistent.py", "start")
+        depths.append((_frames_below("_work.py", "verb"), start + 1 if start >= 0 else -1))
+        return plain_run(self, *args, **kwargs)
+
+    Engine.run = probe
+    try:
+        ins = c.inputs("float32", (64,), 77)
+        x = dev(c, ins[rank])
+        for _ in range(3):  # the first call prepares; the others come again
+            got = comm.all_reduce(x)
+        c.expect(got, c.reduce_reference(ins, "sum"), "probed all_reduce")
+        plain = [below for below, _ in depths]
+        depths.clear()
+        persistent = comm.all_reduce_init(x, out=dev(c, np.zeros(64, "float32")))
+        for _ in range(2):
+            persistent()
+        c.expect(persistent.wait(), c.reduce_reference(ins, "sum"), "probed start")
+        starts = [start for _, start in depths]
+    finally:
+        Engine.run = plain_run
+    assert plain and 0 < plain[-1] <= MOST_FRAMES, \
+        f"a repeated all_reduce reached Engine.run {plain[-1]} frames below the verb " \
+        f"(at most {MOST_FRAMES})"
+    assert starts and 0 < starts[-1] <= MOST_FRAMES, \
+        f"a persistent start reached Engine.run in {starts[-1]} frames (at most {MOST_FRAMES})"
+    print(f"rank {rank}: {plain[-1]} frames below the verb, {starts[-1]} from a start")
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}

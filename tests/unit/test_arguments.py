@@ -1,4 +1,4 @@
-"""Arguments of every collective, in a world of one: a call that README.md ("API", "Arrays")
+"""Arguments of every collective, in a world of one: a call that docs/api.md ("API", "Arrays")
 allows must succeed and give the result a NumPy reference computes; any other call must raise
 TypeError or ValueError saying what is wrong. The argument checks run before any rank talks to
 another, so one rank sees them all."""
@@ -17,7 +17,7 @@ import gpuring
 from gpuring._communicator import Communicator
 from gpuring.rendezvous.local import SingleProcess
 
-# README "Dtypes", written out here rather than taken from the library
+# docs/api.md "Dtypes", written out here rather than taken from the library
 SUPPORTED = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
              "float16", "bfloat16", "float32", "float64", "complex64", "complex128")
 UNSUPPORTED = ("bool", "object", "datetime64[s]", "U3", "longdouble")
@@ -74,7 +74,7 @@ def out_shape(name: str, x: np.ndarray) -> tuple[int, ...]:
 
 
 def problem(name: str, x: Any, *, op: Any = "sum", out: Any = None, root: Any = 0) -> str | None:
-    """Why the call is invalid by README's rules, or None when it is valid."""
+    """Why the call is invalid by docs/api.md's rules, or None when it is valid."""
     if not isinstance(x, np.ndarray):
         return "x is not an array"
     if x.dtype.name not in SUPPORTED:
@@ -108,7 +108,7 @@ def problem(name: str, x: Any, *, op: Any = "sum", out: Any = None, root: Any = 
 
 
 def in_place_form(name: str, x: np.ndarray, out: np.ndarray) -> bool:
-    """README's in-place forms: `out` covers exactly x's bytes (all_reduce, reduce,
+    """docs/api.md's in-place forms: `out` covers exactly x's bytes (all_reduce, reduce,
     broadcast), x is out's slot of this rank (all_gather), out is this rank's block of x
     (reduce_scatter); the rank is 0 here."""
     def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -125,7 +125,7 @@ def in_place_form(name: str, x: np.ndarray, out: np.ndarray) -> bool:
 # ------------------------------------------------------------------------ the reference
 
 def reduce_ranks(per_rank: list[np.ndarray], op: str) -> np.ndarray:
-    """README's reduction of every rank's array, element by element, computed by NumPy in the
+    """docs/api.md's reduction of every rank's array, element by element, computed by NumPy in the
     array's dtype (avg: the sum divided by the number of ranks, integers toward zero)."""
     stack = np.stack(per_rank)
     if op == "avg":
@@ -158,7 +158,7 @@ def same_bits(got: Any, want: np.ndarray) -> bool:
 
 def check(comm: Communicator, name: str, x: Any, **kwargs: Any) -> None:
     """Call collective `name` with x and kwargs: an invalid call must raise TypeError or
-    ValueError with a message; a valid one must return README's result."""
+    ValueError with a message; a valid one must return docs/api.md's result."""
     out = kwargs.get("out")
     why = problem(name, x, **kwargs)
     before = x.copy() if isinstance(x, np.ndarray) else None
@@ -238,7 +238,7 @@ def test_every_dtype_and_op_works(comm, dtype):
 
 
 def test_the_rules_reject_what_they_should():
-    """The test's own model of README's rules, on cases whose verdict is known."""
+    """The test's own model of docs/api.md's rules, on cases whose verdict is known."""
     x = np.ones(4, np.float32)
     assert problem("all_reduce", x) is None
     assert problem("all_reduce", x, out=x) is None

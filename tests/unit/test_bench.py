@@ -597,6 +597,56 @@ def test_efficiency_above_100_percent_is_flagged_in_json_and_csv(tmp_path):
     assert back[0]["efficiency_pct"] == "180.0" and back[2]["floor_us"] == ""
 
 
+class _TwoRanksAlike:
+    """Two ranks of one node, rank 1 measuring what rank 0 measures (all_gather stacks this
+    rank's row twice)."""
+
+    rank, size, local_rank, config = 0, 2, 0, None
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        return np.stack([x, x])
+
+    def barrier(self) -> None:
+        pass
+
+
+#: the memory's true copy bandwidth in the test below, and how much slower a disturbed sample is
+TRUE_GBPS, SLOWDOWN = 10.0, 10.0
+
+
+@pytest.mark.parametrize("slowed", [
+    [True, True, False, False],  # something else ran before the size, not after it
+    [True, False],  # one sample of two disturbed
+    [False, True, True, True]])
+def test_the_floor_takes_the_fastest_copy_the_memory_showed(monkeypatch, slowed):
+    """Copies disturbed on purpose (some samples take SLOWDOWN times as long) would set the
+    floor's bandwidth too low and the efficiency above 100 %: the floor takes the fastest
+    sample measured around the size instead, so a collective at 80 % of the true floor shows
+    80 %, whichever samples were slowed."""
+    from gpuring.bench import measure, runner
+
+    turns = iter(slowed)
+
+    def copy_seconds(nbytes, repeats, sync):
+        moved = 2.0 * nbytes * repeats
+        return moved, moved / (TRUE_GBPS * 1e9) * (SLOWDOWN if next(turns) else 1.0)
+
+    backend = runner.host_backend()
+    monkeypatch.setattr(backend, "copy_seconds", copy_seconds)
+    bench = runner.Measurer(runner.Settings(), _TwoRanksAlike(), backend)
+    gp = result("out-of-place")
+    # each rank copies at TRUE_GBPS, both at once: the memory moves 2 x TRUE_GBPS, and must
+    # move 2 x size for each of the 2 ranks
+    true_floor_us = 2 * 2.0 * gp.size / (2 * TRUE_GBPS * 1e9) * 1e6
+    gp.time_us = true_floor_us / 0.8
+    for _ in range(len(slowed) // measure.COPY_SAMPLES):  # before and after the size
+        bench.memories_at(gp.size)
+    floor = bench.floor(gp, bench.memories_known(gp.size))
+    assert floor is not None and floor.memory_GBps == pytest.approx(2 * TRUE_GBPS)
+    assert floor.efficiency_pct == pytest.approx(80.0)
+    assert not floor.beats_floor
+
+
 def test_the_bench_flags_a_time_below_the_floor():
     from gpuring.bench import runner
 

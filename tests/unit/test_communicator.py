@@ -43,7 +43,7 @@ def test_a_failed_communicator_with_a_watchdog_is_still_collected() -> None:
     """The watchdog's thread outlives the communicator's frames: what it keeps of a failure
     must not hold them (the failure's traceback does)."""
     comm = Communicator(_LeftBeforeAgreeing())
-    comm._path._ensure_watchdog()
+    comm._path.ensure_watchdog()
     with pytest.raises(PeerFailureError):
         comm.all_reduce(np.ones(3))
     finalizer = comm._finalizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from gpuring.devices import cuda
+from gpuring.devices import _cuda_memory
 
 
 def test_a_forked_child_is_another_process() -> None:
@@ -13,10 +13,10 @@ def test_a_forked_child_is_another_process() -> None:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report its token, then leave without running pytest's exit
-        os.write(write, cuda._PROCESS_TOKEN.encode())
+        os.write(write, _cuda_memory._PROCESS_TOKEN.encode())
         os._exit(0)
     os.close(write)
     theirs = os.read(read, 64).decode()
     os.close(read)
     os.waitpid(pid, 0)
-    assert len(theirs) == len(cuda._PROCESS_TOKEN) and theirs != cuda._PROCESS_TOKEN
+    assert len(theirs) == len(_cuda_memory._PROCESS_TOKEN) and theirs != _cuda_memory._PROCESS_TOKEN

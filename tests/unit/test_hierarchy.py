@@ -69,19 +69,22 @@ def test_a_level_names_the_rank_its_peer_gave_up_because_of() -> None:
     because rank 1 of its node died, which the level has no rank for: the job's rank 1 is
     blamed, not the level's rank 0 that reported it."""
     from gpuring._errors import PeerFailureError
-    from gpuring._hierarchy import _Level
+    from gpuring._hierarchy import LevelParts, _Level
+
+    def level_of(comm: Any, ranks: tuple[int, ...], what: str, job: tuple[int, ...]) -> Any:
+        return _Level(LevelParts(comm, lambda *_: None, lambda: None), None, ranks, what, job)
 
     reported = PeerFailureError("rank 0 failed: ...", peer=0, job_peer=5)
-    level = _Level(_failing(reported), (0, 2), "between nodes", (4, 5, 6, 7))
+    level = level_of(_failing(reported), (0, 2), "between nodes", (4, 5, 6, 7))
     with pytest.raises(PeerFailureError, match=r"between nodes \(ranks \[0, 2\]") as info:
         level.run("all_reduce")
     assert (info.value.peer, info.value.job_peer) == (1, 5)
-    level = _Level(_failing(PeerFailureError("rank 1 died", peer=1, job_peer=6)), (0, 2),
+    level = level_of(_failing(PeerFailureError("rank 1 died", peer=1, job_peer=6)), (0, 2),
                    "between nodes", (4, 5, 6, 7))
     with pytest.raises(PeerFailureError) as info:
         level.run("all_reduce")
     assert info.value.peer == 2
-    level = _Level(_failing(PeerFailureError("rank 1 died", peer=1)), (0, 2),
+    level = level_of(_failing(PeerFailureError("rank 1 died", peer=1)), (0, 2),
                    "between nodes", (4, 5, 6, 7))
     with pytest.raises(PeerFailureError) as info:
         level.run("all_reduce")

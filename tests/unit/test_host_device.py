@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from gpuring._ops import ReduceOp
+from gpuring.devices._host_streams import average_into
 from gpuring.devices.base import Arg, Flag, FlagWaitAborted, FlagWaitTimeout, ReduceNI, Span
-from gpuring.devices.host import HostDevice, _average_into
+from gpuring.devices.host import HostDevice
 
 
 @pytest.fixture
@@ -161,18 +162,18 @@ def test_integer_average_rounds_toward_zero():
     x = np.array([-7, 7, -8, 8, 5], np.int32)
     y = np.array([0, 0, 0, 0, -6], np.int32)
     d = np.empty_like(x)
-    _average_into(d, x, y, 2)
+    average_into(d, x, y, 2)
     assert d.tolist() == [-3, 3, -4, 4, 0]
     u = np.array([7, 255], np.uint8)
     du = np.empty_like(u)
-    _average_into(du, u, np.array([0, 1], np.uint8), 2)
+    average_into(du, u, np.array([0, 1], np.uint8), 2)
     assert du.tolist() == [3, 0]  # 255 + 1 wraps to 0, as the sum does
 
 
 def test_float16_average_rounds_once():
     x = np.array([65504, 1e-4], np.float16)
     d = np.empty_like(x)
-    _average_into(d, x, x, 2)  # the float16 sum would overflow; float32 does not
+    average_into(d, x, x, 2)  # the float16 sum would overflow; float32 does not
     assert d.tolist() == x.tolist()
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import threading
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
+from ..cudasim import kernels_host_build
+
+pytest.importorskip("cuda.bindings.nvrtc", reason=kernels_host_build.NVRTC_MISSING)
 
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _file_cache, _kernels, cuda
@@ -39,7 +43,7 @@ def test_every_data_kernel_fits_the_fallback_occupancy(cubins: dict[str, bytes],
                     _kernels.COPY_KERNEL)
     registers = cubin.registers(cubins[arch])
     for name in data_kernels:
-        fit = cubin.blocks_per_sm(registers[name], cuda._THREADS)
+        fit = cubin.blocks_per_sm(registers[name], cuda.THREADS)
         assert fit >= cuda._FALLBACK_BLOCKS_PER_SM, (name, registers[name], fit)
 
 
@@ -77,6 +81,54 @@ def test_the_kernels_command_builds_into_the_cache_collectives_load(
     assert "is not a GPU architecture" in capsys.readouterr().err
 
 
+class _Watched(io.StringIO):
+    """A stream that tells when a line holding `wanted` was written to it."""
+
+    def __init__(self, wanted: str):
+        super().__init__()
+        self.wanted, self.seen = wanted, threading.Event()
+
+    def write(self, text: str) -> int:
+        if self.wanted in text:
+            self.seen.set()
+        return super().write(text)
+
+
+def test_the_kernels_command_says_what_it_builds_while_it_builds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A build takes minutes in one NVRTC call: `gpuring kernels` says which architecture it
+    starts on before the call, then that it still runs every few seconds (here a build that
+    lasts until the first such line), then where the CUBIN is; a cached one needs neither."""
+    from gpuring import _cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(_cli, "KERNELS_PROGRESS_S", 0.01)
+    err = _Watched("still running")
+    monkeypatch.setattr("sys.stderr", err)
+
+    def slow_compile(arch: str, source: str | None = None) -> bytes:
+        assert err.seen.wait(60), "no progress line while the build ran"
+        return f"CUBIN for {arch}".encode()
+
+    monkeypatch.setattr(_kernels, "nvrtc_compile", slow_compile)
+    assert _cli.main(["kernels", "--arch", "sm_80", "--arch", "sm_90"]) == 0
+    lines = err.getvalue().splitlines()
+    assert lines[0] == (f"gpuring kernels: sm_80 (1 of 2): compiling {_kernels.SOURCE_NAME} "
+                        f"({len(_kernels.ALL_KERNEL_NAMES)} kernels) with NVRTC: tens of seconds "
+                        "to minutes of CPU (or waiting for another process's build of it)")
+    assert lines[1].startswith("gpuring kernels: sm_80's build: still running after ")
+    assert any(line.startswith("gpuring kernels: sm_90 (2 of 2): compiling") for line in lines)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ARCHS
+    err.seek(0)
+    err.truncate()
+    monkeypatch.setattr(_cli, "KERNELS_PROGRESS_S", 3600.0)
+    assert _cli.main(["kernels", "--arch", "sm_90"]) == 0  # cached: nothing to wait for
+    assert err.getvalue() == ""
+    assert capsys.readouterr().out.startswith("sm_90: ")
+
+
 def test_every_op_dtype_pair_has_a_kernel() -> None:
     source = _kernels.kernel_source()
     for dtype in SUPPORTED_DTYPES:
@@ -88,7 +140,7 @@ def test_every_op_dtype_pair_has_a_kernel() -> None:
             name = _kernels.reduce_kernel_name(dtype, op)
             assert name in _kernels.REDUCE_KERNEL_NAMES
             assert _kernels.reduce_n_kernel_name(dtype, op) in _kernels.REDUCE_N_KERNEL_NAMES
-            assert _kernels.direct_kernel_name(dtype, op) in \
+            assert _kernels.fused_kernel_name(dtype, op) in \
                 _kernels.DIRECT_KERNEL_NAMES
             assert f"GPURING_FUSED_{'COMPLEX' if dtype in COMPLEX_DTYPES else 'REAL'}" \
                 f"({dtype}," in source

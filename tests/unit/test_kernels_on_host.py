@@ -21,7 +21,7 @@ import pytest
 
 from gpuring._ops import COMPLEX_DTYPES, SUPPORTED_DTYPES, ReduceOp
 from gpuring.devices import _kernels
-from gpuring.devices.host import _UFUNCS, _average_into
+from gpuring.devices._host_streams import UFUNCS, average_into
 
 from .. import reference
 
@@ -86,9 +86,9 @@ def _host_reduce(x: np.ndarray, y: np.ndarray, op: ReduceOp, divisor: int) -> np
         return out
     with np.errstate(invalid="ignore", over="ignore"):
         if divisor == 1:
-            _UFUNCS[op](x, y, out=out)
+            UFUNCS[op](x, y, out=out)
         else:
-            _average_into(out, x, y, divisor)
+            average_into(out, x, y, divisor)
     return out
 
 
@@ -440,7 +440,7 @@ class _FusedRank:
         self.abort = np.zeros(1, np.int32)
 
 
-#: the collectives of gpuring_direct_* (GPURING_ALL_REDUCE ... in reduce.cu)
+#: the collectives of gpuring_fused_* (GPURING_ALL_REDUCE ... in reduce.cu)
 KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3, "reduce": 4}
 
 
@@ -458,7 +458,7 @@ def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[n
     ranks = ranks or [_FusedRank(slot) for _ in range(nranks)]
     regions = [r.region.ctypes.data for r in ranks]
     regions += [0] * (_kernels.FUSED_MAX_RANKS - nranks)
-    kernel = _kernel(lib, _kernels.direct_kernel_name(dtype, op))
+    kernel = _kernel(lib, _kernels.fused_kernel_name(dtype, op))
     divisor = nranks if op is ReduceOp.AVG else 1
     outputs = [[np.empty(0)] * nranks for _ in inputs]
 
@@ -476,7 +476,7 @@ def _fused_calls(lib: ctypes.CDLL, dtype: str, op: ReduceOp, inputs: list[list[n
                 out = x[r * n:(r + 1) * n] if in_place else np.zeros(n, x.dtype)
             else:
                 out = x if in_place else np.zeros_like(x)
-            lib.emu_launch_direct(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data, n, n,
+            lib.emu_launch_fused(kernel, grids[c], 32, out.ctypes.data, x.ctypes.data, n, n,
                                   divisor, KINDS[kind], root, r, nranks, *regions, slot,
                                   timeout_ns, ranks[r].status.ctypes.data,
                                   ranks[r].abort.ctypes.data)
@@ -538,7 +538,7 @@ def test_one_kernel_pieces_of_a_larger_collective(lib: ctypes.CDLL, kind: str) -
     ranks = [_FusedRank(piece * per_rank * dt.itemsize) for _ in range(nranks)]
     regions = [r.region.ctypes.data for r in ranks]
     regions += [0] * (_kernels.FUSED_MAX_RANKS - nranks)
-    kernel = _kernel(lib, _kernels.direct_kernel_name("float32", "sum"))
+    kernel = _kernel(lib, _kernels.fused_kernel_name("float32", "sum"))
     outputs = [np.full(total * (nranks if kind == "all_gather" else 1), -1, dt)
                for _ in range(nranks)]
 
@@ -547,7 +547,7 @@ def test_one_kernel_pieces_of_a_larger_collective(lib: ctypes.CDLL, kind: str) -
         for lo in range(0, total, piece):
             n = min(piece, total - lo)
             at = lo * dt.itemsize
-            lib.emu_launch_direct(kernel, 2, 32, out.ctypes.data + at, x.ctypes.data + at, n,
+            lib.emu_launch_fused(kernel, 2, 32, out.ctypes.data + at, x.ctypes.data + at, n,
                                   total, 1, KINDS[kind], 0, r, nranks, *regions,
                                   piece * per_rank * dt.itemsize, 10**10,
                                   ranks[r].status.ctypes.data, ranks[r].abort.ctypes.data)
@@ -606,12 +606,12 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     """A rank whose peer never launches gives up after the timeout: the status words say
     "timed out" and which peer, the abort word is set, the output is left alone."""
     ranks = [_FusedRank(64) for _ in range(3)]
-    kernel = _kernel(lib, _kernels.direct_kernel_name("float32", "sum"))
+    kernel = _kernel(lib, _kernels.fused_kernel_name("float32", "sum"))
     regions = [r.region.ctypes.data for r in ranks] + [0] * 5
     x = np.arange(16, dtype=np.float32)
     out = np.full(16, -1, np.float32)
     start = time.monotonic()
-    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 3,
+    lib.emu_launch_fused(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 3,
                               *regions, 64, 20_000_000, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
     assert time.monotonic() - start >= 0.02
@@ -620,7 +620,7 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
     assert (out == -1).all()
     # once aborted, a launch does nothing at all (its epoch does not move)
     counters = ranks[0].region[:16].copy()
-    lib.emu_launch_direct(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 3,
+    lib.emu_launch_fused(kernel, 1, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 3,
                               *regions, 64, 0, ranks[0].status.ctypes.data,
                               ranks[0].abort.ctypes.data)
     assert (ranks[0].region[:16] == counters).all() and (out == -1).all()
@@ -629,7 +629,7 @@ def test_one_kernel_all_reduce_times_out_naming_the_peer(lib: ctypes.CDLL) -> No
 def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) -> None:
     rank = _FusedRank(64)
     other = _FusedRank(64)
-    kernel = _kernel(lib, _kernels.direct_kernel_name("int32", "max"))
+    kernel = _kernel(lib, _kernels.fused_kernel_name("int32", "max"))
     regions = [rank.region.ctypes.data, other.region.ctypes.data] + [0] * 6
     x = np.arange(16, dtype=np.int32)
     out = np.full(16, -1, np.int32)
@@ -640,7 +640,7 @@ def test_one_kernel_all_reduce_returns_when_the_host_aborts(lib: ctypes.CDLL) ->
 
     helper = threading.Thread(target=abort_soon)
     helper.start()
-    lib.emu_launch_direct(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 2,
+    lib.emu_launch_fused(kernel, 2, 32, out.ctypes.data, x.ctypes.data, 16, 16, 1, 0, 0, 0, 2,
                               *regions, 64, 0, rank.status.ctypes.data, rank.abort.ctypes.data)
     helper.join()
     assert rank.abort[0] == 1 and (out == -1).all()

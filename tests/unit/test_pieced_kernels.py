@@ -16,8 +16,9 @@ import pytest
 
 from gpuring._ops import ReduceOp
 from gpuring.devices import _kernels
-from gpuring.devices._cuda_direct import DirectKernel, PiecedKernel, prepare_direct
-from gpuring.devices._cuda_streams import CudaMemory
+from gpuring.devices._cuda_forms import Slots
+from gpuring.devices._cuda_fused import FusedKernel, PiecedKernel, prepare_fused
+from gpuring.devices._cuda_memory import CudaMemory
 from gpuring.devices.base import Span
 
 from .test_kernels_on_host import _chain, _same
@@ -27,7 +28,7 @@ SLOT = 16 << 10  # bytes of a slot: pieces of 4096 float32 (fewer for reduce_sca
 
 
 class _Launcher:
-    """gpuring_direct_<dtype>_<op> as CuPy's RawKernel calls it, run by the host build."""
+    """gpuring_fused_<dtype>_<op> as CuPy's RawKernel calls it, run by the host build."""
 
     def __init__(self, lib: ctypes.CDLL, name: str):
         self._lib = lib
@@ -35,14 +36,15 @@ class _Launcher:
 
     def __call__(self, grid: tuple[int], block: tuple[int], args: tuple[Any, ...],
                  stream: Any = None) -> None:
-        self._lib.emu_launch_direct(self._address, grid[0], block[0], *(int(a) for a in args))
+        self._lib.emu_launch_fused(self._address, grid[0], block[0], *(int(a) for a in args))
 
 
 class _Rank:
-    """What DirectKernel asks of CudaDevice, for one rank: its kernels, grid limit, timeout,
+    """What FusedKernel asks of CudaDevice, for one rank: its kernels, grid limit, timeout,
     status and abort words."""
 
     fused_form = "kernel"
+    slots = Slots(kernel=SLOT)
     timeout_ns = 10**10
 
     def __init__(self, lib: ctypes.CDLL, fused_blocks: int):
@@ -55,8 +57,8 @@ class _Rank:
         self.captured = False
         self.operations = 0
 
-    def direct_kernel(self, dtype: str, op: ReduceOp) -> _Launcher:
-        return _Launcher(self._lib, _kernels.direct_kernel_name(dtype, op))
+    def fused_kernel(self, dtype: str, op: ReduceOp) -> _Launcher:
+        return _Launcher(self._lib, _kernels.fused_kernel_name(dtype, op))
 
     def check(self) -> None:
         assert self.status[0] == 0 and self.abort[0] == 0, "a wait gave up"
@@ -112,12 +114,12 @@ def _run(lib: ctypes.CDLL, kind: str, inputs: list[np.ndarray], outputs: list[np
     divisor = nranks if op is ReduceOp.AVG else 1
 
     def work(r: int) -> None:
-        direct = prepare_direct(ranks[r], kind, regions, r, root,  # type: ignore[arg-type]
+        direct = prepare_fused(ranks[r], kind, regions, r, root,  # type: ignore[arg-type]
                                 inputs[r].dtype.name, op, divisor, inputs[r].nbytes,
-                                pieces=True)
+                                graph=True)
         assert isinstance(direct, PiecedKernel)
         launches = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
-        assert len(launches) > 2 and all(isinstance(k, DirectKernel) for k, _ in launches)
+        assert len(launches) > 2 and all(isinstance(k, FusedKernel) for k, _ in launches)
         stream = _Stream()
         assert direct.run(stream, launches, captured=True) is None  # type: ignore[arg-type]
         assert ranks[r].captured and stream.records == 0  # no event under capture
@@ -217,9 +219,9 @@ def test_one_kernel_copies_of_blocks(lib: ctypes.CDLL, kind: str, nranks: int) -
 
         def work(r: int, inputs: list[np.ndarray] = inputs,
                  outputs: list[np.ndarray] = outputs) -> None:
-            direct = prepare_direct(ranks[r], kind, regions, r,  # type: ignore[arg-type]
+            direct = prepare_fused(ranks[r], kind, regions, r,  # type: ignore[arg-type]
                                     root, "float32", ReduceOp.SUM, 1, inputs[r].nbytes)
-            assert isinstance(direct, DirectKernel)
+            assert isinstance(direct, FusedKernel)
             operands = direct.bind(_memory(outputs[r]), _memory(inputs[r]))
             stream = _Stream()
             direct.run(stream, operands)  # type: ignore[arg-type]

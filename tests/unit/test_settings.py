@@ -1,5 +1,5 @@
 """Every GPURING_* setting is declared once (gpuring/settings.py), read only through it, and
-documented by the table the README shows."""
+documented by the table docs/settings.md shows."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from gpuring.devices.host import HostDevice
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_table_is_the_declared_one() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_documented_table_is_the_declared_one() -> None:
+    doc = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
     block = re.search(r"<!-- settings: generated from gpuring/settings.py.*?-->\n(.*?)\n"
-                      r"<!-- end of settings -->", readme, re.S)
-    assert block is not None, "README.md lost its settings table markers"
+                      r"<!-- end of settings -->", doc, re.S)
+    assert block is not None, "docs/settings.md lost its settings table markers"
     assert block.group(1) == settings.markdown_table()
-    rows = re.findall(r"^\| `(GPURING_\w+)` \|", readme, re.M)
+    rows = re.findall(r"^\| `(GPURING_\w+)` \|", doc, re.M)
     assert sorted(rows) == sorted(settings.SETTINGS), "a setting is documented twice or not"
 
 

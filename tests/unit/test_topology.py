@@ -94,12 +94,12 @@ def test_a_long_ring_is_built_link_by_link() -> None:
 
 
 def test_the_cuda_device_orders_its_ring_by_the_topology(monkeypatch) -> None:
-    from gpuring.devices import _topology, cuda
+    from gpuring.devices import _topology
 
     sys_ = {(i, j): 50 for i in range(4) for j in range(i + 1, 4)}
     topology = _made(BUSES, {(0, 2): 4, (2, 1): 4, (1, 3): 4, (3, 0): 4}, sys_)
     monkeypatch.setattr(_topology, "read", lambda: topology)
-    assert cuda._ring_order(BUSES) == (0, 2, 1, 3)
-    assert cuda._ring_order([BUSES[0]] * 4) == ()  # one GPU: nothing to order
+    assert _topology.ring_order(BUSES) == (0, 2, 1, 3)
+    assert _topology.ring_order([BUSES[0]] * 4) == ()  # one GPU: nothing to order
     monkeypatch.setattr(_topology, "read", lambda: None)
-    assert cuda._ring_order(BUSES) == ()
+    assert _topology.ring_order(BUSES) == ()

@@ -163,7 +163,7 @@ def test_a_failure_close_reports_only_for_work_it_lost() -> None:
     """A failure that came while collective 5 was in flight is close's error, unless every
     collective through 5 then completed without error (its call was about to return)."""
     from gpuring import PeerFailureError
-    from gpuring._lifecycle import Lifecycle
+    from gpuring._failures import Lifecycle
 
     def life(completed: int) -> Lifecycle:
         one = Lifecycle(rank=1)
@@ -188,7 +188,7 @@ def test_only_a_rank_whose_every_engine_is_done_vouches_for_its_work() -> None:
     from types import SimpleNamespace
 
     from gpuring._callpath import CallPath
-    from gpuring._lifecycle import Lifecycle
+    from gpuring._failures import Lifecycle
 
     def engine(blocking: bool) -> SimpleNamespace:
         return SimpleNamespace(device=SimpleNamespace(blocking=blocking))

@@ -6,11 +6,12 @@ from typing import Any
 
 import pytest
 
+from gpuring._engine import Engine
 from gpuring._errors import GpuringError
 from gpuring._ops import ReduceOp
-from gpuring._scheduler import Engine
 from gpuring.algorithms.collectives import plan_collective
-from gpuring.devices.base import Capabilities, WaitI, WriteI, _group_writes
+from gpuring.devices._program import group_writes
+from gpuring.devices.base import Capabilities, WaitI, WriteI
 
 
 class _Stream:
@@ -122,7 +123,7 @@ def test_consecutive_writes_of_one_value_are_grouped() -> None:
     engine = Engine(device, _Control(0, 4), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
     _run(engine, device, _launch(engine, "all_reduce", 64))
     (program, _), = device.ran
-    steps = _group_writes(program)
+    steps = group_writes(program)
     groups = [s for s in steps if isinstance(s, tuple) and s and isinstance(s[0], WriteI)]
     # the piece for the three readers, and DONE to all four ranks: one step each
     assert [len(g) for g in groups] == [3, 4]
@@ -162,6 +163,8 @@ class _Caller:
 class _Direct:
     """A prepared one-operation collective that notes where it runs."""
 
+    capturable = True
+
     def __init__(self, kind: str):
         self.kind = kind
 
@@ -194,12 +197,13 @@ class _FusedDevice(_Device):
 
     def capabilities(self, handles: Any) -> Capabilities:
         return Capabilities(self.fused_max_bytes, whole_pieces=True,
-                        fused_kinds=frozenset({"all_reduce"}), fused_capturable=True)
+                        fused_kinds=frozenset({"all_reduce"}),
+                        graph_kinds=frozenset({"all_reduce"}))
 
     def caller_stream(self) -> _Caller:
         return self.current
 
-    def prepare_direct(self, kind: str, regions: Any, rank: int, root: int, dtype: str,
+    def prepare_fused(self, kind: str, regions: Any, rank: int, root: int, dtype: str,
                        op: ReduceOp, divisor: int, nbytes: int) -> _Direct:
         return _Direct(kind)
 

@@ -1,6 +1,6 @@
 """The two-shot schedule (deterministic mode's) beside the ring, in the same processes.
 
-    gpuring run -n 2 python bench/direct_vs_ring.py [--sizes 1M,4M,16M,64M] [--reps 15]
+    gpuring run -n 2 python bench/two_shot_vs_ring.py [--sizes 1M,4M,16M,64M] [--reps 15]
 
 NumPy float32 sum all_reduce, out of place, on the same arrays: at each size the two
 schedules alternate call by call (`algorithm="ring"`, `algorithm="two_shot"`), each call timed

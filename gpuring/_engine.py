@@ -1,4 +1,5 @@
-"""The scheduler: binds a plan to memory and enqueues it on device streams.
+"""The engine: binds a plan to memory and enqueues it on device streams (`Engine`), and what it
+prepares for one collective (`Launch`).
 
 It knows the device interface and the plan vocabulary, nothing of NumPy or CUDA. One `Engine`
 per device owns that device's communication buffer, the peers' mapped buffers and the streams.
@@ -24,7 +25,7 @@ stream, waited for a piece of every other rank, each of them had started that ro
 finished the one before it (each rank runs its rounds in order).
 
 A small collective on a device that offers it (`Capabilities.fused_bytes`) is one operation on the
-caller's stream instead (`Device.prepare_direct`, prepared once): no round, no event to
+caller's stream instead (`Device.prepare_fused`, prepared once): no round, no event to
 order the caller, its flags and counters the device's own, in its region. Consecutive
 collectives of a rank never overlap: each waits for the one before where it runs on another
 stream.
@@ -33,10 +34,10 @@ stream.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, NamedTuple
 
-from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
-from ._launch import Launch, PeerArrays, RegistrationError
+from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError, RegistrationError
+from ._failures import Unraised
 from ._ops import ReduceOp
 from .algorithms.plan import BUF, IN, ChannelPlan, Copy, Loc, Reduce, ReduceN, RoundPlan, Wait
 from .devices.base import (
@@ -47,6 +48,7 @@ from .devices.base import (
     Flag,
     FlagWaitAborted,
     FlagWaitTimeout,
+    FusedOp,
     Instruction,
     Memory,
     ReduceI,
@@ -60,7 +62,66 @@ from .devices.base import (
 )
 from .rendezvous.base import ControlPlane
 
-__all__ = ["Engine", "MAX_CHANNELS"]
+__all__ = ["Engine", "Launch", "PeerArrays", "MAX_CHANNELS"]
+
+class PeerArrays(NamedTuple):
+    """A rank's input and output of a collective on registered memory, mapped here (None:
+    not registered)."""
+
+    inp: Span | None
+    out: Span | None
+
+
+class Launch:
+    """A collective prepared for one engine: its rounds, the dtype and op, whether it runs on
+    the inline stream, and (for that stream) its runners, compiled on the first run. Made by
+    `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
+
+    __slots__ = ("_per_round", "collective", "divisor", "dtype", "engine", "fused", "fused_op",
+                 "hears_all", "inline", "itemsize", "op", "peers", "root", "rounds", "runners")
+
+    def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
+                 itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
+                 collective: str = "all_reduce", root: int = 0,
+                 peers: tuple[PeerArrays, ...] = ()):
+        self.engine = engine
+        #: every rank's registered input and output, mapped here, which registered rounds
+        #: read (`RoundPlan.registered`); empty for collectives on plain arrays
+        self.peers = peers
+        #: the collective runs as one operation on the caller's stream, not in rounds: `fused_op`
+        #: (set by `Engine.prepare`)
+        self.fused = fused
+        self.fused_op: FusedOp | None = None
+        self.collective = collective
+        self.root = root
+        self.rounds = rounds
+        self.dtype = dtype
+        self.itemsize = itemsize
+        self.op = op
+        self.divisor = engine.size if op is ReduceOp.AVG else 1
+        self.inline = inline
+        #: inline runners, per channel, of (round, buffer half (seq parity), credits known
+        #: (see `Engine.run`)), each compiled on its first use
+        self.runners: dict[tuple[int, int, bool], tuple[Runner, ...]] = {}
+        #: per round: whether its (one) channel waits for a piece of every other rank
+        self.hears_all = tuple(
+            len(plan.channels) == 1 and {o.peer for o in plan.channels[0]
+                                         if isinstance(o, Wait)} == set(range(engine.size))
+            - {engine.rank} for plan in rounds)
+        self._per_round: tuple[Launch, ...] | None = None
+
+    def per_round(self) -> tuple[Launch, ...]:
+        """One launch per round (the timeline runs and times them one by one); a fused launch
+        is one step."""
+        if self.fused:
+            return (self,)
+        if self._per_round is None:
+            self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
+                                           self.op, self.inline, collective=self.collective,
+                                           root=self.root, peers=self.peers)
+                                    for plan in self.rounds)
+        return self._per_round
+
 
 MAX_CHANNELS = 32
 _PAGE = 4096
@@ -75,7 +136,7 @@ class Engine:
     def __init__(self, device: Device, control: ControlPlane, *, capacity_bytes: int,
                  timeout: float, fused_limit: int = 0):
         """`fused_limit`: the largest input (bytes) of a collective to run as one operation
-        where the device can (GPURING_ONE_SHOT_BYTES; the same on every rank)."""
+        where the device can (GPURING_FUSED_BYTES; the same on every rank)."""
         self.device = device
         self.rank = control.rank
         self.size = control.size
@@ -112,10 +173,9 @@ class Engine:
         device.seal(local)
         #: the largest input (bytes) of a collective that runs as one operation (0: none)
         self.fused_bytes = min(capabilities.fused_bytes, fused_limit) if region else 0
-        #: the collectives that run as one operation, and whether those can be captured
-        #: into a CUDA graph
+        #: the collectives that run as one operation, and those a CUDA graph can record
         self.fused_kinds = capabilities.fused_kinds
-        self.fused_capturable = capabilities.fused_capturable
+        self.graph_kinds = capabilities.graph_kinds
         #: the ranks in the order the ring and the chains visit them (empty: rank order)
         self.ring: tuple[int, ...] = tuple(rings[0])
         #: the piece size where the user set none
@@ -152,35 +212,34 @@ class Engine:
         launch = Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root,
                         peers)
         if fused:
-            launch.direct = self.device.prepare_direct(
+            launch.fused_op = self.device.prepare_fused(
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
         return launch
 
     def prepare_captured(self, launch: Launch, nbytes: int) -> Launch | None:
         """What a CUDA graph records of `launch` (from `prepare`, of an input of `nbytes`):
-        the launch itself where it runs as one operation that can be captured; where it runs
-        in rounds, a launch of one operation per piece of the device's region
-        (`Device.prepare_direct`'s `pieces`); None where this engine's operations cannot be
-        captured or run no such collective."""
-        if not self.fused_capturable:
-            return None
-        if launch.fused:
+        the launch itself where it runs as one operation that can be captured; else (it runs
+        in rounds, or in a form a graph cannot record) a launch of the device's form for
+        graphs, one operation or one per piece of the device's region
+        (`Device.prepare_fused`'s `graph`); None where this engine's graphs cannot record
+        the collective."""
+        if launch.fused and launch.fused_op is not None and launch.fused_op.capturable:
             return launch
-        if launch.collective not in self.fused_kinds or nbytes <= 0 or \
+        if launch.collective not in self.graph_kinds or nbytes <= 0 or \
                 self._regions[self.rank].nbytes <= 0:
             return None
-        pieces = Launch(self, (), launch.dtype, launch.itemsize, launch.op, inline=True,
-                        fused=True, collective=launch.collective, root=launch.root)
-        pieces.direct = self.device.prepare_direct(
+        graph = Launch(self, (), launch.dtype, launch.itemsize, launch.op, inline=True,
+                       fused=True, collective=launch.collective, root=launch.root)
+        graph.fused_op = self.device.prepare_fused(
             launch.collective, self._regions, self.rank, launch.root, launch.dtype, launch.op,
-            launch.divisor, nbytes, pieces=True)
-        return pieces
+            launch.divisor, nbytes, graph=True)
+        return graph
 
     def bind(self, launch: Launch, in_mem: Memory, out_mem: Memory | None) -> Any:
-        """A fused launch's operands for these memories (`Direct.bind`: they hold no array,
+        """A fused launch's operands for these memories (`FusedOp.bind`: they hold no array,
         so a call that comes again with the same arrays may keep them)."""
-        assert launch.direct is not None
-        return launch.direct.bind(out_mem or in_mem, in_mem)  # a reduce off root writes nothing
+        assert launch.fused_op is not None
+        return launch.fused_op.bind(out_mem or in_mem, in_mem)  # a reduce off root writes nothing
 
     def run(self, launch: Launch, in_mem: Memory | None, out_mem: Memory | None, name: str,
             collective_seq: int, bound: Any = None) -> Event | None:
@@ -215,11 +274,11 @@ class Engine:
         a replay after it (on its stream, or after a synchronize), as any work on a stream.
         Two streams of one capture are refused (their kernels would be parallel nodes of the
         graph)."""
-        direct = launch.direct
-        assert direct is not None
+        fused_op = launch.fused_op
+        assert fused_op is not None
         stream = self.device.caller_stream()
         try:  # (a form that cannot be captured was refused under capture before the call)
-            if self.fused_capturable and stream.capturing():
+            if fused_op.capturable and stream.capturing():
                 other = self._captured_on
                 if other is not None and other is not stream and other.capturing():
                     raise GpuringError(
@@ -227,10 +286,10 @@ class Engine:
                         "stream's capture holds one already: capture the communicator's "
                         "collectives on one stream")
                 self._captured_on = stream
-                return direct.run(stream, bound, captured=True)
+                return fused_op.run(stream, bound, captured=True)
             if self._last is not None and self._last_stream is not stream:
                 stream.wait_event(self._last)
-            finished = direct.run(stream, bound)
+            finished = fused_op.run(stream, bound)
             assert finished is not None  # (only a captured run has no event)
             self._last, self._last_stream = finished, stream
         except FlagWaitTimeout as exc:
@@ -469,13 +528,14 @@ class Engine:
         device = self.device
         peers_may_read = False
         if not device.blocking and self.size > 1:
-            try:
+            kept = Unraised()
+            with kept.step():
                 if not orderly:
                     raise GpuringError("the communicator failed")
                 self.synchronize()
                 device.detach_peers()
                 control.barrier(min(self.timeout, 60.0), "close()")
-            except BaseException as exc:
-                device.abort(f"closed after a failure ({exc})")
+            if kept.error is not None:
+                device.abort(f"closed after a failure ({kept.error})")
                 peers_may_read = True
         device.close(peers_may_read=peers_may_read)
