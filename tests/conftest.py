@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 HERE = Path(__file__).parent
-WORKER = HERE / "multiproc" / "worker.py"
 #: set (CI does) to make every skip a failure, except in tests that need a real GPU
 NO_SKIPS_ENV = "GPURING_TESTS_NO_SKIPS"
 
@@ -43,6 +44,28 @@ def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-
     if report.skipped and not _skip_allowed(collector):
         report.outcome = "failed"
         report.longrepr = f"skipped, which {NO_SKIPS_ENV}=1 forbids: {report.longrepr}"
+
+
+#: the launch a named test's id ends with (tests/multiproc/named.py): "...-3ranks-mpiexec]"
+_LAUNCH_IN_ID = re.compile(r"\[[^\[\]]*?-(\d+ranks(?:-[^\[\]]*)?)\]$")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist's default distribution (-n, --dist load): the named tests of one
+    launch go to one worker, as a unit, so that the workers run different launches at once
+    instead of one waiting for the other's; every other test is a unit of its own, as
+    before."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByLaunch(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            launch = _LAUNCH_IN_ID.search(nodeid)
+            return f"launch {launch.group(1)}" if launch else nodeid
+
+    return ByLaunch(config, log)
 
 
 def mpiexec() -> str | None:
@@ -138,11 +161,12 @@ def torchrun_env(size: int, port: int, nodes: list[str] | None = None) -> list[d
     return envs
 
 
-def start_as(envs: list[dict[str, str]], args: list[str], timeout: float = 300
-             ) -> list[subprocess.CompletedProcess[str]]:
+def start_as(envs: list[dict[str, str]], args: list[str], timeout: float = 300,
+             base: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
     """Start `python args...` once per entry of `envs` (a launcher's variables for that
-    process, over this environment without another launcher's), by hand; wait for all."""
-    base = dict(os.environ, GPURING_JITTER="1", GPURING_TIMEOUT="60")
+    process, over this environment, or `base`, without another launcher's), by hand; wait
+    for all."""
+    base = dict(os.environ if base is None else base, GPURING_JITTER="1", GPURING_TIMEOUT="60")
     for name in ("GPURING_STORE", "PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
                  "PMIX_RANK"):
         base.pop(name, None)
@@ -153,11 +177,12 @@ def start_as(envs: list[dict[str, str]], args: list[str], timeout: float = 300
 
 
 def run_worker(worker: Path, launcher: str, n: int, case: str, tmp_path: Path,
-               env: dict[str, str] | None = None, nodes: list[str] | None = None
-               ) -> list[str]:
-    """Run `worker case tmp_path` on n ranks; check it succeeded and that every rank wrote the
-    same digests (bitwise identical results); return rank 0's digest lines."""
-    proc = launch(launcher, n, [str(worker), case, str(tmp_path)], env=env, nodes=nodes)
+               env: dict[str, str] | None = None, nodes: list[str] | None = None,
+               device: str | None = None) -> list[str]:
+    """Run `worker case tmp_path [device]` on n ranks; check it succeeded and that every rank
+    wrote the same digests (bitwise identical results); return rank 0's digest lines."""
+    proc = launch(launcher, n, [str(worker), case, str(tmp_path), *([device] if device else [])],
+                  env=env, nodes=nodes)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(n)]
     for r in range(1, n):
@@ -174,3 +199,15 @@ def host_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return shared / "cudasim-build"
 
+
+
+@pytest.fixture(scope="session")
+def named_launches(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Every group of named items launched once for the session, its results shared by
+    pytest-xdist's workers (tests/multiproc/named.py)."""
+    from .multiproc.named import Launches
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return Launches(request.session, shared)

@@ -6,10 +6,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ..conftest import mpiexec
+from .named import Group, params
+
+#: each test launches ranks for several seconds
+pytestmark = pytest.mark.slow
 
 ENV_DROP = ("GPURING_STORE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
@@ -144,33 +149,52 @@ def test_under_mpiexec_with_the_mpi_peer(tmp_path):
     assert proc.stdout.count(" mpi  out-of-place") == 7
 
 
-def test_tune_writes_a_table_the_collectives_follow(tmp_path):
-    """`gpuring tune --ranks 2` measures every candidate (each checked), writes a table that
-    loads, with every measurement and the machine, prints it; ranks started with
-    GPURING_TUNING take its choices (the worker's `tuned` case), and a rank with another
-    table is a mismatch."""
-    from gpuring._tuning import load
-
-    from ..conftest import WORKER, run_worker
-
+def _tune(home: Path) -> None:
+    """`gpuring tune --ranks 2` into home/t.json; its exit status and output beside it."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
     proc = subprocess.run(
         [sys.executable, "-m", "gpuring", "tune", "--ranks", "2", "--device", "cpu",
          "-b", "4K", "-e", "4M", "-f", "32", "-n", "2", "--repeats", "1",
          "--collectives", "all_reduce,reduce_scatter", "-o", "t.json"],
-        cwd=tmp_path, env=dict(env, GPURING_TIMEOUT="60"), capture_output=True, text=True,
+        cwd=home, env=dict(env, GPURING_TIMEOUT="60"), capture_output=True, text=True,
         timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "# gpuring tune: 2 ranks, device cpu" in proc.stdout
-    table = load(tmp_path / "t.json")
+    (home / "tune.json").write_text(json.dumps(
+        {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
+
+
+@pytest.fixture
+def tuned(named_launches) -> Path:  # type: ignore[no-untyped-def]
+    """The directory of one `gpuring tune` run for the session (its table: t.json)."""
+    return named_launches.once("gpuring-tune", _tune)
+
+
+def test_tune_writes_a_table(tuned):
+    """`gpuring tune --ranks 2` measures every candidate (each checked), writes a table that
+    loads, with every measurement and the machine, prints it."""
+    from gpuring._tuning import load
+
+    proc = json.loads((tuned / "tune.json").read_text())
+    assert proc["returncode"] == 0, proc["stdout"][-3000:] + proc["stderr"][-3000:]
+    assert "# gpuring tune: 2 ranks, device cpu" in proc["stdout"]
+    table = load(tuned / "t.json")
     assert table.applies("cpu", 2) and set(table.tables) == {"all_reduce", "reduce_scatter"}
     assert table.tables["all_reduce"][-1].max_bytes is None
-    doc = json.loads((tmp_path / "t.json").read_text())
+    doc = json.loads((tuned / "t.json").read_text())
     assert {r["size"] for r in doc["measured"]} == {4096, 131072, 4194304}
     assert {r["algorithm"] for r in doc["measured"]} == {"ring", "two_shot", "one_shot"}
     assert doc["machine"]["cpus"] and doc["machine"]["versions"]
-    run_worker(WORKER, "gpuring", 2, "tuned", tmp_path,
-               env={"GPURING_TUNING": str(tmp_path / "t.json")})
+
+
+TUNED = Group(("cases_communicators:tuned",), 2, tag="tuning_table", timeout=300)
+
+
+@pytest.mark.parametrize(("group", "item"), params(TUNED))
+def test_the_collectives_follow_the_tuning_table(group, item, tuned, named_launches):
+    """Ranks started with GPURING_TUNING (the table above) take its choices, what a call
+    asks for wins, and a rank with another table is a mismatch."""
+    assert json.loads((tuned / "tune.json").read_text())["returncode"] == 0, "tune failed"
+    named_launches.check(group, item, env=dict(os.environ,
+                                               GPURING_TUNING=str(tuned / "t.json")))
 
 
 def test_without_ranks_or_a_launcher_it_says_it_runs_one_rank(tmp_path):

@@ -1,7 +1,11 @@
 """The GPU code paths on the CPU: the GPU tests (tests/gpu) and `gpuring bench --device cuda`
 run against the CUDA simulator of tests/cudasim, whose kernels are those of kernels/reduce.cu
 built for the CPU. This runs CudaDevice, the scheduler's GPU path and the benchmark's CUDA
-path on every CI run; it says nothing of speed, and a real GPU still runs tests/gpu itself."""
+path on every CI run; it says nothing of speed, and a real GPU still runs tests/gpu itself.
+
+The multi-process tests of tests/gpu/multiproc_cuda.py run in this pytest, named as
+there (`...-4ranks-gpu_per_rank-memops`): their ranks alone need the simulator. The
+in-process ones run in a pytest of their own, whose `import cupy` finds the simulator."""
 
 from __future__ import annotations
 
@@ -21,6 +25,36 @@ GPU_TESTS = ROOT / "tests" / "gpu"
 
 pytestmark = pytest.mark.slow
 
+# The multi-process CuPy tests of tests/gpu, collected here: on the simulator they take
+# `cuda_platform` from this module (its environment for the ranks)
+from ..gpu.multiproc_cuda import (  # noqa: E402, F401
+    CudaPlatform,
+    test_a_killed_rank_on_a_simulated_node,
+    test_back_to_back,
+    test_capture_where_ranks_share_a_gpu,
+    test_close_waits_until_every_peer_unmapped,
+    test_collectives_captured_in_a_cuda_graph,
+    test_cuda_training_features,
+    test_cupyx_distributed_drop_in,
+    test_dtypes_and_ops,
+    test_fusion_and_compression,
+    test_gather_scatter_all_to_all,
+    test_gpus_without_peer_access_run_on_nccl,
+    test_mismatch_raises_on_every_rank,
+    test_nccl_refuses_ranks_that_share_a_gpu_alike,
+    test_persistent_collectives,
+    test_point_to_point,
+    test_registered_memory,
+    test_simulated_nodes,
+    test_sizes,
+    test_small_all_reduce_as_one_operation,
+    test_sub_communicators,
+    test_survivors_of_a_killed_rank_keep_their_gpu,
+    test_the_same_arrays_again,
+    test_two_shot_and_deterministic,
+    test_uneven_collectives,
+)
+
 
 @pytest.fixture(scope="module")
 def sim_env(host_build_dir: Path) -> dict[str, str]:
@@ -29,6 +63,13 @@ def sim_env(host_build_dir: Path) -> dict[str, str]:
                                                 GPURING_CUDASIM_JITTER="1")
     except kernels_host_build.Unavailable as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def cuda_platform(sim_env: dict[str, str]) -> CudaPlatform:
+    """The simulator as the multi-process CuPy tests' GPUs: as many as a form asks for, with
+    stream memory operations or without, as the form asks."""
+    return CudaPlatform(True, sim_env, 0, True)
 
 
 def _run_gpu_tests(env: dict[str, str], *paths: str) -> str:
@@ -46,10 +87,13 @@ def _run_gpu_tests(env: dict[str, str], *paths: str) -> str:
 
 
 def test_gpu_tests_pass_on_the_simulator(sim_env: dict[str, str]) -> None:
-    """All of tests/gpu on one GPU with stream memory operations: the device tests run in
-    both flag modes (memops and spin kernels), the multi-process ones with memops."""
+    """The in-process tests of tests/gpu (CudaDevice, the training features on one rank) on
+    one GPU with stream memory operations, in a pytest whose `import cupy` finds the
+    simulator: the device tests run in both flag modes (memops and spin kernels). (Its
+    multi-process tests run above, in this pytest.)"""
     env = dict(sim_env, GPURING_CUDASIM_MEMOPS="1")
-    _run_gpu_tests(env, str(GPU_TESTS))
+    _run_gpu_tests(env, str(GPU_TESTS / "test_cuda_device.py"),
+                   str(GPU_TESTS / "test_training_gpu.py"))
     assert "[memops-" in subprocess.run(  # the device really used stream memory operations
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
          str(GPU_TESTS / "test_cuda_device.py")],
@@ -57,20 +101,13 @@ def test_gpu_tests_pass_on_the_simulator(sim_env: dict[str, str]) -> None:
 
 
 def test_two_gpus_without_stream_memory_operations(sim_env: dict[str, str]) -> None:
-    """Two simulated GPUs whose driver has no stream memory operations: each rank uses GPU
-    local_rank % 2, its arrays live there, IPC maps buffers across devices (with peer
-    access), waits spin in kernels, and the device says why it fell back. Small collectives
-    run as one kernel here (GPURING_CUDA_FUSED=auto without stream memory operations), so the
-    collectives' case checks that form too (mismatches on 2 ranks). The other multi-process
-    cases (odd sizes, the tests of the forms themselves, the training features, calls that
-    come again, back-to-back collectives, deterministic mode, messages,
-    sub-communicators, the cupyx drop-in, simulated nodes: nothing of them depends on the
-    GPU count) ran above."""
+    """Two simulated GPUs whose driver has no stream memory operations: the device's spin
+    waits, IPC across devices (with peer access), a sticky error cleared, the legacy default
+    stream, faults; the device says why it fell back. (The multi-process tests' gpu_per_rank
+    forms run the collectives on such GPUs above.)"""
     env = dict(sim_env, GPURING_CUDASIM_DEVICES="2", GPURING_CUDASIM_MEMOPS="0")
-    _run_gpu_tests(env, str(GPU_TESTS / "test_multiproc_cuda.py"),
-                   str(GPU_TESTS / "test_cuda_device.py"), "-k",
-                   "spin or clear_error or legacy or fault or (cuda_collectives and "
-                   "mismatch-2)")
+    _run_gpu_tests(env, str(GPU_TESTS / "test_cuda_device.py"), "-k",
+                   "spin or clear_error or legacy or fault")
 
 
 @pytest.mark.parametrize("collective", ["broadcast"])  # (all_reduce: with -G below)

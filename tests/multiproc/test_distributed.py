@@ -15,7 +15,7 @@ from ..conftest import start_by_hand
 WORKER = str(Path(__file__).parent / "worker_distributed.py")
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_the_calls_of_a_cupyx_user_on_numpy_arrays(n):
     done = start_by_hand(n, [WORKER, "cpu"])
     for rank, proc in enumerate(done):
@@ -23,6 +23,7 @@ def test_the_calls_of_a_cupyx_user_on_numpy_arrays(n):
         assert f"rank {rank}: ok" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_killed_process_fails_the_others():
     done = start_by_hand(3, [WORKER, "cpu", "kill"], env={"GPURING_TIMEOUT": "600"})
     assert done[1].returncode != 0  # killed

@@ -16,6 +16,9 @@ import pytest
 
 from ..conftest import launch, mpiexec, on_nodes
 
+#: each test launches ranks for several seconds
+pytestmark = pytest.mark.slow
+
 WORKER = str(Path(__file__).parent / "worker_faults.py")
 
 

@@ -7,40 +7,35 @@ import pytest
 
 from gpuring.rendezvous.launchers import first_host, from_environment
 
-from ..conftest import WORKER, free_port, start_as, torchrun_env
+from .named import Group, params
+
+CLOSE = Group(("cases_communicators:close_and_again",), 3, launcher="torchrun",
+              tag="torchrun", timeout=180, slow=True)
+SLURM = Group(("cases_communicators:module_api",), 2, launcher="slurm", tag="slurm",
+              timeout=180)
+NODES = Group(("cases_communicators:nodes_without_mpi",), 4, launcher="torchrun",
+              nodes=("a", "a", "b", "b"), tag="torchrun-nodes_aabb", timeout=180, slow=True)
 
 
-def start(envs: list[dict[str, str]], case: str, tmp_path) -> list[str]:
-    """Run worker.py CASE as one process per entry of `envs` (its launcher's variables);
-    check every process succeeded and wrote the same digests; rank 0's digest lines."""
-    done = start_as(envs, [str(WORKER), case, str(tmp_path)], timeout=180)
-    for proc in done:
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    digests = [(tmp_path / f"{case}-{r}.txt").read_text() for r in range(len(envs))]
-    assert all(d == digests[0] for d in digests), "results differ bitwise across ranks"
-    return digests[0].splitlines()
-
-
-def test_close_and_init_again_under_torchrun(tmp_path):
+@pytest.mark.parametrize(("group", "item"), params(CLOSE))
+def test_close_and_init_again_under_torchrun(group, item, named_launches):
     """torchrun's variables on 3 ranks. Rank 0's process serves for its whole life: a
     communicator made again after a close meets on it, and a sub-communicator outlives its
     parent."""
-    start(torchrun_env(3, free_port()), "close_and_again", tmp_path)
+    named_launches.check(group, item)
 
 
-def test_slurm_variables(tmp_path):
+@pytest.mark.parametrize(("group", "item"), params(SLURM))
+def test_slurm_variables(group, item, named_launches):
     """srun's variables; rank 0 serves on the step's first host, at GPURING_PORT."""
-    port = str(free_port())
-    envs = [{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
-             "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost",
-             "GPURING_PORT": port} for r in range(2)]
-    start(envs, "module_api", tmp_path)
+    named_launches.check(group, item)
 
 
-def test_simulated_nodes_without_mpi(tmp_path):
+@pytest.mark.parametrize(("group", "item"), params(NODES))
+def test_simulated_nodes_without_mpi(group, item, named_launches):
     """2 simulated nodes of 2 under torchrun's variables: local ranks follow the node names;
     NumPy collectives across nodes need MPI, and say so on every rank."""
-    start(torchrun_env(4, free_port(), ["a", "a", "b", "b"]), "nodes_without_mpi", tmp_path)
+    named_launches.check(group, item)
 
 
 def test_where_rank_0_serves():

@@ -16,13 +16,15 @@ VERBS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "g
          "scatter", "all_to_all", "barrier"]
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("verb", [VERBS[0], *(pytest.param(v, marks=pytest.mark.slow)
+                                              for v in VERBS[1:])])
 def test_persistent_verb(verb, n, tmp_path):
     run_worker(WORKER, "gpuring", n, f"persistent_{verb}", tmp_path)
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", ["all_reduce", "broadcast"])
 def test_persistent_verb_under_mpiexec(verb, tmp_path):
     run_worker(WORKER, "mpiexec", 2, f"persistent_{verb}", tmp_path)

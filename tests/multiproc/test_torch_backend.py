@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+#: each test launches ranks for several seconds
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch.distributed", reason="torch is not installed")
 
 WORKER = str(Path(__file__).parent / "worker_torch.py")

@@ -23,22 +23,25 @@ def run_case(launcher: str, n: int, case: str, tmp_path,
     return run_worker(WORKER, launcher, n, case, tmp_path, env)
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("launcher", ["gpuring", pytest.param(
+    "mpiexec", marks=[pytest.mark.mpi, pytest.mark.slow])])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_async(launcher, n, tmp_path):
     assert len(run_case(launcher, n, "async", tmp_path)) > 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_async_mismatch_raises_from_wait_on_every_rank(launcher, tmp_path):
     assert run_case(launcher, 2, "async_mismatch", tmp_path).count("mismatch raised") == 2
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fusion(n, tmp_path):
     run_case("gpuring", n, "fusion", tmp_path, env={"GPURING_FUSION_BYTES": "256"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_compression_within_bound(n, tmp_path):
     run_case("gpuring", n, "compression", tmp_path)
@@ -73,6 +76,7 @@ def test_timeline(tmp_path):
     assert len(big) == 3 and all(e["args"]["dtype"] == "float32" for e in big)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_timeline_from_environment(launcher, tmp_path):
     trace = tmp_path / "env-trace.json"
@@ -82,6 +86,7 @@ def test_timeline_from_environment(launcher, tmp_path):
     assert {e["name"] for e in events if e["tid"] == 0} == {"all_reduce", "reduce_scatter"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2])
 def test_torch_interop(n, tmp_path):
     pytest.importorskip("torch")
@@ -95,6 +100,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_data_parallel_equals_full_batch(n, tmp_path):
     steps, samples = 30, 96

@@ -556,12 +556,12 @@ def case_mpi_kill(comm: gpuring.Communicator) -> None:
 
 
 def use_async_host_device() -> None:
-    """The non-blocking host device of worker.py (the scheduler's GPU path), with one change:
+    """The non-blocking host device of harness.py (the scheduler's GPU path), with one change:
     the caller does not wait for the collective's event either, as with CUDA, where the
     caller's stream waits for it and the host goes on. So a collective returns before it
     completes, and a failure that comes later is raised by synchronize(), the next call or
     close(), never from inside the call that already returned."""
-    from worker import use_nonblocking_host_device
+    from harness import use_nonblocking_host_device
 
     from gpuring import devices
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker import Checker, dev, host, rank_order_fold, run_case
+from harness import Checker, dev, host, rank_order_fold, run_case
 
 import gpuring
 

@@ -1,7 +1,7 @@
 """Rank program of the training-feature tests: `worker_training.py CASE OUTDIR`.
 
 Cases for async work, fusion, compression, the timeline and interop. Results are checked on
-each rank against references rebuilt from shared seeds (see worker.Checker); digests of the
+each rank against references rebuilt from shared seeds (see harness.Checker); digests of the
 results every rank shares go to OUTDIR/CASE-RANK.txt for the cross-rank comparison.
 """
 
@@ -11,7 +11,7 @@ import hashlib
 import os
 
 import numpy as np
-from worker import Checker, dev, host, run_case
+from harness import Checker, dev, host, run_case
 
 import gpuring
 from gpuring._compression import unit_roundoff

@@ -188,6 +188,7 @@ def test_json_schema_and_csv(tmp_path):
     assert lines[0].startswith("system,collective,size") and len(lines) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("repeats", [1, 3])
 def test_plot_draws_a_png(tmp_path, repeats):
     """A real plot, with matplotlib: one sweep (whose bars are empty: the slowest repeat is

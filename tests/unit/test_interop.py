@@ -46,6 +46,7 @@ def test_collectives_accept_dlpack_producers(comm):
     assert comm.all_reduce_async(Producer(base)).wait().shape == (6,)
 
 
+@pytest.mark.slow  # importing torch
 def test_torch_tensors_round_trip(comm):
     torch = pytest.importorskip("torch")
     t = torch.arange(6, dtype=torch.float64)

@@ -25,6 +25,9 @@ from gpuring.devices._host_streams import UFUNCS, average_into
 
 from .. import reference
 
+#: the kernels' host build takes a compiler half a minute
+pytestmark = pytest.mark.slow
+
 # (blocks, threads): one thread; a ragged grid; a grid wider than most inputs
 GRIDS = [(1, 1), (3, 7), (4, 64)]
 _NOT_ABORTED = np.zeros(1, np.int32)

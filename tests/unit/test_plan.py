@@ -211,6 +211,13 @@ def check(kind, n, count, **kw):
 
 
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+
+
+def slow_n(n: int) -> object:
+    """A rank count whose exhaustive checks take seconds: marked slow."""
+    return pytest.param(n, marks=pytest.mark.slow)
+
+
 TWO_SHOT = ["all_reduce", "reduce_scatter", "reduce"]
 #: (peer_in, peer_out, in_place) of calls on registered arrays, by collective
 REGISTERED_CASES = {
@@ -224,7 +231,7 @@ REGISTERED_CASES = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, slow_n(5)])
 def test_exhaustive_small(kind, n):
     for count in range(0, 3 * n + 2):
         if kind == "reduce_scatter" and count % n:
@@ -265,7 +272,7 @@ def test_a_ring_in_another_order(kind, n):
 
 
 @pytest.mark.parametrize("kind", TWO_SHOT)
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, slow_n(5)])
 def test_two_shot_exhaustive_small(kind, n):
     for count in range(0, 3 * n + 2):
         if kind == "reduce_scatter" and count % n:
@@ -277,7 +284,7 @@ def test_two_shot_exhaustive_small(kind, n):
 
 
 @pytest.mark.parametrize("kind", TWO_SHOT)
-@pytest.mark.parametrize("n", [2, 3, 4, 9])
+@pytest.mark.parametrize("n", [2, 3, 4, slow_n(9)])
 def test_two_shot_folds_every_element_in_rank_order(kind, n):
     """Whatever the size, rounds, pieces and channels, every element of a two-shot result is
     one fold of ranks 0, 1, ..., n-1 in that order (deterministic mode's bits); so is the
@@ -463,7 +470,7 @@ def _registered_plans(kind, n, count, **kw):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, slow_n(5)])
 def test_registered_exhaustive_small(kind, n):
     """Every registered form gives the right result, reads a peer's array only while that
     peer is in the collective (after it entered, before it left), writes none, and is one
@@ -486,7 +493,7 @@ def test_registered_exhaustive_small(kind, n):
                     assert rnd.registered != staged, (kind, peer_in, peer_out, in_place)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 9])
+@pytest.mark.parametrize("n", [2, 3, 4, slow_n(9)])
 def test_registered_reductions_fold_in_rank_order(n):
     """Registered or not, in place or not, every element of a reduction is one fold of
     ranks 0..n-1 in that order: deterministic mode's bits."""
@@ -561,7 +568,7 @@ EXCHANGE = ["gather", "scatter", "all_to_all"]
 
 
 @pytest.mark.parametrize("kind", EXCHANGE)
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, slow_n(5)])
 def test_exchange_exhaustive_small(kind, n):
     """gather, scatter and all_to_all move every block where it belongs, in one round or
     several (small buffers), on any channels and pieces."""
