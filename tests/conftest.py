@@ -58,7 +58,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     before."""
     if config.getvalue("dist") != "load":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    try:
+        from xdist.scheduler import LoadScopeScheduling
+    except ImportError:  # another pytest-xdist: its own default
+        return None
 
     class ByLaunch(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
