@@ -17,7 +17,8 @@ Glossary: the words met on the call path (docs/design.md has the picture).
 - prepared call: an agreed call ready to run again (`PreparedCall`, made once per key by
   `CallPath.prepare`): its route and, for the engine, its launch.
 - route: who runs a prepared call (`Route`): alone (a world of one), mpi, nccl, nodes (two
-  levels across nodes), or engine.
+  levels across nodes), or engine; a pure function of the call and the communicator's
+  facts (`_route.choose`).
 - engine: gpuring's own collectives on one device (`_engine.Engine`): the communication
   buffer, the peers' mapped buffers, the streams; it binds a plan to them and enqueues it.
 - launch: a collective prepared for an engine (`_engine.Launch`): its rounds, or the one

@@ -23,6 +23,7 @@ from ._failures import Lifecycle, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
 from ._registry import Registry
+from ._route import Facts
 from ._timeline import Timeline
 from ._watchdog import Watchdog
 from .devices import device_class
@@ -71,6 +72,10 @@ class CallPath:
         self.make_communicator = make_communicator  #: (for the levels across nodes)
         #: where the ranks run, where collectives across nodes go in two levels (else None)
         self.layout = None if control.single_node else Layout.of(control.nodes, control.rank)
+        #: what the routes of this communicator's calls depend on (`_route.choose`)
+        self.facts = Facts(control.size, control.single_node, config.transport,
+                           config.deterministic, control.over_mpi,
+                           self.layout is not None and make_communicator is not None)
         self.levels: Levels | None = None  #: those two levels' communicators, made on first use
         self.nccl: NcclCollectives | None = None  #: CuPy collectives on NCCL, made on first use
         #: per kind of device that may lack it: whether the ranks map each other's memory

@@ -13,6 +13,7 @@ from ._choices import FOLDS
 from ._config import Config
 from ._errors import GpuringError
 from ._registry import Placement
+from ._route import choose
 from ._status import signature_hash
 from .algorithms.collectives import plan_collective
 from .devices import device_class
@@ -41,37 +42,22 @@ def prepare(path: RoutePath, call: Call) -> PreparedCall:
     algorithm = picked.algorithm
     plain = plain._replace(algorithm=algorithm, tuning=path.choices.digest,
                            transport=config.transport)
-    if path.size == 1:
-        path.agree(plain)
-        return PreparedCall(Route.ALONE, schedule="alone")
-    across = not path.control.single_node
-    if x is not None and _routes.asks_reach(path, kind):
+    if path.size > 1 and x is not None and _routes.asks_reach(path, kind):  # (once per kind)
         path.ensure_watchdog()  # (whichever route follows: the ranks share a node)
         path.agree(plain, remember=False)  # (every rank asks on the same call)
         path.mappable[kind] = _routes.peers_reachable(path, kind, name)
-    if x is None and across and config.transport == "auto":  # every call agrees first:
-        return PreparedCall(Route.NODES, schedule="agreement", signature=plain)  # a barrier
-    if x is not None and _routes.nodes_route(path, name) and (
-            kind != "cpu" or _routes.via_mpi(path)):
-        plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
-        if config.deterministic and algorithm == "ring":
-            path.agree(plain, remember=False)
-            raise GpuringError(_RING_REFUSED.format(name=name))
-        return PreparedCall(Route.NODES, schedule="nodes", signature=plain)
-    flat = "mpi" if x is None or kind == "cpu" else "nccl"
-    if (flat == "mpi" and _routes.via_mpi(path)) or (flat == "nccl" and (
-            across or config.transport == "nccl" or not path.mappable.get(kind, True))):
-        refusal = None  # refused on every rank once agreed (the communicator goes on)
-        if config.deterministic and name in FOLDS:
-            reach = "across nodes" if flat == "mpi" else \
-                "across nodes or between GPUs without peer access"
-            refusal = (f"{name}: deterministic mode has no {name} through {flat.upper()} "
-                       f"({'NumPy' if flat == 'mpi' else 'CuPy'} arrays {reach}, or "
-                       f"GPURING_TRANSPORT={flat}): its reduction order is its own")
+    route, schedule, refusal = choose(path.facts, name, None if x is None else kind,
+                                      algorithm, mappable=path.mappable.get(kind, True))
+    if route is Route.NODES:  # every call agrees as it runs (`_transport_routes.run_nodes`)
+        if x is not None:
+            plain = plain._replace(chunk_bytes=call.chunk_bytes, channels=call.channels)
+        if refusal is None:
+            return PreparedCall(route, schedule=schedule, signature=plain)
+    if route is not Route.ENGINE:
         path.agree(plain, remember=refusal is None)
-        if refusal is not None:
+        if refusal is not None:  # refused on every rank once agreed (the communicator goes on)
             raise GpuringError(refusal)
-        return PreparedCall(Route.MPI if flat == "mpi" else Route.NCCL, schedule=flat)
+        return PreparedCall(route, schedule=schedule)
     devices = device_class(kind)
     if x is not None:  # chunk None: the engine's default (the device's, for this job)
         chunk = picked.chunk_bytes
@@ -90,10 +76,9 @@ def prepare(path: RoutePath, call: Call) -> PreparedCall:
         if placement is not None:
             signature = signature._replace(registered=placement)
     path.ensure_watchdog()
-    refused = config.deterministic and algorithm == "ring"
-    path.agree(signature, remember=not refused)
-    if refused:  # agreed: every rank refuses it
-        raise GpuringError(_RING_REFUSED.format(name=name))
+    path.agree(signature, remember=refusal is None)
+    if refusal is not None:  # agreed: every rank refuses it
+        raise GpuringError(refusal)
     with _failures.giving_up(path, name):  # after agreement the peers go on: tell them
         engine = path.engine(kind, capacity)
         piece = chunk or engine.default_chunk_bytes
@@ -131,11 +116,6 @@ def prepare(path: RoutePath, call: Call) -> PreparedCall:
     return PreparedCall(Route.ENGINE, launch, text, signature_hash(text), captured,
                         schedule)
 
-
-#: a ring asked for in deterministic mode (refused on every rank once agreed)
-_RING_REFUSED = ("{name}: deterministic mode folds every element in rank order, which the "
-                 "ring does not (its order depends on the segment): ask for 'two_shot' or "
-                 "'one_shot', or for none")
 
 #: where a call on plain arrays lies: nowhere registered
 _PLAIN = Placement(None, None)

@@ -12,11 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _failures
 from ._call import Call, PreparedCall
-from ._errors import (
-    GpuringError,
-)
 from ._failures import Path, weakly
-from ._hierarchy import HIERARCHICAL, Levels
+from ._hierarchy import Levels
+from ._route import Facts, numpy_via_mpi
 from .devices import device_class
 
 if TYPE_CHECKING:
@@ -29,14 +27,15 @@ if TYPE_CHECKING:
     from .transports.mpi import MpiCollectives
     from .transports.nccl import NcclCollectives
 
-__all__ = ["RoutePath", "run_via_mpi", "run_nodes", "sync_levels", "run_via_nccl", "nodes_route",
-           "asks_reach", "peers_reachable", "via_mpi"]
+__all__ = ["RoutePath", "run_via_mpi", "run_nodes", "sync_levels", "run_via_nccl", "asks_reach",
+           "peers_reachable", "via_mpi"]
 
 class RoutePath(Path, Protocol):
     """The call path as preparing a call (`_prepare`) and the routes that leave gpuring's
     engines (`_transport_routes`) see it: its facts, its agreement, its engines."""
 
     size: int
+    facts: Facts
     choices: Choices
     registry: Registry
     mappable: dict[str, bool]
@@ -119,13 +118,6 @@ def run_via_nccl(path: RoutePath, prepared: PreparedCall, call: Call) -> Any:
     return call.out
 
 
-def nodes_route(path: RoutePath, name: str) -> bool:
-    """Whether collective `name` runs in two levels across nodes (NumPy arrays: between
-    nodes on MPI, which the ranks must then come from; CuPy arrays: on NCCL)."""
-    return (path.layout is not None and path.config.transport == "auto"
-            and path.make_communicator is not None and name in HIERARCHICAL)
-
-
 def asks_reach(path: RoutePath, kind: str) -> bool:
     """Whether the ranks have yet to find out whether they map each other's memory of
     `kind` (once, on one node, where gpuring picks the route)."""
@@ -156,13 +148,5 @@ def peers_reachable(path: RoutePath, kind: str, name: str) -> bool:
 
 
 def via_mpi(path: RoutePath) -> bool:
-    """Whether NumPy collectives go through MPI: across nodes, or when asked to."""
-    if path.control.single_node and path.config.transport != "mpi":
-        return False
-    from .rendezvous.mpi import MpiControl
-
-    if not isinstance(path.control, MpiControl):
-        raise GpuringError("NumPy collectives across nodes (or GPURING_TRANSPORT=mpi) "
-                           "need MPI between the nodes: start the ranks with mpiexec "
-                           "(mpi4py installed: pip install gpuring[mpi])")
-    return True
+    """Whether NumPy collectives go through MPI (`_route.numpy_via_mpi`)."""
+    return numpy_via_mpi(path.facts)

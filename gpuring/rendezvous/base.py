@@ -32,6 +32,8 @@ class ControlPlane(abc.ABC):
     single_node: bool = True
     #: each rank's node name, in rank order (`host_name()` of each)
     nodes: tuple[str, ...] = ()
+    #: the ranks meet through MPI (started by mpiexec): MPI reaches between them
+    over_mpi: bool = False
 
     def __init__(self) -> None:
         self._failure_callbacks: list[Callable[[PeerFailureError], None]] = []

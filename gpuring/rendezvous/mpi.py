@@ -126,6 +126,8 @@ class MpiControl(ControlPlane):
     """Every call is bounded: exchanges use non-blocking MPI and poll with backoff, and
     listen for a failure notice from any rank of the job (`report_failure`)."""
 
+    over_mpi = True
+
     def __init__(self, comm: Any = None, alarm: _Alarm | None = None):
         super().__init__()
         try:
