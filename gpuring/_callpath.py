@@ -63,11 +63,11 @@ class CallPath:
         self.choices = Choices(config, control.size)  #: what calls that ask for nothing run
         self.seq = 0  #: collectives this rank started
         self.last_collective = "collective"  #: the name of the last one
-        self.last_schedule = ""  #: what the last one ran (`PreparedCall.schedule`)
+        self._last_schedule = ""  #: what the last one ran (`PreparedCall.schedule`)
         self.lock = threading.RLock()
         self.watchdog: Watchdog | None = None  #: made on the first collective across ranks
         self.watchdog_parts: list[Any] = []  #: the watchdog and its board's memory, to close
-        self.timeline: Timeline | None = None  #: recording timeline; checked once per call
+        self._timeline: Timeline | None = None  #: the recording timeline; checked per call
         self.mpi: MpiCollectives | None = None  # made on first use
         self.make_communicator = make_communicator  #: (for the levels across nodes)
         #: where the ranks run, where collectives across nodes go in two levels (else None)
@@ -97,26 +97,40 @@ class CallPath:
                 prepared = self._prepared(call)
             launch = prepared.launch
             if launch is not None and (prepared.captured is not launch or
-                                       self.timeline is not None) \
+                                       self._timeline is not None) \
                     and launch.engine.device.capturing():
                 captured = _capture.recorded(prepared, call.collective,
-                                             self.timeline is not None,
+                                             self._timeline is not None,
                                              call.x is not None and call.x.size == 0)
                 self.seq += 1
                 if captured is None:  # an empty collective: nothing moves, nothing to record
-                    self.last_schedule = "nothing"
+                    self._last_schedule = "nothing"
                     return call.out
-                self.last_schedule = "kernels" if captured is not launch \
+                self._last_schedule = "kernels" if captured is not launch \
                     else prepared.schedule
                 return self._run_engine(prepared, call, captured)
             if prepared.route is Route.ENGINE:  # the common route, decided first
                 self.seq += 1
-                self.last_schedule = prepared.schedule
+                self._last_schedule = prepared.schedule
                 return self._run_engine(prepared, call)
             _capture.refuse_route(prepared, call.collective, call.x)
             self.seq += 1
-            self.last_schedule = prepared.schedule
+            self._last_schedule = prepared.schedule
             return _ROUTES[prepared.route](self, prepared, call)
+
+    @property
+    def last_schedule(self) -> str:
+        """What the last collective ran (`PreparedCall.schedule`; "" before the first)."""
+        return self._last_schedule
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline recording (`start_timeline`), else None."""
+        return self._timeline
+
+    def current_watchdog(self) -> Watchdog | None:
+        """The watchdog, once the first collective across ranks made it."""
+        return self.watchdog
 
     def prepare(self, call: Call) -> PreparedCall:
         """Prepare `call` now, as its first run would (the ranks agree on it unless they
@@ -197,7 +211,7 @@ class CallPath:
             except BaseException as exc:  # this rank's seq moved on
                 _failures.give_up(self, exc, name)
                 raise
-        timeline = self.timeline
+        timeline = self._timeline
         if timeline is None:
             self._execute(prepared, launch, name, in_mem, out_mem, bound)
         else:
@@ -421,14 +435,14 @@ class CallPath:
 
     def start_timeline(self, filename: str) -> None:
         """Record every collective from now on (every rank calls it: a common time origin)."""
-        if self.timeline is not None:
+        if self._timeline is not None:
             raise GpuringError("a timeline is already recording; call stop_timeline() first")
         self.control.barrier(self.config.timeout, "start_timeline()")
-        self.timeline = Timeline(filename, self.rank)
+        self._timeline = Timeline(filename, self.rank)
 
     def stop_timeline(self) -> Timeline | None:
         """Stop recording; the timeline that recorded (None: none did)."""
-        timeline, self.timeline = self.timeline, None
+        timeline, self._timeline = self._timeline, None
         return timeline
 
     # -- failures (`_failures`) ----------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -106,6 +107,7 @@ class Communicator:
         cls, config = type(self), self.config  # (the path must not hold the communicator)
         self._path = CallPath(control, config, lambda group: _level(cls(group, config)))
         self._executor: Executor | None = None  # the async thread, made by the first *_async
+        self._executor_lock = threading.Lock()
         self._last_calls = LastCalls()
         self._splits = 0  #: split() calls so far (the same on every rank)
         #: point-to-point messages: a channel per peer
@@ -561,7 +563,7 @@ class Communicator:
     def _submit(self, name: str, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Work:
         self._path.check(name)
         x = args[0]
-        with self._path.lock:
+        with self._executor_lock:
             if self._executor is None:
                 self._executor = Executor()
         # views made here, in the caller's thread and on the caller's stream (torch's for a
@@ -602,11 +604,11 @@ class Communicator:
 def _level(comm: Communicator) -> LevelParts:
     """`comm` as a level of a communicator across nodes (`_hierarchy.Levels`) sees it."""
     path = comm._path
-    return LevelParts(comm, comm._abort, lambda: path.watchdog)
+    return LevelParts(comm, comm._abort, path.current_watchdog)
 
 
 def _channel(comm: Communicator) -> Channel:
     """`comm` as a pair's channel of point-to-point messages (`_groups.Pairs`) sees it."""
     path = comm._path
-    return Channel(comm, comm._submit, lambda: path.watchdog,
+    return Channel(comm, comm._submit, path.current_watchdog,
                    functools.partial(comm._close, report=True), comm._abort)
