@@ -116,11 +116,13 @@ def _profile(loop: Callable[[], None], samples_wanted: int = 2000,
     return samples
 
 
-def _opcodes(call: Callable[[], None], calls: int = 20) -> float:
+def _opcodes(call: Callable[[], None], calls: int = 20,
+             where: collections.Counter[str] | None = None) -> float:
     """Python bytecode instructions run in gpuring's own frames per `call()`, counted by a
     tracer (so not timed): the same from run to run on any machine for one Python version
     (give or take the watchdog's timing), though not weighted by cost (work done in C, NumPy
-    or the CUDA bindings counts as one instruction or none)."""
+    or the CUDA bindings counts as one instruction or none). `where`, if given, gets the
+    count per function (module:qualified name)."""
     count = 0
 
     def trace(frame: FrameType, event: str, arg: Any) -> TraceFunction | None:
@@ -132,6 +134,9 @@ def _opcodes(call: Callable[[], None], calls: int = 20) -> float:
             frame.f_trace_opcodes, frame.f_trace_lines = True, False
         elif event == "opcode":
             count += 1
+            if where is not None:
+                code = frame.f_code
+                where[f"{frame.f_globals.get('__name__')}:{code.co_qualname}"] += 1
         return trace
 
     previous = sys.gettrace()
@@ -153,6 +158,8 @@ def main() -> None:
                         "then op() per call) instead of the plain call")
     p.add_argument("--profile", action="store_true",
                    help="rank 0 also prints where the time goes (cProfile, top 25)")
+    p.add_argument("--where", action="store_true",
+                   help="rank 0 also prints gpuring's opcodes per call by function")
     args = p.parse_args()
     import cupy
 
@@ -200,7 +207,11 @@ def main() -> None:
                 loop()
                 runs.append((time.perf_counter() - t0) / args.iters * 1e6)
             samples = _profile(loop)
-            opcodes = _opcodes(call)
+            where: collections.Counter[str] = collections.Counter()
+            opcodes = _opcodes(call, where=where)
+            if args.where and comm.rank == 0:
+                for function, n in where.most_common():
+                    print(f"{n / 20:7.1f}  {function}")
             if args.profile and comm.rank == 0:
                 import cProfile
                 import pstats
