@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import gpuring
+from gpuring import _lastcalls
 from gpuring._config import parse_size
 from gpuring.devices import _cuda_fused, _cuda_streams, cuda
 
@@ -78,6 +79,43 @@ def _without_driver() -> None:
     cuda.CudaDevice.order_caller_after = (  # type: ignore[method-assign]
         lambda self, event: None)
     _cuda_streams.CudaEvent.query = lambda self: True  # type: ignore[method-assign]
+
+
+def _without_last_calls(comm: gpuring.Communicator, call: Callable[[], Any]
+                        ) -> Callable[[], Any]:
+    """Every call checked anew (`_lastcalls.LastCalls` finds nothing)."""
+    _lastcalls.LastCalls.find = lambda *args: None  # type: ignore[method-assign]
+    return call
+
+
+def _without_prepared(comm: gpuring.Communicator, call: Callable[[], Any]
+                      ) -> Callable[[], Any]:
+    """Every call prepared anew (the ranks' agreement on it still kept)."""
+    path = comm._path
+
+    def again() -> Any:
+        path._forget_prepared()
+        return call()
+
+    return again
+
+
+def _without_runners(comm: gpuring.Communicator, call: Callable[[], Any]
+                     ) -> Callable[[], Any]:
+    """Each call compiles its rounds' runners anew (`Launch.runners` and the engine's)."""
+    def again() -> Any:
+        for prepared in comm._path.prepared.values():
+            if prepared.launch is not None:
+                prepared.launch.runners.clear()
+                prepared.launch.channel_runners.clear()
+        return call()
+
+    return again
+
+
+#: --without: what defeats each cache of the call path
+_WITHOUT = {"last-calls": _without_last_calls, "prepared": _without_prepared,
+            "runners": _without_runners}
 
 
 def _owner(frame: FrameType | None) -> str:
@@ -136,7 +174,8 @@ def _opcodes(call: Callable[[], None], calls: int = 20,
             count += 1
             if where is not None:
                 code = frame.f_code
-                where[f"{frame.f_globals.get('__name__')}:{code.co_qualname}"] += 1
+                name = getattr(code, "co_qualname", code.co_name)
+                where[f"{frame.f_globals.get('__name__')}:{name}"] += 1
         return trace
 
     previous = sys.gettrace()
@@ -158,6 +197,9 @@ def main() -> None:
                         "then op() per call) instead of the plain call")
     p.add_argument("--profile", action="store_true",
                    help="rank 0 also prints where the time goes (cProfile, top 25)")
+    p.add_argument("--without", choices=sorted(_WITHOUT), action="append", default=[],
+                   help="time the plain call without one of the call path's caches (again "
+                        "for several): what each is worth")
     p.add_argument("--where", action="store_true",
                    help="rank 0 also prints gpuring's opcodes per call by function")
     args = p.parse_args()
@@ -178,7 +220,10 @@ def main() -> None:
 
         call: Callable[[], Any] = comm.all_reduce_init(x, out=out) if args.persistent \
             else plain
+        for cache in args.without:
+            call = _WITHOUT[cache](comm, call)
         form = "persistent " if args.persistent else ""
+        form += "".join(f"(without {cache}) " for cache in args.without)
         out.fill(0)
         call()
         cupy.cuda.Device().synchronize()
@@ -210,8 +255,8 @@ def main() -> None:
             where: collections.Counter[str] = collections.Counter()
             opcodes = _opcodes(call, where=where)
             if args.where and comm.rank == 0:
-                for function, n in where.most_common():
-                    print(f"{n / 20:7.1f}  {function}")
+                for function, ops in where.most_common():
+                    print(f"{ops / 20:7.1f}  {function}")
             if args.profile and comm.rank == 0:
                 import cProfile
                 import pstats

@@ -33,7 +33,6 @@ stream.
 
 from __future__ import annotations
 
-import collections
 from typing import Any, NamedTuple
 
 from ._errors import CollectiveTimeoutError, GpuringError, PeerFailureError, RegistrationError
@@ -77,8 +76,24 @@ class Launch:
     the inline stream, and (for that stream) its runners, compiled on the first run. Made by
     `Engine.prepare`, run by `Engine.run` as often as the collective is called."""
 
-    __slots__ = ("_per_round", "collective", "divisor", "dtype", "engine", "fused", "fused_op",
-                 "hears_all", "inline", "itemsize", "op", "peers", "root", "rounds", "runners")
+    __slots__ = (
+        "_per_round",
+        "channel_runners",
+        "collective",
+        "divisor",
+        "dtype",
+        "engine",
+        "fused",
+        "fused_op",
+        "hears_all",
+        "inline",
+        "itemsize",
+        "op",
+        "peers",
+        "root",
+        "rounds",
+        "runners",
+    )
 
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
                  itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
@@ -101,8 +116,14 @@ class Launch:
         self.divisor = engine.size if op is ReduceOp.AVG else 1
         self.inline = inline
         #: inline runners, per channel, of (round, buffer half (seq parity), credits known
-        #: (see `Engine.run`)), each compiled on its first use
+        #: (see `Engine.run`)), each compiled on its first use (compiling them at every call
+        #: cost 1,325 more Python opcodes, 1,754 -> 3,079, on a 256 KiB all_reduce of 2 ranks
+        #: on the CUDA simulator: `bench/host_cost.py --size 256K --without runners`)
         self.runners: dict[tuple[int, int, bool], tuple[Runner, ...]] = {}
+        #: the other launches' runners, of (round, channel, buffer half), each compiled on its
+        #: first use and kept as long as the launch (compiling them at every call cost 2,494
+        #: more opcodes, 2,770 -> 5,264, with GPURING_CHANNELS=2 in the same bench)
+        self.channel_runners: dict[tuple[int, int, int], Runner] = {}
         #: per round: whether its (one) channel waits for a piece of every other rank
         self.hears_all = tuple(
             len(plan.channels) == 1 and {o.peer for o in plan.channels[0]
@@ -127,7 +148,6 @@ MAX_CHANNELS = 32
 _PAGE = 4096
 _SEQ_SHIFT = 32
 _MAX_SEQ = 1 << 31  # READY = seq << 32 | piece must stay below 2^63
-_RUNNER_CACHE = 256
 
 
 class Engine:
@@ -153,9 +173,6 @@ class Engine:
         #: the caller's stream that last captured a one-kernel collective
         self._captured_on: Stream | None = None
         self._inline = device.create_stream(inline=True)
-        self._runners: collections.OrderedDict[
-            tuple[Any, ...], tuple[RoundPlan, tuple[PeerArrays, ...], Runner]] = (
-            collections.OrderedDict())
         # the inbox: DONE per rank, READY per channel and rank; then the device's region for
         # one-operation all_reduces; data starts on a new page
         self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
@@ -351,7 +368,7 @@ class Engine:
                 return self._finish([self._inline])
             self._heard_all = -1
             used: list[Stream] = []
-            for plan in rounds:
+            for r, plan in enumerate(rounds):
                 self._seq += 1
                 seq = self._seq
                 streams = [self._stream(c) for c in range(len(plan.channels))]
@@ -361,8 +378,9 @@ class Engine:
                         for event in waits_for(stream):
                             stream.wait_event(event)
                 for c, stream in enumerate(streams):
-                    self._runner(launch, plan, c, seq & 1, stream,
-                                 len(streams) == 1)(in_mem, out_mem, seq)
+                    runner = launch.channel_runners.get((r, c, seq & 1)) or self._runner(
+                        launch, r, c, seq & 1, stream)
+                    runner(in_mem, out_mem, seq)
                 if len(streams) > 1:  # DONE once every channel's reads are complete
                     first = streams[0]
                     for other in streams[1:]:
@@ -429,21 +447,12 @@ class Engine:
                                 peers=launch.peers)
         return self.device.compile(program, launch.dtype, launch.op, stream)
 
-    def _runner(self, launch: Launch, plan: RoundPlan, c: int, parity: int, stream: Stream,
-                with_done: bool) -> Runner:
-        """The runner of channel `c` of `plan` (a round of `launch`) on `stream`, kept for
-        the launches of every call with the same plan (and registered arrays)."""
-        peers = launch.peers
-        key = (id(plan), id(peers), c, parity, launch.dtype, launch.op, launch.divisor, stream,
-               with_done)
-        hit = self._runners.get(key)
-        if hit is not None and hit[0] is plan and hit[1] is peers:
-            self._runners.move_to_end(key)
-            return hit[2]
-        runner = self._compile(launch, plan, c, parity, stream, with_done)
-        self._runners[key] = (plan, peers, runner)
-        if len(self._runners) > _RUNNER_CACHE:
-            self._runners.popitem(last=False)
+    def _runner(self, launch: Launch, r: int, c: int, parity: int, stream: Stream) -> Runner:
+        """The runner of channel `c` of round `r` of `launch` on `stream` (a channel's own),
+        compiled now and kept with the launch."""
+        plan = launch.rounds[r]
+        runner = launch.channel_runners[(r, c, parity)] = self._compile(
+            launch, plan, c, parity, stream, len(plan.channels) == 1)
         return runner
 
     def _program(self, ops: ChannelPlan, c: int, parity: int, itemsize: int, divisor: int,
