@@ -126,6 +126,31 @@ class CallPath:
             self._last_schedule = prepared.schedule
             return _ROUTES[prepared.route](self, prepared, call)
 
+    def start(self, call: Call) -> Any:
+        """Run a persistent collective's call (`PersistentCollective.start`): `run` of a call
+        that holds its prepared call, where that runs on an engine as it is (no timeline, no
+        verification, nothing else to record under a capture) without `run`'s look-ups;
+        once its operands are bound (a fused launch's, bound on its first run), only the
+        status board, the launch and the completion bookkeeping remain."""
+        prepared = call.prepared
+        if prepared is None:
+            return self.run(call)
+        launch = prepared.launch
+        if launch is None or call.generation != self.generation or call.x is None \
+                or self._timeline is not None or self.config.verify or (
+                    prepared.captured is not launch and launch.engine.device.capturing()):
+            return self.run(call)
+        if self.life.state is not State.OPEN:
+            self.life.check(call.collective, self.seq + 1)
+        with self.lock:
+            self.seq += 1
+            self._last_schedule = prepared.schedule
+            bound = call.bound
+            if bound is not None:
+                self._execute(prepared, launch, call.collective, None, None, bound)
+                return call.out
+            return self._run_engine(prepared, call)
+
     @property
     def last_schedule(self) -> str:
         """What the last collective ran (`PreparedCall.schedule`; "" before the first)."""

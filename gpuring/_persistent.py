@@ -7,7 +7,8 @@ are collective calls: every rank makes them alike, in the same order as its othe
 collectives. Each returns a `PersistentCollective`, whose `start()` runs the prepared call
 on those arrays: no argument check, and no look-up of the prepared call.
 It is the call path's prepared call (`CallPath.prepare`, kept on the call), held by the user;
-a start runs it as `CallPath.run` runs any call that holds its prepared call.
+a start runs it as `CallPath.run` runs any call that holds its prepared call, less the
+look-ups (`CallPath.start`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PersistentCollective:
                  before: Callable[[], None], result: Any,
                  scope: Callable[[], AbstractContextManager[Any]] | None):
         self.name = name
-        self._run = run  # CallPath.run
+        self._run = run  # CallPath.start
         self._call = call  # checked, its prepared call kept on it
         self._before = before  # waits for the communicator's async work (order across ranks)
         self._result = result  # what wait() returns: the output as the caller gave it
@@ -91,7 +92,7 @@ def init(path: StartPath, before: Callable[[], None], name: str, x: Any, out: An
     if x is None:  # a barrier
         call = check(None, None)
         path.prepare(call)
-        return PersistentCollective(name, path.run, call, before, None, None)
+        return PersistentCollective(name, path.start, call, before, None, None)
     native_x = interop.to_native(x)
     native_out = None if out is None else interop.to_native(out)
     call = check(native_x, native_out)
@@ -112,4 +113,4 @@ def init(path: StartPath, before: Callable[[], None], name: str, x: Any, out: An
     if not interop.is_native(x):
         def scope() -> AbstractContextManager[Any]:
             return interop.caller_stream(x)
-    return PersistentCollective(name, path.run, call, before, result, scope)
+    return PersistentCollective(name, path.start, call, before, result, scope)
