@@ -19,7 +19,7 @@ from ._choices import Choices
 from ._config import Config
 from ._engine import Engine, Launch
 from ._errors import CommunicatorClosedError, GpuringError, PeerFailureError, RegistrationError
-from ._failures import Lifecycle, State, Unraised, in_context, weakly
+from ._failures import Lifecycle, Outcome, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
 from ._registry import Registry
@@ -143,6 +143,8 @@ class CallPath:
         if self.life.state is not State.OPEN:
             self.life.check(call.collective, self.seq + 1)
         with self.lock:
+            if call.generation != self.generation:  # forgotten meanwhile, by another thread
+                return self.run(call)
             self.seq += 1
             self._last_schedule = prepared.schedule
             bound = call.bound
@@ -160,6 +162,11 @@ class CallPath:
     def timeline(self) -> Timeline | None:
         """The timeline recording (`start_timeline`), else None."""
         return self._timeline
+
+    def held(self) -> tuple[dict[str, Engine], list[Any], ControlPlane, Outcome]:
+        """What a communicator's finalizer releases (`_communicator._release`): the engines,
+        the watchdog's parts, the control plane, and the lifecycle's outcome."""
+        return self.engines, self.watchdog_parts, self.control, self.life.outcome
 
     def current_watchdog(self) -> Watchdog | None:
         """The watchdog, once the first collective across ranks made it."""

@@ -114,8 +114,7 @@ class Communicator:
         self._pairs = Pairs(self._path, control, self.config,
                             lambda group, config: _channel(cls(group, config)))
         path = self._path
-        self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
-                                           control, path.life.outcome)
+        self._finalizer = weakref.finalize(self, _release, *path.held())
         control.on_peer_failure(weakly(path.on_peer_failure))
 
     # -- identity -----------------------------------------------------------------------
