@@ -22,7 +22,7 @@ TIMEOUT = 120
 
 #: what each script starts with: the simulator as `cupy`, a forked child that reports what it
 #: returned (or raised) through a pipe, and the arithmetic the tests check on fresh data
-PRELUDE = textwrap.dedent("""
+PRELUDE = f"CHILD_TIMEOUT = {TIMEOUT // 3}\n" + textwrap.dedent("""
     import json, multiprocessing, sys, threading
     import numpy as np
     import cupy as cp
@@ -40,7 +40,7 @@ PRELUDE = textwrap.dedent("""
         mine, theirs = FORK.Pipe()
         child = FORK.Process(target=run, args=(theirs,))
         child.start()
-        child.join(%d)
+        child.join(CHILD_TIMEOUT)
         if child.is_alive():
             child.kill()
             child.join()
@@ -63,7 +63,7 @@ PRELUDE = textwrap.dedent("""
 
     def report(**facts):
         print(json.dumps(facts))
-""" % (TIMEOUT // 3))
+""")
 
 
 def _run(script: str, **env: str) -> dict:
