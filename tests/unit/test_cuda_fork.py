@@ -51,9 +51,9 @@ PRELUDE = f"CHILD_TIMEOUT = {TIMEOUT // 3}\n" + textwrap.dedent("""
         \"\"\"x * 3 + 1 on a non-blocking stream, from fresh random data: the first wrong
         element, or None.\"\"\"
         host = np.random.default_rng(seed).standard_normal(4099).astype(np.float32)
-        x = cp.asarray(host)
         stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
+        with stream:  # (the copy in too: nothing orders the legacy stream before this one)
+            x = cp.asarray(host)
             y = x * 3 + 1
         stream.synchronize()
         got, expected = y.get(), host * np.float32(3) + np.float32(1)
@@ -195,8 +195,9 @@ def test_a_fork_while_a_stream_waits_leaves_the_parents_wait_to_finish() -> None
         flag = cp.cuda.runtime.hostAlloc(8, 0)
         ctypes.c_uint64.from_address(flag).value = 0
         host = np.random.default_rng({seed}).standard_normal(1000)
-        source, target = cp.asarray(host), cp.zeros(1000)
         stream = cp.cuda.Stream(non_blocking=True)
+        with stream:  # both arrays written on the stream, before what follows on it
+            source, target = cp.asarray(host), cp.zeros(1000)
         status, = driver.cuStreamWaitValue64(driver.CUstream(stream.ptr),
                                              driver.CUdeviceptr(flag), driver.cuuint64_t(1), 0)
         assert status == driver.CUresult.CUDA_SUCCESS, status
