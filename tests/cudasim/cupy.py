@@ -46,8 +46,8 @@ What it models, and how:
   primary context, and a runtime call in a thread with no current context creates the current
   device's (device 0 unless set). `contexts_created()` lists the devices this process has a
   context on: a library that touches GPU 0 from a helper thread shows up there.
-- fork: as in CUDA, the first runtime call (any but those of errors; the driver's cuInit)
-  initializes CUDA in the process, and importing the simulator makes none. A child forked
+- fork: as in CUDA, the process's first runtime call (any but the error calls) or driver call
+  (cuInit) initializes CUDA, and importing the simulator makes none. A child forked
   before that runs on the GPU as any process does; a child forked after it gets
   cudaErrorInitializationError ("initialization error") from every runtime call and
   CUDA_ERROR_NOT_INITIALIZED from every driver call (what CUDA does in a forked child of an
