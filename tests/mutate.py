@@ -1,6 +1,7 @@
 """Mutation check: plant classic bugs one at a time and see the quick tests turn red.
 
-`python -m tests.mutate [--only NAME[,NAME...]] [--list] [--keep] [--timeout SECONDS]`
+`python -m tests.mutate [--only NAME[,NAME...]] [--tests PATH...] [--list] [--keep]
+[--timeout SECONDS]`
 
 Each mutant is a named (file, exact old text, new text) triple. The script copies the working
 tree (what git tracks, and untracked files it does not ignore) into a temporary directory,
@@ -9,7 +10,9 @@ plants one mutant at a time there (never in the working tree), runs the quick te
 mutant whether they caught it, which test failed first, and how long it took. A mutant whose
 old text is not found exactly once fails the script before anything runs: when the code
 moves, the mutant must move with it. Before the mutants, the same tests run once on the
-unchanged copy, which must pass (`--no-baseline` leaves that out).
+unchanged copy, which must pass (`--no-baseline` leaves that out). `--tests` runs some of the
+quick tests only (paths or test ids, still without the slow ones): to see which of them
+catch a mutant, not to check that the quick tests do.
 
 Exit status: 0 when every mutant was caught, 1 when one was missed (or the tests timed out on
 one), 2 when the script could not run (a mutant's text not found, the baseline red).
@@ -128,13 +131,15 @@ def copy_tree(source: Path, target: Path) -> None:
         shutil.copy2(origin, target / name)
 
 
-def run_tests(tree: Path, timeout: float) -> tuple[int | None, str, float]:
-    """The quick tests in `tree`: (exit status, None on a timeout; their output; seconds)."""
+def run_tests(tree: Path, timeout: float, tests: Sequence[str] = ()
+              ) -> tuple[int | None, str, float]:
+    """The quick tests in `tree` (those of `tests` only, where given): (exit status, None on
+    a timeout; their output; seconds)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(tree), os.environ.get("PYTHONPATH")) if p))
     start = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, *FAST_LOOP], cwd=tree, env=env,
+        done = subprocess.run([sys.executable, *FAST_LOOP, *tests], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         output = exc.stdout or ""
@@ -152,13 +157,15 @@ def first_failure(output: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def plant_and_run(mutant: Mutant, tree: Path, timeout: float) -> Outcome:
-    """Plant `mutant` in the copy at `tree`, run the quick tests, take it out again."""
+def plant_and_run(mutant: Mutant, tree: Path, timeout: float,
+                  tests: Sequence[str] = ()) -> Outcome:
+    """Plant `mutant` in the copy at `tree`, run the quick tests (of `tests`), take it out
+    again."""
     path = tree / mutant.path
     original = path.read_text(encoding="utf-8")
     path.write_text(original.replace(mutant.old, mutant.new, 1), encoding="utf-8")
     try:
-        status, output, seconds = run_tests(tree, timeout)
+        status, output, seconds = run_tests(tree, timeout, tests)
     finally:
         path.write_text(original, encoding="utf-8")
     if status is None:
@@ -182,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", default=[],
                         help="plant only these mutants (a name, or names separated by commas)")
+    parser.add_argument("--tests", nargs="+", default=[], metavar="PATH",
+                        help="run these of the quick tests only (paths or test ids)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not run the tests on the unchanged copy first")
@@ -208,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         copy_tree(ROOT, tree)
         print(f"copied the working tree to {tree}", flush=True)
         if not args.no_baseline:
-            status, output, seconds = run_tests(tree, args.timeout)
+            status, output, seconds = run_tests(tree, args.timeout, args.tests)
             if status != 0:
                 print(f"the quick tests fail on the unchanged tree ({seconds:.0f} s): "
                       f"{first_failure(output)}\n{output[-3000:]}", file=sys.stderr)
@@ -217,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   flush=True)
         outcomes = []
         for mutant in chosen:
-            outcome = plant_and_run(mutant, tree, args.timeout)
+            outcome = plant_and_run(mutant, tree, args.timeout, args.tests)
             print(f"{outcome.name}: {outcome.status} ({outcome.seconds:.0f} s) {outcome.by}",
                   flush=True)
             outcomes.append(outcome)
