@@ -12,7 +12,8 @@ What it models, and how:
   undefined behaviour may.
   Files are named after the process (and the `gpuring run` job, whose launcher removes them);
   those of dead processes are removed when the simulator is next imported;
-- every stream is a thread that runs its operations in order; events mark a point in a stream;
+- every stream is a thread that runs its operations in order, started when the first operation
+  is queued on it (importing the simulator starts none); events mark a point in a stream;
   `Stream.wait_event` holds a stream, with no timeout, like the GPU does; a stream belongs to
   the device current when it was made, and the legacy default stream synchronises implicitly
   with the blocking streams of its device (non-blocking ones are independent);
@@ -45,6 +46,13 @@ What it models, and how:
   primary context, and a runtime call in a thread with no current context creates the current
   device's (device 0 unless set). `contexts_created()` lists the devices this process has a
   context on: a library that touches GPU 0 from a helper thread shows up there.
+- fork: as in CUDA, the process's first runtime call (any but the error calls) or driver call
+  (cuInit) initializes CUDA, and importing the simulator makes none. A child forked
+  before that runs on the GPU as any process does; a child forked after it gets
+  cudaErrorInitializationError ("initialization error") from every runtime call and
+  CUDA_ERROR_NOT_INITIALIZED from every driver call (what CUDA does in a forked child of an
+  initialized parent), promptly: nothing the parent queued runs in the child, and memory the
+  parent allocated is still the parent's (the child's frees leave it alone).
 
 It is not CuPy: only what gpuring and its tests use is here, and a call it does not know fails
 with AttributeError.
@@ -91,6 +99,26 @@ class CUDARuntimeError(RuntimeError):
         self.status = name
 
 
+class _Initialization:
+    """Whether CUDA is initialized in this process, and whether it was in the parent this
+    process was forked from (then CUDA refuses every call here)."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.inherited = False
+
+
+_init = _Initialization()
+
+
+def _initialize() -> None:
+    """A runtime call: it initializes CUDA in this process, or fails as CUDA fails every
+    call in a child forked from a process that had initialized it."""
+    if _init.inherited:
+        raise CUDARuntimeError("cudaErrorInitializationError", "initialization error")
+    _init.initialized = True
+
+
 # ------------------------------------------------------------------------------ streams
 
 class _Marker:
@@ -119,6 +147,9 @@ def _fault(what: str) -> None:
 
 
 class _Worker(threading.Thread):
+    """The thread that runs a stream's (or a hardware queue's) operations, started when the
+    first one is queued."""
+
     def __init__(self, name: str):
         super().__init__(name=name, daemon=True)
         self.queue: list[Callable[[], None]] = []
@@ -127,7 +158,14 @@ class _Worker(threading.Thread):
         self.rng = _stdrandom.Random(secrets.randbits(32))
         #: an operation taken off the queue is running (under `cond`, as the queue)
         self.running = False
-        self.start()
+        self.launched = False
+        _workers.add(self)
+
+    def forked(self) -> None:
+        """In a forked child: the thread is gone, and nothing the parent queued runs here."""
+        self.cond = threading.Condition()
+        self.queue = []
+        self.running = False
 
     def idle(self) -> bool:
         """Nothing queued and nothing running: work queued before now has all run."""
@@ -135,11 +173,15 @@ class _Worker(threading.Thread):
             return not self.queue and not self.running
 
     def put(self, op: Callable[[], None]) -> None:
+        _initialize()
         if _sticky:  # the context is dead: every call fails with its error, as CUDA's do
             raise _sticky[0]
         if self.error is not None:
             raise CUDARuntimeError("cudaErrorLaunchFailure", f"earlier failure: {self.error}")
         with self.cond:
+            if not self.launched:
+                self.launched = True
+                self.start()
             self.queue.append(op)
             self.cond.notify()
 
@@ -160,6 +202,8 @@ class _Worker(threading.Thread):
             del op  # hold nothing of it while idle
 
 
+#: every worker made in this process (a forked child stops those it inherited)
+_workers: weakref.WeakSet[_Worker] = weakref.WeakSet()
 _streams: dict[int, Stream] = {}
 #: driver calls that enqueued work or made events in this process, as a GPU would count them:
 #: every operation queued on a stream (kernel launch, copy, memset, stream memory operation,
@@ -424,6 +468,7 @@ _contexts: set[int] = set()  # devices whose primary context this process create
 
 def _context() -> None:
     """A runtime call that needs a context: the current device's, created if need be."""
+    _initialize()
     if getattr(_current, "context", None) is None:
         device = getattr(_current, "device", 0)
         _contexts.add(device)
@@ -458,6 +503,7 @@ _event_ids = itertools.count(0x10_0000, 0x10)
 class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False):
+        _initialize()
         driver_calls[0] += 1
         self._marker: _Marker | None = None
         self._stream: Stream | None = None
@@ -478,6 +524,7 @@ class Event:
         target._put(marker.reach)
 
     def _check_not_captured(self, what: str) -> None:
+        _initialize()
         if self._captured is not None:
             raise _invalidate(self._captured, "cudaErrorStreamCaptureUnsupported",
                               f"{what} an event recorded in a capture")
@@ -519,6 +566,7 @@ class _Allocation:
     def __init__(self, size: int, name: str | None = None):
         self.size = size
         self.owner = name is None
+        self.pid = os.getpid()  # a forked child's copy of the mapping is not its memory
         self.device = _Runtime.getDevice()  # the owner's (a peer's handle says which)
         self.name = name or allocation_name()
         self.opens = 1
@@ -565,7 +613,7 @@ class _Allocation:
         open(mapping_marker(self.name, os.getpid()), "w").close()
 
     def free(self) -> None:
-        if not self.ptr:
+        if not self.ptr or self.pid != os.getpid():
             return
         _libc.munmap(self.ptr, self.size)
         self.ptr = 0
@@ -649,15 +697,18 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def getDeviceCount() -> int:
+        _initialize()
         return int(os.environ.get("GPURING_CUDASIM_DEVICES", "1"))
 
     @staticmethod
     def getDevice() -> int:
+        _initialize()
         return getattr(_current, "device", 0)
 
     @staticmethod
     def setDevice(device: int) -> None:
         """Makes `device` current in this thread and creates its primary context (CUDA 12)."""
+        _initialize()
         if not 0 <= device < _Runtime.getDeviceCount():
             raise CUDARuntimeError("cudaErrorInvalidDevice")
         _current.device = device
@@ -668,6 +719,7 @@ class _Runtime(types.ModuleType):
     def deviceCanAccessPeer(device: int, peer: int) -> int:
         """1, unless GPURING_CUDASIM_NO_P2P=1 (GPUs behind different CPU sockets without
         P2P, say): then 0 between different devices."""
+        _initialize()
         return int(device == peer or os.environ.get("GPURING_CUDASIM_NO_P2P") != "1")
 
     @staticmethod
@@ -684,6 +736,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def memGetInfo() -> tuple[int, int]:
+        _initialize()
         return _TOTAL_MEMORY - _used[0], _TOTAL_MEMORY
 
     @staticmethod
@@ -712,6 +765,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def freeHost(ptr: int) -> None:
+        _initialize()
         if _host_buffers.pop(ptr, None) is None:
             raise CUDARuntimeError("cudaErrorInvalidValue", f"{ptr:#x} is not pinned memory")
 
@@ -747,6 +801,7 @@ class _Runtime(types.ModuleType):
 
     @staticmethod
     def ipcCloseMemHandle(ptr: int) -> None:
+        _initialize()
         alloc = _opened.get(ptr)
         if alloc is None:
             raise CUDARuntimeError("cudaErrorInvalidValue", f"{ptr:#x} was not opened by IPC")
@@ -910,6 +965,7 @@ class RawKernel:
     what the occupancy calls answer from. `last_grid` is the grid of its latest launch."""
 
     def __init__(self, name: str, registers: int | None = None):
+        _initialize()  # cuModuleGetFunction
         family = next((f for prefix, f in _FAMILIES.items() if name.startswith(prefix)), None)
         if family is None:
             raise CUDARuntimeError("CUDA_ERROR_NOT_FOUND", f"no kernel {name!r}")
@@ -955,6 +1011,7 @@ class Module:
     """cupy.cuda.function.Module: a loaded CUBIN (here: the host build of the same source)."""
 
     def load(self, cubin: bytes) -> None:
+        _initialize()
         if not isinstance(cubin, bytes) or not cubin.startswith(b"\x7fELF"):
             raise CUDARuntimeError("CUDA_ERROR_INVALID_IMAGE", "not a CUBIN")
         self._registers = _sibling("cubin").registers(cubin)
@@ -1452,6 +1509,7 @@ def _install_driver(memops: bool) -> None:
     class CUresult(enum.IntEnum):
         CUDA_SUCCESS = 0
         CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_NOT_INITIALIZED = 3
         CUDA_ERROR_INVALID_CONTEXT = 201
         CUDA_ERROR_INVALID_HANDLE = 400
         CUDA_ERROR_NOT_SUPPORTED = 801
@@ -1503,14 +1561,29 @@ def _install_driver(memops: bool) -> None:
             self.waitValue = _MemOpValue()
             self.writeValue = _MemOpValue()
 
+    def _refused() -> bool:
+        """Whether a driver call fails with CUDA_ERROR_NOT_INITIALIZED: in a child forked
+        from a process that had initialized CUDA, every one does (cuInit too). Elsewhere the
+        driver counts as initialized (by cuInit, or the runtime's first call)."""
+        if _init.inherited:
+            return True
+        _init.initialized = True
+        return False
+
     def cuInit(flags: int) -> tuple[CUresult]:
+        if _refused():
+            return (CUresult.CUDA_ERROR_NOT_INITIALIZED,)
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuDeviceGet(ordinal: int) -> tuple[CUresult, int]:
+    def cuDeviceGet(ordinal: int) -> tuple[CUresult, int | None]:
+        if _refused():
+            return (CUresult.CUDA_ERROR_NOT_INITIALIZED, None)
         return (CUresult.CUDA_SUCCESS, ordinal)
 
     def cuDeviceGetAttribute(attrib: CUdevice_attribute,
-                             dev: int) -> tuple[CUresult, int]:
+                             dev: int) -> tuple[CUresult, int | None]:
+        if _refused():
+            return (CUresult.CUDA_ERROR_NOT_INITIALIZED, None)
         return (CUresult.CUDA_SUCCESS, int(memops))
 
     def cuGetErrorName(error: CUresult) -> tuple[CUresult, bytes]:
@@ -1518,6 +1591,8 @@ def _install_driver(memops: bool) -> None:
 
     def _memop(stream: Any, addr: Any, value: Any,
                op: Callable[[ctypes.c_uint64, int], None]) -> tuple[CUresult]:
+        if _refused():
+            return (CUresult.CUDA_ERROR_NOT_INITIALIZED,)
         if not memops:
             return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
         if not isinstance(stream, CUstream) or not isinstance(addr, CUdeviceptr) or \
@@ -1538,6 +1613,8 @@ def _install_driver(memops: bool) -> None:
 
     def cuOccupancyMaxActiveBlocksPerMultiprocessor(
             func: CUfunction, blockSize: int, dynamicSMemSize: int) -> tuple[CUresult, int]:
+        if _refused():
+            return (CUresult.CUDA_ERROR_NOT_INITIALIZED, 0)
         if not isinstance(func, CUfunction):
             return (CUresult.CUDA_ERROR_INVALID_VALUE, 0)
         status, blocks = _occupancy(int(func), blockSize, dynamicSMemSize)
@@ -1546,6 +1623,8 @@ def _install_driver(memops: bool) -> None:
     def cuStreamBatchMemOp(stream: CUstream, count: int, paramArray: list[Any],
                            flags: int) -> tuple[CUresult]:
         """64-bit waits (>=) and writes, in order, as one operation of the stream."""
+        if _refused():
+            return (CUresult.CUDA_ERROR_NOT_INITIALIZED,)
         if not memops:
             return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
         if not isinstance(stream, CUstream) or flags or not 0 < count < 256 or \
@@ -1592,3 +1671,19 @@ def _install_driver(memops: bool) -> None:
 
 _install_driver(memops=os.environ.get("GPURING_CUDASIM_MEMOPS") == "1")
 sweep_dead_allocations()  # what killed processes left behind
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: nothing the parent queued runs here,
+    and a lock another thread held at the fork is held forever, so every lock is new. Where
+    the parent had initialized CUDA, every call fails here, as CUDA's do."""
+    global _legacy_lock, _lib_lock, _graveyard_lock
+    _legacy_lock, _lib_lock, _graveyard_lock = (threading.Lock(), threading.Lock(),
+                                                threading.Lock())
+    for worker in list(_workers):
+        worker.forked()
+    _graveyard.clear()  # no stream of the parent's runs here: what they kept alive may go
+    _init.inherited = _init.inherited or _init.initialized
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ..cudasim import kernels_host_build
@@ -153,3 +154,22 @@ def test_bench_cuda_graph_replays_on_the_simulator(sim_env: dict[str, str],
                      for placement in ("out-of-place", "in-place")}
     schedules = {r["size"]: r["schedule"] for r in doc["results"] if r["system"] == "gpuring"}
     assert schedules[1024] == "fused" and schedules[262144] == "kernels", schedules
+
+
+@pytest.mark.parametrize("gpus", [1, 2], ids=["2ranks-shared_gpu", "2ranks-gpu_per_rank"])
+def test_all_reduce_float32_sum_out_of_place_on_ranks_forked_by_multiprocessing(
+        sim_env: dict[str, str], gpus: int) -> None:
+    """Ranks forked by `multiprocessing` from a program that imported CuPy and gpuring (and
+    made no CUDA call) run CUDA collectives, each checking its own result; the program then
+    runs on the GPU itself (tests/multiproc/forked_ranks.py). On the simulator, a child that
+    inherited a stream's thread would wait forever."""
+    from ..conftest import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.multiproc.forked_ranks", "2", str(free_port()),
+         str(np.random.default_rng().integers(1 << 31))],
+        cwd=ROOT, env=dict(sim_env, GPURING_CUDASIM_DEVICES=str(gpus)), capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "ranks": [None, None], "parent": None}, done.stdout[-6000:]

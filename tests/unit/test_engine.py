@@ -10,6 +10,7 @@ from gpuring._engine import Engine
 from gpuring._errors import GpuringError
 from gpuring._ops import ReduceOp
 from gpuring.algorithms.collectives import plan_collective
+from gpuring.algorithms.plan import Signal, Wait
 from gpuring.devices._program import group_writes
 from gpuring.devices.base import Capabilities, WaitI, WriteI
 
@@ -269,3 +270,104 @@ def test_a_fused_all_reduce_under_capture_records_no_event() -> None:
     first.captures = False  # that capture ended: another stream may capture now
     assert engine.run(launch, _Mem(), _Mem(), "all_reduce", 3) is None  # type: ignore[arg-type]
     assert device.log == [("captured", second)]
+
+
+class _Closing(_Device):
+    """Not blocking (as a GPU): notes what closing does, in order, in `calls`."""
+
+    blocking = False
+    fused_max_ranks = 0
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def detach_peers(self) -> None:
+        self.calls.append("unmap the peers")
+
+    def abort(self, reason: str) -> None:
+        self.calls.append("abort")
+
+    def close(self, *, peers_may_read: bool) -> None:
+        self.calls.append(f"free (peers may read: {peers_may_read})")
+
+
+class _Meeting(_Control):
+    def __init__(self, rank: int, size: int, calls: list[str]) -> None:
+        super().__init__(rank, size)
+        self.calls = calls
+
+    def barrier(self, timeout: float, what: str) -> None:
+        self.calls.append(f"meet the peers ({what})")
+
+
+@pytest.mark.parametrize("orderly", [True, False], ids=["orderly", "after_a_failure"])
+def test_close_frees_only_once_every_rank_unmapped_its_peers(orderly: bool) -> None:
+    """On a device whose peers map this rank's memory (a GPU), an orderly close unmaps the
+    peers and then meets every rank before freeing anything, so no peer reads freed memory;
+    after a failure it meets nobody (a peer may be dead), aborts the device and keeps what
+    peers may still read."""
+    calls: list[str] = []
+    control = _Meeting(1, 2, calls)
+    engine = Engine(_Closing(calls), control, capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    engine.close(control, orderly=orderly)  # type: ignore[arg-type]
+    assert calls == (["unmap the peers", "meet the peers (close())",
+                      "free (peers may read: False)"] if orderly else
+                     ["abort", "free (peers may read: True)"])
+
+
+class _Ranked(_Device):
+    """Memory that says whose it is: ("memory of rank", r)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def alloc(self, nbytes: int) -> object:
+        return ("memory of rank", self.rank)
+
+    def export(self, mem: object) -> int:
+        return self.rank
+
+    def open(self, handle: int) -> object:
+        return ("memory of rank", handle)
+
+
+class _Handles(_Control):
+    """Hands each rank every rank's buffer handle (its rank, as _Ranked exports it)."""
+
+    def exchange(self, what: str, value: Any, timeout: float) -> list[Any]:
+        return list(range(self.size)) if what == "setup (buffer handles)" else \
+            super().exchange(what, value, timeout)
+
+
+def test_flags_say_what_the_plan_says() -> None:
+    """The flag protocol (gpuring/_engine.py's layout: DONE[q] at word q of a rank's inbox,
+    READY[c][q] at word (1 + c) * size + q): a plan's Signal of piece count v becomes a write
+    of seq << 32 | v into each reader's READY word for (channel, this rank), in the plan's
+    order; its Wait for v from a peer, a wait for seq << 32 | v on this rank's own READY word
+    for (channel, peer); a round ends writing seq into every rank's DONE word for this rank.
+    Here on a 3-rank ring of several rounds of several pieces (test_plan.py checks what the
+    plans' flags mean)."""
+    rank, size = 1, 3
+    device = _Ranked(rank)
+    engine = Engine(device, _Handles(rank, size), capacity_bytes=1 << 16, timeout=1.0)  # type: ignore[arg-type]
+    launch = _launch(engine, "all_reduce", size * 16384 + 5)
+    assert len(launch.rounds) > 1
+    engine.run(launch, None, None, "test", 1)
+    ready = 8 * size  # READY[0][q] at ready + 8 * q
+    for plan, (program, seq) in zip(launch.rounds, device.ran, strict=True):
+        (ops,) = plan.channels
+        wanted: list[tuple[Any, ...]] = []
+        for op in ops:
+            if isinstance(op, Signal):
+                wanted += [("READY", reader, ready + 8 * rank, op.value, 32)
+                           for reader in op.readers]
+            elif isinstance(op, Wait):
+                wanted.append(("wait", rank, ready + 8 * op.peer, op.value, 32))
+        wanted += [("DONE", q, 8 * rank, 0, 0) for q in range(size)]
+        assert sum(isinstance(o, Signal) for o in ops) > 1  # several pieces
+        got = [("wait" if isinstance(i, WaitI) else "READY" if i.shift else "DONE",
+                i.flag.mem[1], i.flag.offset, i.rel, i.shift) for i in program
+               if isinstance(i, WriteI) or (isinstance(i, WaitI) and i.shift)]
+        assert got == wanted, f"round {seq}"
