@@ -92,7 +92,7 @@ def as_c10d(exc: GpuringError, timeout: float, call: str = "the collective") -> 
     twin = next(_TWINS[cls] for cls in type(exc).__mro__ if cls in _TWINS)
     error = twin.__new__(twin)
     error.__dict__.update(exc.__dict__)
-    error.args = (f"{_lead(exc, timeout, call)}: {exc}",)
+    error.args = (f"gpuring: {_lead(exc, timeout, call)}: {exc}",)
     return error
 
 

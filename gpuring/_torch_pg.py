@@ -57,13 +57,15 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta
         if server is not None:
             undo.callback(server.close)
         host, port, key_hex, job = store.get(_ADDRESS_KEY).decode().split()
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-        local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_size != size else rank
-        control = StoreClient(rank, size, local_rank, local_size, (host, int(port)),
-                              bytes.fromhex(key_hex), job, timeout=config.timeout)
+        # one node (the server is on loopback): the group's ranks are its local ranks
+        control = StoreClient(rank, size, rank, size, (host, int(port)),
+                              bytes.fromhex(key_hex), job, timeout=config.timeout,
+                              generation=1)  # the group's own server
         undo.pop_all()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         control.device_slot = torch.cuda.current_device()  # the GPU the caller set
+    else:  # the process's GPU, whichever groups it is in: its local rank in the job
+        control.device_slot = int(os.environ.get("LOCAL_RANK", rank))
     return GpuringProcessGroup(Communicator(control, config), server)
 
 
