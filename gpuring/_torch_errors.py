@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch.distributed as dist
 from torch.distributed import DistBackendError
 
 from ._errors import (
@@ -28,7 +29,7 @@ from ._errors import (
 
 __all__ = ["C10dCollectiveMismatchError", "C10dCollectiveTimeoutError",
            "C10dCommunicatorClosedError", "C10dGpuringError", "C10dPeerFailureError",
-           "C10dRegistrationError", "as_c10d", "c10d_errors"]
+           "C10dRegistrationError", "FailedWork", "as_c10d", "c10d_errors"]
 
 
 class C10dGpuringError(GpuringError, DistBackendError):
@@ -99,9 +100,32 @@ def as_c10d(exc: GpuringError, timeout: float, call: str = "the collective") -> 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+class FailedWork(dist.Work):
+    """The work of an async_op=True call that failed: as gloo's, it raises the call's error at
+    `wait()`."""
+
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException:
+        return self.error
+
+
 def c10d_errors(timeout: Callable[[Any], float]) -> Callable[[_F], _F]:
     """A decorator of a process group's methods: a GpuringError they raise is raised as its
-    c10d twin (`as_c10d`), chained to it. `timeout(self)`: the group's timeout in seconds."""
+    c10d twin (`as_c10d`), chained to it; where the call was made with async_op=True (an
+    option of `asyncOp` True among its arguments), it returns a FailedWork that raises it at
+    wait(), as gloo's works do. `timeout(self)`: the group's timeout in seconds."""
 
     def decorate(method: _F) -> _F:
         @functools.wraps(method)
@@ -110,6 +134,10 @@ def c10d_errors(timeout: Callable[[Any], float]) -> Callable[[_F], _F]:
                 return method(self, *args, **kwargs)
             except GpuringError as exc:
                 twin = as_c10d(exc, timeout(self), method.__name__)
+                if any(getattr(a, "asyncOp", False) is True for a in (*args, *kwargs.values())):
+                    if twin is not exc:
+                        twin.__cause__ = exc
+                    return FailedWork(twin)
                 if twin is exc:
                     raise
                 raise twin from exc

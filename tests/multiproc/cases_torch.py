@@ -753,7 +753,8 @@ def _destroy_subgroup(c: ItemChecker) -> None:
 def errors(plan: Plan) -> Iterator[Item]:
     """Failures in c10d's types and words: a collective that times out (on a subgroup of 5
     s, rank 0 alone in a barrier) raises a RuntimeError saying "Timed out" on both backends,
-    on gpuring's a DistBackendError and a gpuring.CollectiveTimeoutError (its fields kept);
+    on gpuring's a DistBackendError and a gpuring.CollectiveTimeoutError (its fields kept),
+    with async_op=True at wait();
     mismatched calls raise a DistBackendError that is a gpuring.CollectiveMismatchError on
     every rank (gloo's behaviour there is undefined: not run)."""
     yield Item.one("timeout-barrier", _timeout)
@@ -762,22 +763,29 @@ def errors(plan: Plan) -> Iterator[Item]:
 
 def _timeout(c: ItemChecker) -> None:
     t = Twin.get()
-    for backend in ("gpuring", "gloo"):
+    for backend, asynchronous in (("gpuring", False), ("gpuring", True), ("gloo", False)):
+        what = f"{backend}{' async_op=True' if asynchronous else ''}"
         dist.barrier(group=t.gloo)  # every rank makes the group at once (within its timeout)
         sub = dist.new_group(backend=backend, timeout=SHORT)
         if t.rank == 0:  # the others never call
             start = time.monotonic()
-            error = raised(lambda sub=sub: dist.barrier(group=sub))
+            if asynchronous:  # the call returns; its wait() raises, as gloo's does
+                work = dist.barrier(group=sub, async_op=True)
+                c.check(work.is_completed() and not work.is_success(),
+                        f"{what}: the failed barrier's work is not completed and failed")
+                error = raised(work.wait)
+            else:
+                error = raised(lambda sub=sub: dist.barrier(group=sub))
             waited = time.monotonic() - start
             c.check(isinstance(error, RuntimeError) and bool(TIMED_OUT.search(str(error))),
-                    f"{backend}: a barrier alone raised {error!r}")
-            c.check(waited >= SHORT.total_seconds() * 0.9, f"{backend}: it raised after "
+                    f"{what}: a barrier alone raised {error!r}")
+            c.check(waited >= SHORT.total_seconds() * 0.9, f"{what}: it raised after "
                     f"{waited:.2f} s, before its timeout of {SHORT}")
             if backend == "gpuring":
                 c.check(isinstance(error, dist.DistBackendError)
                         and isinstance(error, gpuring.CollectiveTimeoutError)
                         and f"Timed out waiting {SHORT.seconds * 1000}ms" in str(error),
-                        f"gpuring's timeout: {type(error).__mro__}, {error}")
+                        f"{what}: {type(error).__mro__}, {error}")
         dist.barrier(group=t.gloo)  # rank 0 is done waiting
         dist.destroy_process_group(sub)
 
