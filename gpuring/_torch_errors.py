@@ -124,8 +124,9 @@ class FailedWork(dist.Work):
 def c10d_errors(timeout: Callable[[Any], float]) -> Callable[[_F], _F]:
     """A decorator of a process group's methods: a GpuringError they raise is raised as its
     c10d twin (`as_c10d`), chained to it; where the call was made with async_op=True (an
-    option of `asyncOp` True among its arguments), it returns a FailedWork that raises it at
-    wait(), as gloo's works do. `timeout(self)`: the group's timeout in seconds."""
+    option of `asyncOp` True among its arguments: torch sets it to the caller's async_op, and
+    options made in C++ have it True), it returns a FailedWork that raises it at wait(), as
+    gloo's works do. `timeout(self)`: the group's timeout in seconds."""
 
     def decorate(method: _F) -> _F:
         @functools.wraps(method)
