@@ -5,8 +5,9 @@
 `gpuring run` does) and publishes its address and a fresh key in the group's c10d store
 (`env://`'s TCPStore, say); the others read them there and connect. Tensors are viewed as
 NumPy arrays (CPU) or CuPy arrays (CUDA, queued on torch's current stream) without copies,
-except where a torch argument is not contiguous or is a list the collective takes as one
-array.
+except where a torch argument is not contiguous, is a list the collective takes as one
+array, or has a dtype the communicator takes in another form (`_torch_arrays`). A gpuring
+error of a collective is raised as its c10d twin (`_torch_errors`): a DistBackendError too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
 from . import interop
 from ._communicator import Communicator
 from ._config import Config
+from ._torch_arrays import Reduction, Staged, from_array, readable, reduction, same_dtype
+from ._torch_errors import c10d_errors
+from ._torch_sparse import all_reduce_sparse
 from .rendezvous.store import StoreServer, leave_and_stop
 from .rendezvous.store_client import StoreClient
 
@@ -35,14 +39,12 @@ __all__ = ["GpuringProcessGroup", "create"]
 BACKEND = "gpuring"
 _ADDRESS_KEY = "gpuring/control-plane"
 
-_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.MIN: "min",
-        dist.ReduceOp.MAX: "max", dist.ReduceOp.AVG: "avg"}  # keyed by ReduceOp.RedOpType
-
 
 def create(store: Any, rank: int, size: int, timeout: datetime.timedelta
            ) -> GpuringProcessGroup:
     """torch's creator function of the backend: (group store, group rank, group size,
-    timeout)."""
+    timeout). The timeout (torch's default where the caller gave none) bounds every wait of
+    the group's communicator, as it bounds gloo's."""
     seconds = timeout.total_seconds() if timeout is not None else None
     config = Config.from_env(timeout=seconds)
     server = None
@@ -55,22 +57,16 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta
         if server is not None:
             undo.callback(server.close)
         host, port, key_hex, job = store.get(_ADDRESS_KEY).decode().split()
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-        local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_size != size else rank
-        control = StoreClient(rank, size, local_rank, local_size, (host, int(port)),
-                              bytes.fromhex(key_hex), job, timeout=config.timeout)
+        # one node (the server is on loopback): the group's ranks are its local ranks
+        control = StoreClient(rank, size, rank, size, (host, int(port)),
+                              bytes.fromhex(key_hex), job, timeout=config.timeout,
+                              generation=1)  # the group's own server
         undo.pop_all()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         control.device_slot = torch.cuda.current_device()  # the GPU the caller set
+    else:  # the process's GPU, whichever groups it is in: its local rank in the job
+        control.device_slot = int(os.environ.get("LOCAL_RANK", rank))
     return GpuringProcessGroup(Communicator(control, config), server)
-
-
-def _op(opts: Any) -> str:
-    op = _OPS.get(getattr(opts.reduceOp, "op", opts.reduceOp))
-    if op is None:
-        raise ValueError(f"the gpuring backend has no reduce op {opts.reduceOp}: use SUM, "
-                         "PRODUCT, MIN, MAX or AVG")
-    return op
 
 
 def _view(tensor: torch.Tensor) -> Any:
@@ -92,9 +88,17 @@ class _Into:
             self.tensor.copy_(self.staged)
 
 
+def _rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The tensors flattened and joined (one dtype), and their element counts."""
+    return torch.cat([t.reshape(-1) for t in tensors]), [t.numel() for t in tensors]
+
+
 #: torch's stubs give ProcessGroup's C++ overloads, which a Python process group replaces
 #: with the signatures torch's trampoline calls
 _ProcessGroup: Any = dist.ProcessGroup
+
+#: a gpuring error of a collective, raised as its c10d twin
+_c10d = c10d_errors(lambda group: group.comm.config.timeout)
 
 
 class GpuringProcessGroup(_ProcessGroup):
@@ -107,12 +111,29 @@ class GpuringProcessGroup(_ProcessGroup):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
         self._server = server
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch names a group (`group_name`, `group_desc`) through these after making it; a
+    # ProcessGroup keeps them in its backends, which a Python process group has none of
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
     def __repr__(self) -> str:
-        return f"GpuringProcessGroup(rank {self.comm.rank} of {self.comm.size})"
+        return (f"GpuringProcessGroup(rank {self.comm.rank} of {self.comm.size}"
+                + (f", {self._group_name!r}" if self._group_name else "") + ")")
 
     # -- results ---------------------------------------------------------------------------
     @staticmethod
@@ -122,107 +143,204 @@ class GpuringProcessGroup(_ProcessGroup):
         future.set_result(list(tensors) if result is None else result)
         return _create_work_from_future(future)
 
-    # -- collectives -----------------------------------------------------------------------
+    # -- reductions ------------------------------------------------------------------------
+    def _folded(self, tensor: torch.Tensor, how: Reduction) -> torch.Tensor:
+        """Every rank's `tensor` combined by a torch op gpuring lacks (after an all_gather)."""
+        gathered = self.comm.all_gather(readable(tensor))
+        return how.combine(from_array(gathered, tensor.dtype))
+
+    def _all_reduce(self, tensor: torch.Tensor, how: Reduction) -> None:
+        with interop.caller_stream(tensor):
+            if tensor.is_sparse:
+                all_reduce_sparse(self.comm, tensor, how)
+            elif how.fold is not None:
+                tensor.copy_(self._folded(tensor, how))
+            else:
+                into = Staged(tensor, reduce=True)
+                self.comm.all_reduce(into.array, op=how.op, out=into.array)
+                into.done()
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                        how: Reduction) -> None:
+        """Block `rank` of the flattened reduction of `input` (size * output.numel() long)."""
+        with interop.caller_stream(output):
+            if how.fold is not None:
+                whole = self._folded(input, how).reshape(self.comm.size, -1)
+                output.copy_(whole[self.comm.rank].view(output.shape))
+                return
+            into = Staged(output, reduce=True)
+            self.comm.reduce_scatter(readable(input, reduce=True).reshape(-1), op=how.op,
+                                     out=into.array.reshape(-1))
+            into.done()
+
+    @_c10d
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _op(opts or dist.AllreduceOptions())
+        opts = opts or dist.AllreduceOptions()
         for tensor in tensors:
-            with interop.caller_stream(tensor):
-                into = _Into(tensor)
-                self.comm.all_reduce(into.array, op=op, out=into.array)
-                into.done()
+            self._all_reduce(tensor, reduction(opts, tensor.dtype))
         return self._work(tensors)
 
+    @_c10d
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.allreduce(tensors, opts)
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        root = (opts or dist.BroadcastOptions()).rootRank
-        for tensor in tensors:
-            with interop.caller_stream(tensor):
-                into = _Into(tensor)
-                self.comm.broadcast(into.array, root=root)
-                into.done()
+        """One all_reduce of the tensors joined (one dtype, dense), else one each."""
+        opts = opts or dist.AllreduceCoalescedOptions()
+        if len(tensors) < 2 or not same_dtype(tensors) or any(t.is_sparse for t in tensors):
+            return self.allreduce(tensors, opts)
+        how = reduction(opts, tensors[0].dtype)
+        joined, counts = _rows(tensors)
+        self._all_reduce(joined, how)
+        for tensor, part in zip(tensors, joined.split(counts), strict=True):
+            tensor.copy_(part.view(tensor.shape))
         return self._work(tensors)
 
+    @_c10d
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.ReduceOptions()
-        op, root = _op(opts), opts.rootRank
+        root, mine = opts.rootRank, self.comm.rank == opts.rootRank
         for tensor in tensors:
+            how = reduction(opts, tensor.dtype)
             with interop.caller_stream(tensor):
-                into = _Into(tensor)
-                self.comm.reduce(into.array, op=op, root=root,
-                                 out=into.array if self.comm.rank == root else None)
-                if self.comm.rank == root:
+                if how.fold is not None:
+                    folded = self._folded(tensor, how)
+                    if mine:
+                        tensor.copy_(folded)
+                    continue
+                into = Staged(tensor, reduce=True)
+                self.comm.reduce(into.array, op=how.op, root=root,
+                                 out=into.array if mine else None)
+                if mine:
                     into.done()
         return self._work(tensors)
 
+    @_c10d
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        opts = opts or dist.ReduceScatterOptions()
+        for output, inputs in zip(output_tensors, input_tensors, strict=True):
+            stacked = torch.stack([t.reshape(output.shape) for t in inputs])
+            self._reduce_scatter(output, stacked, reduction(opts, output.dtype))
+        return self._work(output_tensors)
+
+    @_c10d
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> Any:
+        opts = opts or dist.ReduceScatterOptions()
+        self._reduce_scatter(output, input, reduction(opts, output.dtype))
+        return self._work([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @_c10d
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        """reduce_scatter_single of each pair: one reduce_scatter of the inputs' blocks
+        joined block by block (one dtype), else one each."""
+        opts = opts or dist.ReduceScatterOptions()
+        n = self.comm.size
+        if len(outputs) < 2 or not same_dtype([*outputs, *inputs]):
+            for output, input in zip(outputs, inputs, strict=True):
+                self._reduce_scatter(output, input, reduction(opts, output.dtype))
+            return self._work(outputs)
+        blocks = torch.cat([t.reshape(n, -1) for t in inputs], dim=1)
+        mine = torch.empty(blocks.shape[1], dtype=blocks.dtype, device=blocks.device)
+        self._reduce_scatter(mine, blocks, reduction(opts, mine.dtype))
+        for output, part in zip(outputs, mine.split([t.numel() for t in outputs]), strict=True):
+            output.copy_(part.view(output.shape))
+        return self._work(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement ---------------------------------------------------------------------
+    def _gathered(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` stacked in rank order: shape (size, *tensor.shape)."""
+        with interop.caller_stream(tensor):
+            return from_array(self.comm.all_gather(readable(tensor)), tensor.dtype)
+
+    @_c10d
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         for outputs, tensor in zip(output_tensors, input_tensors, strict=True):
-            with interop.caller_stream(tensor):
-                gathered = self.comm.all_gather(_view(tensor.contiguous()))
-                for q, output in enumerate(outputs):
-                    output.copy_(torch.from_dlpack(gathered[q]).view(output.shape))
+            gathered = self._gathered(tensor)
+            for q, output in enumerate(outputs):
+                output.copy_(gathered[q].view(output.shape))
         return self._work([t for outputs in output_tensors for t in outputs])
 
+    @_c10d
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """`output_lists[q][j]`: rank q's `input_tensors[j]`; one all_gather of the inputs
+        joined (torch checks that they have one dtype)."""
+        joined, counts = _rows(input_tensors)
+        gathered = self._gathered(joined)
+        for outputs, row in zip(output_lists, gathered, strict=True):
+            for output, part in zip(outputs, row.split(counts), strict=True):
+                output.copy_(part.view(output.shape))
+        return self._work([t for outputs in output_lists for t in outputs])
+
+    @_c10d
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Any:
         with interop.caller_stream(input):
-            into = _Into(output)
-            self.comm.all_gather(_view(input.contiguous()),
+            into = Staged(output)
+            self.comm.all_gather(readable(input),
                                  out=into.array.reshape(self.comm.size, *input.shape))
             into.done()
         return self._work([output])
 
     _allgather_base = all_gather_single
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        op = _op(opts or dist.ReduceScatterOptions())
-        for output, inputs in zip(output_tensors, input_tensors, strict=True):
-            with interop.caller_stream(output):
-                into = _Into(output)
-                stacked = torch.stack([t.reshape(output.shape) for t in inputs])
-                self.comm.reduce_scatter(_view(stacked).reshape(-1), op=op,
-                                         out=into.array.reshape(-1))
+    @_c10d
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        """all_gather_single of each pair: one all_gather of the inputs joined (one dtype),
+        else one each."""
+        if len(inputs) < 2 or not same_dtype([*outputs, *inputs]):
+            for output, input in zip(outputs, inputs, strict=True):
+                self.all_gather_single(output, input, opts)
+            return self._work(outputs)
+        joined, counts = _rows(inputs)
+        gathered = self._gathered(joined)  # (size, sum(counts))
+        for output, part in zip(outputs, gathered.split(counts, dim=1), strict=True):
+            output.copy_(part.reshape(output.shape))
+        return self._work(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @_c10d
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = (opts or dist.BroadcastOptions()).rootRank
+        for tensor in tensors:
+            with interop.caller_stream(tensor):
+                into = Staged(tensor)
+                self.comm.broadcast(into.array, root=root)
                 into.done()
-        return self._work(output_tensors)
+        return self._work(tensors)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> Any:
-        op = _op(opts or dist.ReduceScatterOptions())
-        with interop.caller_stream(output):
-            into = _Into(output)
-            self.comm.reduce_scatter(_view(input.contiguous()).reshape(-1), op=op,
-                                     out=into.array.reshape(-1))
-            into.done()
-        return self._work([output])
-
-    _reduce_scatter_base = reduce_scatter_single
-
+    @_c10d
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:
         with interop.caller_stream(input_tensors[0]):
-            got = self.comm.all_to_all_v([_view(t.contiguous()) for t in input_tensors])
+            got = self.comm.all_to_all_v([readable(t) for t in input_tensors])
             for output, block in zip(output_tensors, got, strict=True):
-                output.copy_(torch.from_dlpack(block).view(output.shape))
+                output.copy_(from_array(block, output.dtype).view(output.shape))
         return self._work(output_tensors)
 
+    @_c10d
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int] | None,
                           input_split_sizes: list[int] | None, opts: Any = None) -> Any:
         n = self.comm.size
         with interop.caller_stream(input):
             if not output_split_sizes and not input_split_sizes:  # even blocks: one call
-                into = _Into(output)
-                self.comm.all_to_all(_view(input.contiguous()).reshape(n, -1),
+                into = Staged(output)
+                self.comm.all_to_all(readable(input).reshape(n, -1),
                                      out=into.array.reshape(n, -1))
                 into.done()
             else:
-                blocks = list(torch.split(input, list(input_split_sizes or
-                                                      [input.shape[0] // n] * n)))
-                got = self.comm.all_to_all_v([_view(b.contiguous()) for b in blocks])
-                received = [torch.from_dlpack(g) for g in got]
+                blocks = torch.split(input, list(input_split_sizes or
+                                                 [input.shape[0] // n] * n))
+                got = self.comm.all_to_all_v([readable(b) for b in blocks])
+                received = [from_array(g, input.dtype) for g in got]
                 want = list(output_split_sizes or [output.shape[0] // n] * n)
                 if [r.shape[0] for r in received] != want:
                     raise ValueError(f"all_to_all_single: received blocks of "
@@ -233,17 +351,20 @@ class GpuringProcessGroup(_ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @_c10d
     def gather(self, output_tensors: list[list[torch.Tensor]],
                input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = (opts or dist.GatherOptions()).rootRank
         tensor = input_tensors[0]
         with interop.caller_stream(tensor):
-            got = self.comm.gather(_view(tensor.contiguous()), root=root)
+            got = self.comm.gather(readable(tensor), root=root)
             if got is not None:
+                gathered = from_array(got, tensor.dtype)
                 for q, output in enumerate(output_tensors[0]):
-                    output.copy_(torch.from_dlpack(got[q]).view(output.shape))
+                    output.copy_(gathered[q].view(output.shape))
         return self._work([t for outputs in output_tensors for t in outputs])
 
+    @_c10d
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
         root = (opts or dist.ScatterOptions()).rootRank
@@ -254,11 +375,12 @@ class GpuringProcessGroup(_ProcessGroup):
             else:  # only root's blocks are read: the others pass the shape
                 blocks = torch.empty((self.comm.size, *output.shape), dtype=output.dtype,
                                      device=output.device)
-            into = _Into(output)
-            self.comm.scatter(_view(blocks), root=root, out=into.array)
+            into = Staged(output)
+            self.comm.scatter(readable(blocks), root=root, out=into.array)
             into.done()
         return self._work(output_tensors)
 
+    @_c10d
     def barrier(self, opts: Any = None) -> Any:
         self.comm.barrier()
         return self._work([])

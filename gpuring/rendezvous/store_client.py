@@ -147,19 +147,26 @@ class _Link:
 
 class StoreClient(ControlPlane):
     """A rank's side, configured from the environment `gpuring run` sets. Every rank's k-th
-    client of a process forms the job's k-th generation (re-initialisation after a close).
-    Sub-groups (`subgroup`) share its connection, each with its own exchanges."""
+    client of a process forms the job's k-th generation (re-initialisation after a close),
+    unless `generation` names it: a server that serves one group of clients only (each
+    process group of the torch backend has its own) is met at generation 1 by every rank,
+    however many clients of other servers a process made before (ranks outside a group make
+    none for it). Sub-groups (`subgroup`) share its connection, each with its own
+    exchanges."""
 
     _generation = 0
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int,
-                 address: tuple[str, int], key: bytes, job_id: str, timeout: float = 60.0):
+                 address: tuple[str, int], key: bytes, job_id: str, timeout: float = 60.0,
+                 generation: int | None = None):
         super().__init__()
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
         self.job_id = job_id
-        StoreClient._generation += 1
-        self._link = _Link(rank, address, key, StoreClient._generation, timeout)
+        if generation is None:
+            StoreClient._generation += 1
+            generation = StoreClient._generation
+        self._link = _Link(rank, address, key, generation, timeout)
         self._setup("")
         #: each rank's node (ranks of `gpuring run` share one; `rendezvous.meet` asks)
         self.nodes = tuple(f"node{r // max(local_size, 1)}" for r in range(size))
