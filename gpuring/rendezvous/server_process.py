@@ -1,0 +1,59 @@
+"""The control-plane server of a job whose rank 0 serves it (`launchers.serve`), in a process
+of its own: it outlives rank 0's process for as long as any rank is still connected, so
+that rank 0 may leave (or just exit) after its last collective while its peers finish
+theirs, and a rank 0 that dies is reported to its peers like any other rank.
+
+    python -m gpuring.rendezvous.server_process      # started by `launchers.serve`
+
+It reads its job on stdin (one JSON line: size, host, port, the key in hex, the pid of the
+process that serves it), answers `ready` (or `error: ...`) on stdout, and serves until that
+process has ended and no rank is connected any more. Ctrl-C (SIGINT to the job's process
+group) does not stop it: it goes when the ranks have gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from .store import StoreServer
+
+__all__ = ["main"]
+
+#: seconds between two looks at whether it may stop
+_TICK = 0.05
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return os.getppid() == pid  # (a parent that ended leaves this process to another)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    job = json.loads(sys.stdin.readline())
+    try:
+        server = StoreServer(int(job["size"]), bytes.fromhex(job["key"]), job["host"],
+                             int(job["port"]))
+    except (OSError, OverflowError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
+    print("ready", flush=True)
+    sys.stdout.close()
+    parent = int(job["parent"])
+    while _alive(parent) or not server.wait_until_alone(0):
+        time.sleep(_TICK)
+    server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
