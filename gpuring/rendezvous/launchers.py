@@ -36,6 +36,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .. import settings
 from .base import host_name
@@ -164,9 +165,12 @@ def serve(size: int, key: bytes, host: str, port: int, timeout: float, who: str)
             return
         process = subprocess.Popen(
             [sys.executable, "-m", "gpuring.rendezvous.server_process"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True,
-            env=_server_env())
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            close_fds=True, env=_server_env())
         assert process.stdin is not None and process.stdout is not None
+        # what it logs (a connection refused) goes to this process's stderr while this
+        # process lives: holding that stderr itself would keep whoever reads it waiting
+        threading.Thread(target=_forward, args=(process.stderr,), daemon=True).start()
         process.stdin.write(json.dumps({"size": size, "host": host, "port": port,
                                         "key": key.hex(), "parent": os.getpid()}) + "\n")
         process.stdin.close()
@@ -193,6 +197,12 @@ def _server_env() -> dict[str, str]:
         __file__))))
     path = os.environ.get("PYTHONPATH")
     return dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ""))
+
+
+def _forward(lines: Any) -> None:
+    for line in lines:
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
 
 def _first_line(process: subprocess.Popen[str], timeout: float) -> str:

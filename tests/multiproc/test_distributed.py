@@ -54,3 +54,35 @@ def test_the_job_key_and_where_the_rendezvous_listens(monkeypatch):
         distributed.init_process_group(2, 2)
     with pytest.raises(ValueError, match="not supported"):
         distributed.init_process_group(2, 0, backend="mpi")
+
+
+def test_rank0_may_end_after_its_last_call():
+    """Rank 0 ends its process right after its last call (os._exit: no atexit, no close, as a
+    multiprocessing child ends) while its peers have yet to make that call: they get its
+    data, close without error, and only a later call, which needs rank 0, fails
+    (PeerFailureError naming rank 0, at once). The control server outlives rank 0's
+    process."""
+    done = start_by_hand(3, [str(Path(__file__).parent / "worker_leaving.py"), "leave"])
+    assert done[0].returncode == 0, done[0].stderr[-3000:]
+    for rank in (1, 2):
+        out = done[rank].stdout + done[rank].stderr
+        assert done[rank].returncode == 0, out[-3000:]
+        assert f"RESULT {rank} broadcast-after-rank0-left ok" in out, out[-3000:]
+        later = re.search(rf"RESULT {rank} later-call (\w+) peer=(\S+) after=([\d.]+)", out)
+        assert later and later.groups()[:2] == ("PeerFailureError", "0"), out[-3000:]
+        assert float(later.group(3)) < 10, out[-3000:]
+        assert f"RESULT {rank} stopped" in out, out[-3000:]
+        assert done[rank].stderr == "", done[rank].stderr
+
+
+def test_rank0_dying_mid_call_fails_its_peers():
+    """Rank 0 is SIGKILLed inside all_reduces: every peer raises PeerFailureError naming it
+    within seconds (the control server, in a process of its own, reports it too)."""
+    done = start_by_hand(3, [str(Path(__file__).parent / "worker_leaving.py"), "die"],
+                         env={"GPURING_TIMEOUT": "600"})
+    assert done[0].returncode != 0  # killed
+    for rank in (1, 2):
+        out = done[rank].stdout + done[rank].stderr
+        found = re.search(rf"RESULT {rank} (\w+) peer=(\S+) after=([\d.]+)", out)
+        assert found and found.groups()[:2] == ("PeerFailureError", "0"), out[-3000:]
+        assert float(found.group(3)) < 30, out

@@ -23,8 +23,20 @@ import numpy as np
 import gpuring
 import gpuring.distributed as dist
 
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: it ended, unreaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
 rank, n, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-comm = dist.NCCLBackend(n, rank, port=port, timeout=60)
+comm = dist.NCCLBackend(n, rank, port=port,
+                        timeout=float(os.environ.get("GPURING_TIMEOUT", "60")))
 data = np.random.default_rng(7).standard_normal(1000)
 x = data.copy() if rank == 0 else np.zeros_like(data)
 comm.broadcast(x, 0)  # agreed and set up with every rank
@@ -37,11 +49,7 @@ if mode == "leave":
         comm.broadcast(x, 0)
         os._exit(0)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until rank 0's process is gone
-        try:
-            os.kill(int(pids[0]), 0)
-        except ProcessLookupError:
-            break
+    while time.monotonic() < deadline and running(int(pids[0])):  # until rank 0 is gone
         time.sleep(0.01)
     print(f"RESULT {rank} rank0-gone", flush=True)
     comm.broadcast(x, 0)

@@ -9,13 +9,16 @@ between sparray ones, as in CuPy and SciPy; by a scalar it scales) and `@`, and 
 Arithmetic goes through the dense matrix on the host and back to the format (so explicit
 zeros are dropped, as canonical results have none): the values are exact, the speed is not
 a GPU's. It is not CuPy's module: what it lacks fails with AttributeError.
+
+Made from NumPy arrays, a matrix keeps NumPy arrays (as scipy.sparse's do): the tests use it
+so as a scipy-like matrix on the CPU, where CuPy need not be importable.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-import cupy
 import numpy as np
 
 __all__ = ["spmatrix", "sparray", "csr_matrix", "csc_matrix", "coo_matrix", "csr_array",
@@ -25,25 +28,36 @@ _INDEX = np.int32
 
 
 def _host(x: Any) -> np.ndarray:
-    return x.get() if isinstance(x, cupy.ndarray) else np.asarray(x)
+    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def _device(x: np.ndarray) -> Any:
-    return cupy.asarray(np.ascontiguousarray(x))
+def _on_device(*arrays: Any) -> bool:
+    """Whether the arrays a matrix is made of are the simulator's (else NumPy's)."""
+    return not all(isinstance(a, np.ndarray) for a in arrays)
+
+
+def _to(x: np.ndarray, device: bool) -> Any:
+    x = np.ascontiguousarray(x)
+    return sys.modules["cupy"].asarray(x) if device else x
 
 
 class _Sparse:
     format = ""
     _is_array = False
+    _device = True
 
     def __init__(self, arg1: Any, shape: Any = None, dtype: Any = None, copy: bool = False):
         if isinstance(arg1, _Sparse):
+            self._device = arg1._device
             self._set_dense(arg1._dense(), dtype)
         elif isinstance(arg1, tuple):
+            self._device = _on_device(*(a for part in arg1 for a in (
+                part if isinstance(part, tuple) else (part,))))
             self._from_parts(arg1)
             if dtype is not None:
                 self.data = self.data.astype(dtype)
         else:
+            self._device = _on_device(arg1)
             self._set_dense(_host(arg1), dtype)
             shape = self._shape if shape is None else shape
         if shape is None:
@@ -61,6 +75,10 @@ class _Sparse:
         raise NotImplementedError
 
     # -- common
+    def _put(self, x: Any) -> Any:
+        """`x` as one of this matrix's arrays (the simulator's, or NumPy's)."""
+        return _to(_host(x), self._device)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self._shape  # type: ignore[return-value]
@@ -76,12 +94,13 @@ class _Sparse:
         return int(self.data.size)
 
     def todense(self, order: Any = None) -> Any:
-        return _device(self._dense())
+        return _to(self._dense(), self._device)
 
     toarray = todense
 
     def _new(self, dense: np.ndarray, cls: type[_Sparse] | None = None) -> Any:
         out = (cls or type(self)).__new__(cls or type(self))
+        out._device = self._device
         out._set_dense(dense)
         out._shape = tuple(dense.shape)
         return out
@@ -142,8 +161,8 @@ class _Compressed(_Sparse):
 
     def _from_parts(self, parts: tuple[Any, ...]) -> None:
         data, indices, indptr = parts
-        self.data, self.indices, self.indptr = (_device(_host(data)), _device(_host(indices)),
-                                                _device(_host(indptr)))
+        self.data, self.indices, self.indptr = (self._put(data), self._put(indices),
+                                                self._put(indptr))
 
     def _dense(self) -> np.ndarray:
         data, indices, indptr = _host(self.data), _host(self.indices), _host(self.indptr)
@@ -160,9 +179,9 @@ class _Compressed(_Sparse):
         major = dense if self._by_rows else dense.T
         where = np.nonzero(major)
         counts = np.bincount(where[0], minlength=major.shape[0])
-        self.data = _device(major[where])
-        self.indices = _device(where[1].astype(_INDEX))
-        self.indptr = _device(np.concatenate([[0], np.cumsum(counts)]).astype(_INDEX))
+        self.data = self._put(major[where])
+        self.indices = self._put(where[1].astype(_INDEX))
+        self.indptr = self._put(np.concatenate([[0], np.cumsum(counts)]).astype(_INDEX))
         self._shape = tuple(dense.shape)
 
 
@@ -171,8 +190,7 @@ class _Coordinates(_Sparse):
 
     def _from_parts(self, parts: tuple[Any, ...]) -> None:
         data, (row, col) = parts
-        self.data, self.row, self.col = (_device(_host(data)), _device(_host(row)),
-                                         _device(_host(col)))
+        self.data, self.row, self.col = self._put(data), self._put(row), self._put(col)
 
     def _dense(self) -> np.ndarray:
         dense = np.zeros(self.shape, _host(self.data).dtype)
@@ -182,8 +200,8 @@ class _Coordinates(_Sparse):
     def _set_dense(self, dense: np.ndarray, dtype: Any = None) -> None:
         dense = dense if dtype is None else dense.astype(dtype)
         row, col = np.nonzero(dense)
-        self.data = _device(dense[row, col])
-        self.row, self.col = _device(row.astype(_INDEX)), _device(col.astype(_INDEX))
+        self.data = self._put(dense[row, col])
+        self.row, self.col = self._put(row.astype(_INDEX)), self._put(col.astype(_INDEX))
         self._shape = tuple(dense.shape)
 
     def sum_duplicates(self) -> None:
@@ -197,8 +215,8 @@ class _Coordinates(_Sparse):
         groups = np.cumsum(first) - 1
         summed = np.zeros(int(groups[-1]) + 1, data.dtype)
         np.add.at(summed, groups, data)
-        self.data = _device(summed)
-        self.row, self.col = _device(row[first]), _device(col[first])
+        self.data = self._put(summed)
+        self.row, self.col = self._put(row[first]), self._put(col[first])
 
 
 class spmatrix:
