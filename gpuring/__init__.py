@@ -66,6 +66,7 @@ Glossary: the words met on the call path (docs/design.md has the picture).
 
 from ._communicator import Communicator
 from ._errors import (
+    ArgumentError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     CommunicatorClosedError,
@@ -130,4 +131,5 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerFailureError",
     "CommunicatorClosedError",
+    "ArgumentError",
 ]

@@ -311,7 +311,7 @@ class NCCLBackend:
     def stop(self) -> None:
         """Leave the job (waits for this process's queued work). A process may also just
         exit after its last call: the peers finish the calls it took part in (see
-        docs/api.md, "Leaving a job"). Rank 0's process serves the rendezvous until it
+        docs/faults.md). Rank 0's process serves the rendezvous until it
         exits."""
         self.comm.close()
 

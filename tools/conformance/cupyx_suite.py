@@ -90,7 +90,8 @@ SHIM = {
 
         def _for(dtypes):
             def decorate(test):
-                @pytest.mark.parametrize("dtype", [numpy.dtype(d).type for d in dtypes])
+                @pytest.mark.parametrize("dtype", [numpy.dtype(d).type for d in dtypes],
+                                         ids=[numpy.dtype(d).name for d in dtypes])
                 @functools.wraps(test)
                 def run(*args, **kwargs):
                     return test(*args, **kwargs)
@@ -176,7 +177,8 @@ def environment(work: Path, simulator: Path | None = None) -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     from tests.cudasim import kernels_host_build
 
-    env = kernels_host_build.simulator_env(work / "host-build")
+    # the kernels' host build is cached across runs (its name is a hash of its inputs)
+    env = kernels_host_build.simulator_env(Path(tempfile.gettempdir()) / "gpuring-cudasim-build")
     shim = work / "shim"
     first = [str(shim)] + ([str(simulator)] if simulator is not None else [])
     env["PYTHONPATH"] = os.pathsep.join([*first, env["PYTHONPATH"], str(ROOT)])
