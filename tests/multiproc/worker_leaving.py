@@ -1,5 +1,6 @@
-"""A process of a job started by hand (gpuring.distributed, NumPy arrays), where rank 0 ends
-first: `worker_leaving.py RANK N PORT leave|die`.
+"""A process of a job (gpuring.distributed, NumPy arrays) where rank 0 ends first:
+`worker_leaving.py RANK N PORT leave|die` started by hand, `worker_leaving.py launched
+leave|die` under a launcher.
 
 leave: rank 0 calls broadcast #3 (root 0, which needs nothing of its peers) and ends its
   process at once (`os._exit`: no atexit, no close, as a multiprocessing child ends); the
@@ -34,9 +35,14 @@ def running(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
 
 
-rank, n, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-comm = dist.NCCLBackend(n, rank, port=port,
-                        timeout=float(os.environ.get("GPURING_TIMEOUT", "60")))
+timeout = float(os.environ.get("GPURING_TIMEOUT", "60"))
+if sys.argv[1] == "launched":  # by gpuring run, mpiexec or torchrun: their rendezvous
+    mode = sys.argv[2]
+    comm = dist.NCCLBackend.over(gpuring.init(timeout=timeout))
+    rank, n = comm.rank, comm.comm.size
+else:
+    rank, n, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    comm = dist.NCCLBackend(n, rank, port=port, timeout=timeout)
 data = np.random.default_rng(7).standard_normal(1000)
 x = data.copy() if rank == 0 else np.zeros_like(data)
 comm.broadcast(x, 0)  # agreed and set up with every rank
@@ -52,6 +58,7 @@ if mode == "leave":
     while time.monotonic() < deadline and running(int(pids[0])):  # until rank 0 is gone
         time.sleep(0.01)
     print(f"RESULT {rank} rank0-gone", flush=True)
+    time.sleep(0.5)  # (ten watchdog ticks, and the server's notice: they must fail nothing)
     comm.broadcast(x, 0)
     ok = np.array_equal(x, data * 2)
     print(f"RESULT {rank} broadcast-after-rank0-left {'ok' if ok else 'WRONG'}", flush=True)
