@@ -171,9 +171,10 @@ def serve(size: int, key: bytes, host: str, port: int, timeout: float, who: str)
         # what it logs (a connection refused) goes to this process's stderr while this
         # process lives: holding that stderr itself would keep whoever reads it waiting
         threading.Thread(target=_forward, args=(process.stderr,), daemon=True).start()
+        # (stdin stays open: the server sees it end the moment this process ends)
         process.stdin.write(json.dumps({"size": size, "host": host, "port": port,
                                         "key": key.hex(), "parent": os.getpid()}) + "\n")
-        process.stdin.close()
+        process.stdin.flush()
         answer = _first_line(process, timeout)
         if answer != "ready":
             process.kill()

@@ -7,8 +7,11 @@ theirs, and a rank 0 that dies is reported to its peers like any other rank.
 
 It reads its job on stdin (one JSON line: size, host, port, the key in hex, the pid of the
 process that serves it), answers `ready` (or `error: ...`) on stdout, and serves until that
-process has ended and no rank is connected any more. Ctrl-C (SIGINT to the job's process
-group) does not stop it: it goes when the ranks have gone.
+process has ended and no rank is connected any more. Once that process ended (its end of
+stdin closes then) it accepts no new connection: the ranks of a later job on the same port
+(a test that starts the same program twice) meet on that job's own server, not on this one
+while it waits for the last of its ranks to go. Ctrl-C (SIGINT to the job's process group)
+does not stop it: it goes when the ranks have gone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 from .store import StoreServer
@@ -49,7 +53,17 @@ def main() -> int:
     print("ready", flush=True)
     sys.stdout.close()
     parent = int(job["parent"])
-    while _alive(parent) or not server.wait_until_alone(0):
+    ended = threading.Event()  # stdin ends with the process that started this one
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        ended.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    while not ended.wait(_TICK) and _alive(parent):
+        pass
+    server.stop_listening()
+    while not server.wait_until_alone(0):
         time.sleep(_TICK)
     server.close()
     return 0
