@@ -5,6 +5,8 @@ NumPy; a killed process fails the others with PeerFailureError."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -100,3 +102,15 @@ def test_rank0_dying_mid_call_fails_its_peers():
         found = re.search(rf"RESULT {rank} (\w+) peer=(\S+) after=([\d.]+)", out)
         assert found and found.groups()[:2] == ("PeerFailureError", "0"), out[-3000:]
         assert float(found.group(3)) < 30, out
+
+
+def test_the_same_job_twice_on_one_port():
+    """Ranks forked by multiprocessing meet on a port, end without closing, and the program
+    starts the same job again on that port, eight times: each launch meets on its own rank 0's
+    server (the one before takes no new rank once its rank 0 ended) and succeeds; nothing is
+    written to stderr."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "forked_twice.py"),
+                           str(free_port())], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split("\n")[:8] == [f"launch {k} ok" for k in range(8)], proc.stdout
+    assert proc.stderr == "", proc.stderr
