@@ -150,19 +150,20 @@ def loopback(host: str) -> bool:
         return False
 
 
-def serve(size: int, key: bytes, host: str, port: int, timeout: float, who: str) -> None:
+def serve(size: int, key: bytes, host: str, port: int, timeout: float,
+          who: str) -> tuple[str, int]:
     """Serve the control plane of a job of `size` ranks on host:port for this process,
     unless a server it started does already: in a process of its own
     (`server_process`), which serves as long as this process lives and, after it, as long
     as any rank is connected (so this rank may leave first). Waits at most `timeout` s for
-    it to listen."""
+    it to listen. Returns where it listens (port 0: a free port, which it tells)."""
     with _serving_lock:
         running = _serving.get((host, port))
         if running is not None and running.process.poll() is None:
             if running.size != size:
                 raise ValueError(f"{who}: this process serves a job of {running.size} ranks "
                                  f"on {host}:{port}, not {size}")
-            return
+            return running.address
         process = subprocess.Popen(
             [sys.executable, "-m", "gpuring.rendezvous.server_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -175,13 +176,16 @@ def serve(size: int, key: bytes, host: str, port: int, timeout: float, who: str)
         process.stdin.write(json.dumps({"size": size, "host": host, "port": port,
                                         "key": key.hex(), "parent": os.getpid()}) + "\n")
         process.stdin.flush()
-        answer = _first_line(process, timeout)
-        if answer != "ready":
+        answer = _first_line(process, timeout).split()
+        if answer[:1] != ["ready"] or len(answer) != 3:
             process.kill()
             process.wait()
+            said = " ".join(answer).removeprefix("error: ") or "its server did not start"
             raise OSError(f"{who}: rank 0 cannot serve the control plane on {host}:{port} "
-                          f"({answer.removeprefix('error: ') or 'its server did not start'})")
-        _serving[host, port] = _Served(size, process)
+                          f"({said})")
+        served = _Served(size, process, (answer[1], int(answer[2])))
+        _serving[host, port] = served
+        return served.address
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,8 @@ class _Served:
 
     size: int
     process: subprocess.Popen[str]
+    #: where it listens
+    address: tuple[str, int]
 
 
 def _server_env() -> dict[str, str]:

@@ -6,7 +6,8 @@ theirs, and a rank 0 that dies is reported to its peers like any other rank.
     python -m gpuring.rendezvous.server_process      # started by `launchers.serve`
 
 It reads its job on stdin (one JSON line: size, host, port, the key in hex, the pid of the
-process that serves it), answers `ready` (or `error: ...`) on stdout, and serves until that
+process that serves it), answers `ready HOST PORT` (the port it got, where asked for port
+0) or `error: ...` on stdout, and serves until that
 process has ended and no rank is connected any more. Once that process ended (its end of
 stdin closes then) it accepts no new connection: the ranks of a later job on the same port
 (a test that starts the same program twice) meet on that job's own server, not on this one
@@ -50,7 +51,8 @@ def main() -> int:
     except (OSError, OverflowError) as exc:
         print(f"error: {exc}", flush=True)
         return 1
-    print("ready", flush=True)
+    host, port = server.address
+    print(f"ready {host} {port}", flush=True)
     sys.stdout.close()
     parent = int(job["parent"])
     ended = threading.Event()  # stdin ends with the process that started this one
