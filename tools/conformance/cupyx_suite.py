@@ -171,7 +171,8 @@ def write_shim(into: Path) -> None:
             path.chmod(0o755)
 
 
-def environment(work: Path, simulator: Path | None = None) -> dict[str, str]:
+def environment(work: Path, simulator: Path | None = None, memops: bool = True
+                ) -> dict[str, str]:
     """The tests' environment: the shim, then the simulator (`simulator`: the directory of
     another cupy.py to use, before this tree's), then this tree."""
     sys.path.insert(0, str(ROOT))
@@ -186,7 +187,8 @@ def environment(work: Path, simulator: Path | None = None) -> dict[str, str]:
     if real is not None:
         env["GPURING_REAL_MPIEXEC"] = real
     env["PATH"] = os.pathsep.join([str(shim / "bin"), env.get("PATH", "")])
-    env.update(GPURING_CUDASIM_DEVICES="2", GPURING_CUDASIM_MEMOPS="1", GPURING_BUFFER_BYTES="1M",
+    env.update(GPURING_CUDASIM_DEVICES="2", GPURING_CUDASIM_MEMOPS="1" if memops else "0",
+               GPURING_BUFFER_BYTES="1M",
                GPURING_TIMEOUT=env.get("GPURING_TIMEOUT", "30"))
     for name in ("GPURING_STORE", "PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "RANK",
                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where to write the summary")
     parser.add_argument("--timeout", type=float, default=5400, help="seconds per mode")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--no-memops", dest="memops", action="store_false",
+                        help="simulated GPUs without 64-bit stream memory operations")
     parser.add_argument("--simulator", type=Path,
                         help="a directory whose cupy.py stands in for this tree's simulator's")
     args = parser.parse_args(argv)
@@ -238,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commit = copy_suite(args.cupy, work / "suite")
         write_shim(work / "shim")
-        env = environment(work, args.simulator)
+        env = environment(work, args.simulator, args.memops)
         reports = [f"CuPy's {SUITE} (test_comm.py, comm_runner.py) at {commit}, against "
-                   f"gpuring.distributed on the CUDA simulator (2 GPUs, memops"
+                   "gpuring.distributed on the CUDA simulator (2 GPUs, "
+                   + ("memops" if args.memops else "no memops")
                    + (f", cupy.py of {args.simulator}" if args.simulator else "") + ")"]
         for mode in (("store", "mpi") if args.mode == "both" else (args.mode,)):
             output, seconds = run_mode(mode, work / "suite", env, args.select, args.timeout)
