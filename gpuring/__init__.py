@@ -67,6 +67,7 @@ Glossary: the words met on the call path (docs/design.md has the picture).
 
 from ._communicator import Communicator
 from ._errors import (
+    ArgumentError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     CommunicatorClosedError,
@@ -131,4 +132,5 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerFailureError",
     "CommunicatorClosedError",
+    "ArgumentError",
 ]

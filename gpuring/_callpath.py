@@ -391,6 +391,7 @@ class CallPath:
                                          on_failure=weakly(self.fail))
                 undo.pop_all()
             self.watchdog_parts += [self.watchdog, host]
+            self.life.on_completed = self.watchdog.completed
 
     def _verify(self, name: str, out: Any) -> None:
         """GPURING_VERIFY: compare a checksum of the result across ranks."""
@@ -487,6 +488,8 @@ class CallPath:
 
     # -- failures (`_failures`) ----------------------------------------------------------
     def on_peer_failure(self, error: PeerFailureError) -> None:
+        if self.watchdog is not None and self.watchdog.departed(error.peer):
+            return  # it left after its last collective: the watchdog fails any later one
         self.fail(error)
 
     def fail(self, error: GpuringError, *, by_user: bool = False) -> None:

@@ -12,6 +12,7 @@ __all__ = [
     "PeerFailureError",
     "CommunicatorClosedError",
     "RegistrationError",
+    "ArgumentError",
 ]
 
 
@@ -81,3 +82,9 @@ def in_ranks(exc: GpuringError, members: Sequence[int], where: str,
 class RegistrationError(GpuringError):
     """A rank could not allocate registered memory (every rank raises it; the communicator
     goes on)."""
+
+
+class ArgumentError(RuntimeError, ValueError):
+    """A call's arrays or op do not fit it, where cupyx.distributed raises RuntimeError (an
+    unknown op, an array neither C- nor F-contiguous, a first dimension that is not the rank
+    count); a ValueError too, as gpuring's other argument errors are."""

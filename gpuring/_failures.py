@@ -101,6 +101,8 @@ class Lifecycle:
         #: what closing needs to know, apart from the rest (no error or traceback in it, so
         #: the communicator's finalizer can hold it without holding the communicator)
         self.outcome = Outcome()
+        #: told every `completed` sequence number (the watchdog publishes it)
+        self.on_completed: Callable[[int], None] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -125,9 +127,12 @@ class Lifecycle:
 
     def completed(self, seq: int) -> None:
         """Every collective up to `seq` completed without error: a failure that came while
-        one of them was in flight lost nothing after all (its call was about to return)."""
+        one of them was in flight lost nothing after all (its call was about to return).
+        Told to `on_completed` (the status board, once there is one)."""
         with self._lock:
             self.completed_through = max(self.completed_through, seq)
+        if self.on_completed is not None:
+            self.on_completed(seq)
 
     def raised(self, error: BaseException) -> None:
         """A call raised `error`: the communicator cannot run collectives any more."""

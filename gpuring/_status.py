@@ -7,6 +7,11 @@ text), and whether it gave up and why. Peers use it to
   sees the earlier one's signature; a memory fence between publishing and reading guarantees one
   of them does),
 - notice a dead peer (its pid is gone) or one that gave up, within a watchdog tick,
+- tell a peer that died from one that left: a process may end without closing its
+  communicator once its last collective completed (a `multiprocessing` child exits without
+  `atexit`); each rank publishes the newest collective it completed, so a peer whose process
+  is gone after completing every collective it entered (and agreeing on no newer one) has
+  left, as one that closed has: it fails only the collectives after its last,
 - report which ranks have not entered a collective that others wait in (stall warnings).
 
 It lives in host shared memory whatever device the collectives use.
@@ -26,7 +31,7 @@ __all__ = ["StatusBoard", "signature_hash", "outside", "GAVE_UP", "MISMATCH", "L
            "TIMED_OUT"]
 
 _PAGE = 8192
-_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT, _AGREEING = 0, 1, 2, 3, 4, 5, 6
+_PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT, _AGREEING, _DONE = 0, 1, 2, 3, 4, 5, 6, 7
 _HISTORY = 16  # words 16.. hold (seq, hash) for the last 8 collectives
 _DEPTH = 8
 _SIG_AT, _SIG_MAX = 1024, 2048
@@ -125,6 +130,14 @@ class StatusBoard:
             words[_STATE] = state
         return True
 
+    def completed(self, seq: int) -> None:
+        """Publish that every collective of this rank up to `seq` completed (its peers may
+        then take its process ending for a departure, not a death)."""
+        words = self._mine.i64
+        assert words is not None
+        if seq > words[_DONE]:
+            words[_DONE] = seq
+
     def state(self) -> int:
         """This rank's published state (0 while it runs normally)."""
         return int(self._mine.i64[_STATE])  # type: ignore[index]
@@ -154,7 +167,8 @@ class StatusBoard:
                 culprit = int(words[_CULPRIT])  # (-1 or itself: on its own account)
                 found.append((_ROOT_CAUSE_ORDER[state], culprit in (-1, peer), (
                     peer, state, self._text(page, _REASON_AT, _REASON_LEN), culprit)))
-            elif state != LEFT and not _alive(int(words[_PID])):
+            elif state != LEFT and not _alive(int(words[_PID])) and \
+                    self._finished(words) is None:
                 found.append((_ROOT_CAUSE_ORDER[GAVE_UP], True, (
                     peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone", peer)))
         if not found:
@@ -191,6 +205,39 @@ class StatusBoard:
         return [peer for peer, page in enumerate(self._pages)
                 if peer != self.rank and page.i64[_STATE] == LEFT  # type: ignore[index]
                 and page.i64[_SEQ] < seq]  # type: ignore[index]
+
+    def departed_before(self, seq: int) -> list[tuple[int, int]]:
+        """(peer, its last collective) of the peers whose process ended, without closing
+        their communicator, after completing every collective they entered, the last one
+        before `seq` (those are gone for collective `seq`)."""
+        found = []
+        for peer, page in enumerate(self._pages):
+            if peer == self.rank:
+                continue
+            words = page.i64
+            assert words is not None
+            if words[_STATE] == 0 and words[_SEQ] < seq and not _alive(int(words[_PID])):
+                last = self._finished(words)
+                if last is not None:
+                    found.append((peer, last))
+        return found
+
+    def departed(self, peer: int) -> bool:
+        """Whether `peer`'s process ended after completing every collective it entered (and
+        agreeing on no newer one), without giving up: it left, it did not die mid-call."""
+        if not 0 <= peer < len(self._pages) or peer == self.rank:
+            return False
+        words = self._pages[peer].i64
+        assert words is not None
+        return words[_STATE] == 0 and not _alive(int(words[_PID])) and \
+            self._finished(words) is not None
+
+    @staticmethod
+    def _finished(words: memoryview) -> int | None:
+        """The last collective of a rank whose words say it completed every collective it
+        entered and agrees on no newer one; None where it may be inside one."""
+        entered, done = int(words[_SEQ]), int(words[_DONE])
+        return entered if done >= entered and int(words[_AGREEING]) <= done else None
 
     def close(self) -> None:
         self._pages, self._peer_words = [], []

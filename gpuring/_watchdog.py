@@ -159,6 +159,17 @@ class Watchdog:
                                                             getattr(error, "job_peer", None)))
         self._failed = True
 
+    def completed(self, seq: int) -> None:
+        """Every collective of this rank up to `seq` completed: say so on the board (a peer
+        then takes this process ending for a departure, not a death)."""
+        self.board.completed(seq)
+
+    def departed(self, peer: int | None) -> bool:
+        """Whether `peer` left after its last collective (its process ended without closing
+        its communicator, every collective it entered completed): a notice of its end fails
+        nothing by itself, only a collective after its last one (`_check`)."""
+        return peer is not None and self.board.departed(peer)
+
     def leaving(self) -> None:
         """Tell peers this rank closed its communicator (or, if it failed and has not said
         so yet, that it gave up, blaming the rank its failure names); keep watching them
@@ -234,6 +245,14 @@ class Watchdog:
                     f"rank {gone[0]} closed its communicator without entering {waiting[1]} "
                     f"#{waiting[0]}", peer=gone[0]))
                 return
+            departed = self.board.departed_before(waiting[0])
+            if departed:
+                peer, last = departed[0]
+                message = (f"rank {peer} left: its process ended after collective #{last}, "
+                           f"without entering {waiting[1]} #{waiting[0]}")
+                self.board.give_up(GAVE_UP, message, peer)
+                self._fail(PeerFailureError(message, peer=peer))
+                return
         if current is None and expecting is not None:
             ahead = self.board.ran_ahead(expecting[0])
             if ahead is not None:
@@ -263,6 +282,7 @@ class Watchdog:
                 self._forget(entry)
                 if check is not None and self._failed_by_itself(check, name, seq):
                     return
+                self.board.completed(seq)  # (and every earlier one: they complete in order)
             elif time.monotonic() > deadline:
                 message = (f"{name} #{seq} did not complete on rank {self.rank} within "
                            f"{self._timeout} s")

@@ -5,6 +5,7 @@ current in any thread without leaving a context on another GPU (`Scope`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from typing import Any
@@ -61,10 +62,11 @@ def memops_support(device_id: int) -> str | None:
     return None
 
 
-def flag_waits(requested: str, device_id: int) -> str:
+def flag_waits(requested: str, device_id: int, loud: bool = True) -> str:
     """How the streams of device `device_id` wait for flags, as `requested` (GPURING_CUDA_FLAGS:
     "memops", "kernel" or "auto"): "memops" (stream memory operations) where asked and
-    available, else "kernel" (spinning kernels; auto says why, once: `warn_spin_waits`)."""
+    available, else "kernel" (spinning kernels; auto says why, once: `warn_spin_waits`,
+    as a warning where `loud`)."""
     mode = requested.lower()
     if mode not in ("auto", "memops", "kernel"):
         raise ValueError(f"{FLAGS_ENV}={mode!r}: use memops, kernel or auto")
@@ -72,7 +74,7 @@ def flag_waits(requested: str, device_id: int) -> str:
     if mode == "memops" and why_not is not None:
         raise RuntimeError(f"{FLAGS_ENV}=memops, but {why_not}; use {FLAGS_ENV}=kernel")
     if mode == "auto" and why_not is not None:
-        warn_spin_waits(why_not)
+        warn_spin_waits(why_not, loud)
     return "memops" if mode != "kernel" and why_not is None else "kernel"
 
 
@@ -104,22 +106,29 @@ def occupancy(kernel: Any, threads: int) -> int | None:
 
 
 _warned_spin = False
+log = logging.getLogger("gpuring")
 
 
-def warn_spin_waits(reason: str) -> None:
-    """Once per process: flag waits will spin on the GPU, and why, and what to do."""
+def warn_spin_waits(reason: str, loud: bool = True) -> None:
+    """Once per process: flag waits will spin on the GPU, and why, and what to do. `loud`
+    (the job's rank 0): a RuntimeWarning (Python's warnings filters silence it, as does
+    GPURING_CUDA_FLAGS=kernel); else a line of the "gpuring" logger at INFO level, shown
+    only where the program asks for it, so that the job says it once."""
     global _warned_spin
     if _warned_spin:
         return
     _warned_spin = True
-    warnings.warn(
+    text = (
         f"gpuring: GPU flag waits fall back to spinning kernels because {reason.rstrip('.')}. "
         "A spinning "
         "kernel holds the GPU: where several processes share one GPU without MPS, each "
         "hand-off can cost a whole time slice. Install cuda-bindings matching your CUDA "
         "driver (pip install 'gpuring[cuda13]' or 'gpuring[cuda12]'), and start MPS "
-        f"(nvidia-cuda-mps-control -d) for shared GPUs; {FLAGS_ENV}=kernel silences this.",
-        RuntimeWarning, stacklevel=5)
+        f"(nvidia-cuda-mps-control -d) for shared GPUs; {FLAGS_ENV}=kernel silences this.")
+    if loud:
+        warnings.warn(text, RuntimeWarning, stacklevel=5)
+    else:
+        log.info("%s", text)
 
 
 class _Thread(threading.local):

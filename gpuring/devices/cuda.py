@@ -98,7 +98,7 @@ class CudaDevice(Device):
 
     @classmethod
     def _for_rank(cls, control: ControlPlane, timeout: float) -> CudaDevice:
-        return cls(local_rank=control.device_slot, timeout=timeout)
+        return cls(local_rank=control.device_slot, timeout=timeout, announce=control.rank == 0)
 
     @classmethod
     def place(cls, control: ControlPlane) -> str:
@@ -111,7 +111,8 @@ class CudaDevice(Device):
         return unreachable_peer(control.device_slot, places[control.rank], places)
 
     def __init__(self, device_id: int | None = None, *, local_rank: int | None = None,
-                 timeout: float = 300.0, flags: str | None = None, copy: str | None = None):
+                 timeout: float = 300.0, flags: str | None = None, copy: str | None = None,
+                 announce: bool = True):
         cupy = cupy_module()
         count = cupy.cuda.runtime.getDeviceCount()
         if count == 0:
@@ -129,7 +130,9 @@ class CudaDevice(Device):
         self.timeout_ns = int(timeout * 1e9)
 
         #: how streams wait for flags: "memops" or "kernel" (`flag_waits`)
-        self.flags_mode = flag_waits(flags or settings.get(FLAGS_ENV), device_id)
+        #: (`announce`: say why where they spin, as a warning; else in the log: rank 0 says
+        #: it for the job)
+        self.flags_mode = flag_waits(flags or settings.get(FLAGS_ENV), device_id, announce)
         self.copy_mode = (copy or settings.get(COPY_ENV)).lower()
         if self.copy_mode not in ("memcpy", "kernel"):
             raise ValueError(f"{COPY_ENV}={self.copy_mode!r}: use memcpy or kernel")

@@ -13,29 +13,34 @@ Every process proves the job's key (GPURING_JOB_KEY, a hex string, the same in e
 process) to the server, which refuses the others. Without a key one is derived from the port
 and the launcher's job ids: any process that reaches the server and knows them can then join
 (and disturb the job; it cannot make a rank run code: the control plane decodes plain data
-only), which is said loudly when the server listens beyond loopback. Rank 0's process serves
-until it exits, as `gpuring run` serves its job: a communicator made again after a close
-meets on the same server. After the meeting each rank knows every rank's node name
-(`host_name()`), hence its local rank and local size.
+only), which is said loudly when the server listens beyond loopback. Rank 0 starts the
+server, in a process of its own that serves while rank 0's process lives, as `gpuring run`
+serves its job (a communicator made again after a close meets on the same server), and
+after it while any rank is still connected: rank 0 may end first, even without closing, once
+its last collective completed, and its peers finish theirs. After the meeting each rank
+knows every rank's node name (`host_name()`), hence its local rank and local size.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .. import settings
 from .base import host_name
-from .store import ENV_KEY, StoreServer
+from .store import ENV_KEY
 from .store_client import StoreClient, waiting_line
 
 __all__ = ["Job", "from_environment", "first_host", "job_key", "meet", "serve"]
@@ -57,10 +62,10 @@ class Job:
     salt: str = ""
 
 
-#: the servers this process runs, by address: one for the process's life, as `gpuring run`
-#: serves its job (a communicator made again after a close, and sub-communicators that
-#: outlive theirs, meet on it); stopped at exit once every rank has left
-_serving: dict[tuple[str, int], StoreServer] = {}
+#: the servers this process started, by address: each serves for the process's life, as
+#: `gpuring run` serves its job (a communicator made again after a close, and
+#: sub-communicators that outlive theirs, meet on it), and after it while ranks are connected
+_serving: dict[tuple[str, int], _Served] = {}
 _serving_lock = threading.Lock()
 
 
@@ -145,29 +150,77 @@ def loopback(host: str) -> bool:
         return False
 
 
-def serve(size: int, key: bytes, host: str, port: int, timeout: float, who: str) -> None:
-    """Serve the control plane of a job of `size` ranks on host:port from this process,
-    unless it does already; until exit, when it waits (at most `timeout` s) for the other
-    ranks to leave."""
+def serve(size: int, key: bytes, host: str, port: int, timeout: float,
+          who: str) -> tuple[str, int]:
+    """Serve the control plane of a job of `size` ranks on host:port for this process,
+    unless a server it started does already: in a process of its own
+    (`server_process`), which serves as long as this process lives and, after it, as long
+    as any rank is connected (so this rank may leave first). Waits at most `timeout` s for
+    it to listen. Returns where it listens (port 0: a free port, which it tells)."""
     with _serving_lock:
-        server = _serving.get((host, port))
-        if server is not None:
-            if server.size != size:
-                raise ValueError(f"{who}: this process serves a job of {server.size} ranks on "
-                                 f"{host}:{port}, not {size}")
-            return
-        try:
-            server = StoreServer(size, key, host, port)
-        except (OSError, OverflowError) as exc:
+        running = _serving.get((host, port))
+        if running is not None and running.process.poll() is None:
+            if running.size != size:
+                raise ValueError(f"{who}: this process serves a job of {running.size} ranks "
+                                 f"on {host}:{port}, not {size}")
+            return running.address
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpuring.rendezvous.server_process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            close_fds=True, env=_server_env())
+        assert process.stdin is not None and process.stdout is not None
+        # what it logs (a connection refused) goes to this process's stderr while this
+        # process lives: holding that stderr itself would keep whoever reads it waiting
+        threading.Thread(target=_forward, args=(process.stderr,), daemon=True).start()
+        # (stdin stays open: the server sees it end the moment this process ends)
+        process.stdin.write(json.dumps({"size": size, "host": host, "port": port,
+                                        "key": key.hex(), "parent": os.getpid()}) + "\n")
+        process.stdin.flush()
+        answer = _first_line(process, timeout).split()
+        if answer[:1] != ["ready"] or len(answer) != 3:
+            process.kill()
+            process.wait()
+            said = " ".join(answer).removeprefix("error: ") or "its server did not start"
             raise OSError(f"{who}: rank 0 cannot serve the control plane on {host}:{port} "
-                          f"({exc})") from None
-        _serving[host, port] = server
-        atexit.register(_stop, server, timeout)
+                          f"({said})")
+        served = _Served(size, process, (answer[1], int(answer[2])))
+        _serving[host, port] = served
+        return served.address
 
 
-def _stop(server: StoreServer, timeout: float) -> None:
-    server.wait_until_alone(timeout)
-    server.close()
+@dataclass(frozen=True)
+class _Served:
+    """A server process this process started, for a job of `size` ranks."""
+
+    size: int
+    process: subprocess.Popen[str]
+    #: where it listens
+    address: tuple[str, int]
+
+
+def _server_env() -> dict[str, str]:
+    """The server's environment: this process's, with gpuring importable as it is here."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))))
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ""))
+
+
+def _forward(lines: Any) -> None:
+    for line in lines:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+
+def _first_line(process: subprocess.Popen[str], timeout: float) -> str:
+    """The server's first line (bounded by `timeout` s; "" if it ended or said nothing)."""
+    found: list[str] = []
+    stdout = process.stdout
+    assert stdout is not None
+    reader = threading.Thread(target=lambda: found.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return found[0].strip() if found else ""
 
 
 def meet(rank: int, size: int, host: str, port: int, key: bytes, timeout: float,

@@ -167,6 +167,7 @@ class StoreServer:
         self.deaths: list[tuple[int, str]] = []
         self.refused = 0
         self._closed = False
+        self._listening = True
         threading.Thread(target=self._accept_loop, name="gpuring-store", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -174,6 +175,10 @@ class StoreServer:
             try:
                 conn = self._listener.accept()
             except OSError:
+                return
+            if not self._listening:
+                conn.close()
+                self._listener.close()
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
@@ -299,6 +304,16 @@ class StoreServer:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
+
+    def stop_listening(self) -> None:
+        """Accept no new connection (those made go on). A connection that comes meanwhile is
+        closed at once (a client retries: `store_client`)."""
+        self._listening = False
+        try:  # wake the accept loop, which then closes the listener (a close from here
+            with socket.create_connection(self.address, timeout=1.0):  # would not wake it)
+                pass
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Stop serving; connected ranks see their connection end at once. (Closing alone

@@ -64,7 +64,8 @@ class _Link:
                 try:
                     self.conn = Client(address, family="AF_INET", authkey=key)
                     break
-                except ConnectionRefusedError as exc:
+                except (ConnectionRefusedError, ConnectionResetError, EOFError) as exc:
+                    # (reset, ended: a server that stopped listening closed it; try again)
                     if time.monotonic() > deadline:
                         raise ConnectionRefusedError(
                             f"rank {rank} could not reach the control server at {where} "

@@ -478,6 +478,26 @@ def test_spin_fallback_warns_once_with_cause_and_remedy(monkeypatch: pytest.Monk
         CudaDevice(0).close()  # once per process
 
 
+def test_spin_fallback_is_logged_not_warned_off_rank0(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """A rank that does not announce (not the job's rank 0) writes the reason to the
+    "gpuring" logger at INFO level only: no warning, so the job says it once."""
+    import logging
+    import warnings
+
+    monkeypatch.setattr(_cuda_driver, "memops_support", lambda device_id: "a test reason")
+    monkeypatch.setattr(_cuda_driver, "_warned_spin", False)
+    monkeypatch.delenv(cuda_module.FLAGS_ENV, raising=False)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="gpuring"):
+        warnings.simplefilter("error")
+        dev = CudaDevice(0, announce=False)
+    assert dev.flags_mode == "kernel"
+    dev.close()
+    assert [r.levelno for r in caplog.records if "a test reason" in r.getMessage()] == \
+        [logging.INFO]
+
+
 def test_missing_cuda_bindings_is_named_as_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     reason = _cuda_driver.memops_support(0)

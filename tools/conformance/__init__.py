@@ -1,1 +1,1 @@
-"""Drivers that run peers' own test suites against gpuring (run from the tree, not in CI)."""
+"""Drivers that run peers' own test suites against gpuring's facades (from the tree, not in CI)."""

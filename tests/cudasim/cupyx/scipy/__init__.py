@@ -1,0 +1,1 @@
+"""cupyx.scipy on the CUDA simulator: `sparse` only."""
