@@ -17,6 +17,7 @@ def _qualified(*families: str) -> tuple[str, ...]:
     where = {"dtypes_ops": _REDUCTIONS, "sizes": _REDUCTIONS, "back_to_back": _REDUCTIONS,
              "deterministic": _REDUCTIONS, "two_shot": _REDUCTIONS, "again": _REDUCTIONS,
              "exchange": _EXCHANGE, "uneven": _EXCHANGE, "p2p": _MESSAGES,
+             "messages": _MESSAGES, "group_orders": _MESSAGES,
              "registered": _REGISTERED, "split": _COMMUNICATORS, "mismatch": _COMMUNICATORS,
              "module_api": _COMMUNICATORS, "nodes": _COMMUNICATORS,
              "nodes_without_mpi": _COMMUNICATORS, "close_and_again": _COMMUNICATORS,
@@ -26,12 +27,14 @@ def _qualified(*families: str) -> tuple[str, ...]:
 
 #: (launcher, ranks, variant) -> the families run there. The variants: settings (below).
 FAMILIES: dict[tuple[str, int, str], tuple[str, ...]] = {
-    ("gpuring", 1, ""): ("dtypes_ops", "sizes", "exchange", "uneven", "p2p", "split"),
-    ("gpuring", 2, ""): ("dtypes_ops", "sizes", "back_to_back", "mismatch", "p2p", "again"),
+    ("gpuring", 1, ""): ("dtypes_ops", "sizes", "exchange", "uneven", "p2p", "messages",
+                         "split"),
+    ("gpuring", 2, ""): ("dtypes_ops", "sizes", "back_to_back", "mismatch", "p2p", "messages",
+                         "group_orders", "again"),
     ("gpuring", 3, ""): ("dtypes_ops", "two_shot", "mismatch", "module_api", "uneven", "p2p",
-                         "again"),
-    ("gpuring", 4, ""): ("split",),
-    ("gpuring", 5, ""): ("exchange",),
+                         "messages", "group_orders", "again"),
+    ("gpuring", 4, ""): ("split", "group_orders"),
+    ("gpuring", 5, ""): ("exchange", "group_orders"),
     ("gpuring", 2, "buffer8K"): ("back_to_back",),
     ("gpuring", 3, "nonblocking-buffer64K"): ("back_to_back",),
     ("gpuring", 2, "deterministic-buffer16K"): ("deterministic",),
@@ -39,11 +42,11 @@ FAMILIES: dict[tuple[str, int, str], tuple[str, ...]] = {
     ("gpuring", 3, "deterministic"): ("registered",),
     ("mpiexec", 2, ""): ("dtypes_ops", "back_to_back", "mismatch", "registered", "exchange",
                          "again"),
-    ("mpiexec", 3, ""): ("mismatch", "module_api", "p2p", "split"),
+    ("mpiexec", 3, ""): ("mismatch", "module_api", "p2p", "messages", "split"),
     ("mpiexec", 3, "deterministic-buffer256K"): ("deterministic", "uneven"),
     ("mpiexec", 3, "mpi_transport"): ("dtypes_ops", "back_to_back", "mismatch"),
-    ("mpiexec", 4, "nodes_abab"): ("nodes", "dtypes_ops", "exchange", "p2p", "mismatch",
-                                   "again"),
+    ("mpiexec", 4, "nodes_abab"): ("nodes", "dtypes_ops", "exchange", "p2p", "messages",
+                                   "group_orders", "mismatch", "again"),
     ("mpiexec", 4, "nodes_aabb-deterministic-buffer256K"): ("deterministic",),
 }
 
