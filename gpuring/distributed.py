@@ -155,16 +155,19 @@ class GpuringBackend:
 
     # -- point to point --------------------------------------------------------------------
     def send(self, array: Any, peer: int, stream: Any = None) -> None:
+        """Send `array` (its elements, whatever its shape) to `peer`."""
         with _on(stream, array):
-            self.comm.send(array, peer)
+            self.comm.send(_flat(array), peer)
 
     def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
+        """Receive from `peer` into `out_array`, whose shape may differ from the sender's:
+        the same element count (NumPy arrays: at least as many elements)."""
         with _on(stream, out_array):
-            self.comm.recv(out_array, peer)
+            self.comm.recv(_flat(out_array), peer)
 
     def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
         with _on(stream, in_array):
-            self.comm.sendrecv(in_array, peer, out_array, peer)
+            self.comm.sendrecv(_flat(in_array), peer, _flat(out_array), peer)
 
     # -- lifetime --------------------------------------------------------------------------
     def stop(self) -> None:
@@ -184,6 +187,15 @@ def _as(array: Any, shape: tuple[int, ...], name: str) -> Any:
     if array.size != size:
         raise ValueError(f"{name} has {array.size} elements, the call needs {size}")
     return array if array.shape == tuple(shape) else array.reshape(shape)
+
+
+def _flat(array: Any) -> Any:
+    """A C-contiguous array seen flat (a view; any other array as it is, for the verb to
+    refuse or copy): messages go by element count, as cupyx's do."""
+    flags = getattr(array, "flags", None)
+    if flags is None or not flags.c_contiguous or array.ndim == 1:
+        return array
+    return array.reshape(-1)
 
 
 def _on(stream: Any, array: Any) -> Any:
