@@ -96,9 +96,11 @@ class Communicator:
     """
 
     def __init__(self, control: ControlPlane, config: Config | None = None, *,
-                 on_close: Callable[[Communicator], None] | None = None):
+                 on_close: Callable[[Communicator], None] | None = None,
+                 messages: bool = True):
         """`on_close(comm)` runs once the communicator closed (gpuring.init uses it to forget
-        the job's communicator)."""
+        the job's communicator). `messages=False`: no point-to-point messages of NumPy
+        arrays, and no setup for them (a pair's channel, made by one rank at a time)."""
         self._control = control
         self.config = config or Config.from_env()
         self._on_close = on_close
@@ -109,13 +111,14 @@ class Communicator:
         self._splits = 0  #: split() calls so far (the same on every rank)
         #: point-to-point messages: a channel per peer
         self._pairs = Pairs(self._path, control, self.config,
-                            lambda group, config: _channel(cls(group, config)))
+                            lambda group, config: _channel(cls(group, config, messages=False)))
         path = self._path
         self._finalizer = weakref.finalize(self, _release, path.engines, path.watchdog_parts,
                                            control, path.life.outcome)
         control.on_peer_failure(weakly(path.on_peer_failure))
         #: point-to-point messages of NumPy arrays (set up with every rank now)
-        self._messages = Messages(path, control, self.config.transport, self.config.timeout)
+        self._messages = Messages(path, control, self.config.transport, self.config.timeout,
+                                  setup=messages)
         path.watchdog_parts.append(self._messages.parts())  # (closed with the communicator)
 
     # -- identity -----------------------------------------------------------------------

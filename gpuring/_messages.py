@@ -158,7 +158,7 @@ class Messages:
     the ranks of one node map each other's inboxes then)."""
 
     def __init__(self, path: MessagePath, control: ControlPlane, transport: str,
-                 timeout: float):
+                 timeout: float, *, setup: bool = True):
         self.path = path
         self.control = control
         self.rank, self.size = control.rank, control.size
@@ -186,7 +186,7 @@ class Messages:
         self._depth = 0
         self.operations = 0  #: operations posted so far (the numbers in their errors)
         self.moves = 0  #: progress passes that moved something (waits measure idleness by it)
-        if self.size > 1:
+        if self.size > 1 and setup:
             self._setup(transport)
 
     # -- setup ---------------------------------------------------------------------------
