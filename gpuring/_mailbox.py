@@ -144,14 +144,6 @@ class ShmLane:
         self.taken = 0  #: bytes this rank consumed of its own ring from the peer
 
     # -- writing into the peer's inbox ---------------------------------------------------
-    def room(self, payload: int) -> bool:
-        """Whether a record of `payload` bytes fits in the peer's ring now."""
-        need = HEADER_BYTES + -(-payload // _ALIGN) * _ALIGN
-        at = self.sent % self.ring
-        if need > self.ring - at:
-            need += self.ring - at
-        return self.sent + need - self._mine[self._freed] <= self.ring
-
     def put(self, kind: int, msg: int, a: int = 0, b: int = 0, c: int = 0,
             dtype: bytes = b"", payload: memoryview | bytes | None = None,
             aux: int = 0) -> bool:
@@ -159,15 +151,18 @@ class ShmLane:
         (the peer has not consumed enough). Records larger than half the ring never fit."""
         size = 0 if payload is None else len(payload)
         length = HEADER_BYTES + -(-size // _ALIGN) * _ALIGN
-        ring = self.ring
-        sent = self.sent
+        ring, sent = self.ring, self.sent
         at = sent % ring
         tail = ring - at
-        need = length + (tail if length > tail else 0)
-        if sent + need - self._mine[self._freed] > ring:
+        freed = self._mine[self._freed]
+        # a WRAP first where the record does not fit before the end, and where the ring is
+        # empty (start over at its beginning, whose cache lines the last records warmed: a
+        # ping-pong keeps reusing them)
+        wrap = tail if at and (length > tail or (freed == sent and length <= at)) else 0
+        if sent + wrap + length - freed > ring:
             return False
         base = self._out_off
-        if length > tail:  # WRAP fills the rest; the record starts over at 0
+        if wrap:
             _HEADER.pack_into(self._out_mv, base + at, WRAP, 0, tail, 0, 0, 0, 0, b"")
             sent += tail
             at = 0
@@ -197,6 +192,31 @@ class ShmLane:
             return self.take()
         start = self._in_off + at + HEADER_BYTES
         return header, self._in_mv[start:start + header.length - HEADER_BYTES]
+
+    def take_eager(self, tag: int, dtype: bytes, capacity: int, data: memoryview) -> int:
+        """The fast path of a receive: where the next record is an eager message with
+        `tag`, of `dtype`, at most `capacity` elements, copy its data into `data`, consume it
+        and hand the room back; its element count. -1: nothing came yet; -2: the next record
+        is another (nothing consumed)."""
+        taken = self.taken
+        if self._mine[self._head_here] == taken:
+            return -1
+        at = taken % self.ring
+        kind, _, length, _, a, count, nbytes, name = _HEADER.unpack_from(
+            self._in_mv, self._in_off + at)
+        if kind == WRAP:
+            taken += length
+            at = 0
+            kind, _, length, _, a, count, nbytes, name = _HEADER.unpack_from(
+                self._in_mv, self._in_off)
+        if kind != EAGER or a != tag or count > capacity or name.rstrip(b"\0") != dtype:
+            self.taken = taken
+            return -2
+        start = self._in_off + at + HEADER_BYTES
+        data[:nbytes] = self._in_mv[start:start + nbytes]
+        self.taken = taken = taken + length
+        self._theirs[self._freed_there] = taken
+        return int(count)
 
     def skip(self, header: Header) -> None:
         """Consume the record `take` gave last (its payload must be copied out by now)."""

@@ -14,23 +14,25 @@ from ._mailbox import byte_view
 from ._work import Work
 
 __all__ = ["Send", "Recv", "MessageWork", "Waiter", "peer_rank", "source_rank", "tag_of",
-           "sendable", "receivable", "dtype_bytes", "known_dtype", "TAGS"]
+           "sendable", "receivable", "dtype_bytes", "dtype_names", "TAGS"]
 
 #: a send's states: queued (nothing written yet), awaiting the receiver (its announcement is
 #: written, the data waits for the receiver's word), streaming (the receiver asked for the data)
 QUEUED, AWAITING, STREAMING = 0, 1, 2
 #: how a send's data travels: whole in its first record (eagerly), in pieces once the
-#: receiver asks (staged), or read by the receiver where it lies (registered memory)
-EAGERLY, STAGED, REGISTERED = 0, 1, 2
+#: receiver asks (staged), or read by the receiver where it lies: in registered memory, or
+#: in the sender's own memory (cross-memory attach)
+EAGERLY, STAGED, REGISTERED, ATTACHED = 0, 1, 2, 3
 
 _DTYPES: dict[Any, bytes] = {}
 #: tags lie in [-TAGS, TAGS)
 TAGS = 1 << 62
 
 
-def known_dtype(x: Any) -> bytes | None:
-    """`dtype_bytes(x)` where a message of `x`'s dtype was checked before, else None."""
-    return _DTYPES.get(x.dtype)
+def dtype_names() -> dict[Any, bytes]:
+    """The dtypes messages were checked with so far (`dtype_bytes`), by dtype: a fast path
+    takes the name of an array's dtype from here, or the general path."""
+    return _DTYPES
 
 
 def dtype_bytes(x: Any) -> bytes:

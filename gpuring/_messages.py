@@ -8,11 +8,12 @@ peers of other nodes through MPI (`transports.mpi_messages`; the ranks must then
 
 Protocol. A message of at most `eager_bytes` goes eagerly: header and data in one record,
 one copy into the receiver's inbox, no round trip; the send is complete once it is written.
-A larger one is announced (RTS) and its data waits for the receiver: once matched, the
-receiver asks for it (CTS) and the sender streams it in pieces of a quarter of the ring
-(pipelined: the receiver copies one out while the sender writes the next), or, where the
-array lies in registered memory (`Communicator.empty`), the receiver copies it straight from
-the sender's array, which every peer maps, and says so (FIN): one copy.
+A larger one is announced (RTS) and its data waits for the receiver. Once matched, the
+receiver copies it straight from the sender's array and says so (FIN): one copy, where the
+array lies in registered memory (`Communicator.empty`, which every peer maps), or by
+cross-memory attach (`_cma`, probed once per peer). Else it asks for the data (CTS) and the
+sender streams it in pieces of a quarter of the ring (pipelined: the receiver copies one out
+while the sender writes the next).
 
 Matching (MPI's rules). A message matches the first receive posted for its source (or for
 any source) and tag; a receive matches the first message that arrived from its source (or
@@ -40,6 +41,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import struct
 import threading
@@ -47,7 +49,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from . import _failures, settings
+from . import _cma, _failures, settings
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -58,6 +60,7 @@ from ._errors import (
 from ._failures import State, in_context
 from ._mailbox import CTS, DATA, EAGER, FIN, NACK, RTS, Header, Inbox, ShmLane, ring_bytes_for
 from ._message_ops import (
+    ATTACHED,
     AWAITING,
     EAGERLY,
     QUEUED,
@@ -68,7 +71,7 @@ from ._message_ops import (
     MessageWork,
     Recv,
     Send,
-    known_dtype,
+    dtype_names,
 )
 from ._status import process_alive
 from .devices.base import open_peer
@@ -80,18 +83,23 @@ if TYPE_CHECKING:
     from .rendezvous.base import ControlPlane
     from .transports.mpi_messages import MpiLane, MpiLink
 
-__all__ = ["Messages", "MessagePath"]
+__all__ = ["Messages", "MessagePath", "InboxHandle"]
+
+log = logging.getLogger("gpuring")
 
 #: seconds a wait polls without a pause, then yields the processor, before it starts to
 #: sleep (a peer that runs answers within microseconds; where ranks outnumber processors,
 #: polling keeps the one it waits for from running, hence the short first stretch)
-_BUSY, _SPIN = 5e-5, 2e-4
+_BUSY, _SPIN = 1e-3, 1e-2
 #: seconds between a wait's checks for failures (and for peers that left)
 _CHECK_EVERY = 0.02
 #: where a registered array lies, as an RTS record's payload: registration, offset
 _WHERE = struct.Struct("<qq")
-_LARGEST_EAGER = 64 << 10
+_LARGEST_EAGER = 256 << 10
 _TAGS = TAGS
+_OPEN = State.OPEN
+#: the dtypes messages were checked with so far, by dtype (`_message_ops.dtype_bytes`)
+_DTYPES = dtype_names()
 
 
 class MessagePath(Protocol):
@@ -107,6 +115,14 @@ class MessagePath(Protocol):
     def watchdog(self) -> Any: ...
 
     def ensure_watchdog(self) -> None: ...
+
+
+class InboxHandle(NamedTuple):
+    """What a rank tells its peers when the communicator is made: its inbox (None: it has
+    none) and what they read to find out whether they may read its memory directly."""
+
+    inbox: Any
+    probe: _cma.Probe
 
 
 class _Pending(NamedTuple):
@@ -167,8 +183,10 @@ class Messages:
         self.lanes: dict[int, ShmLane | MpiLane] = {}
         self._shm: list[ShmLane] = []  #: the lanes polled for records, in rank order
         #: each rank's lane where it is a peer of this node (None: itself, or not one)
-        self._near: list[ShmLane | None] = [None] * self.size
+        self._near_of: dict[int, ShmLane] = {}
         self._pids: dict[int, int] = {}  #: the process of each peer of this node
+        #: whether this rank may read each peer's memory directly (`_cma`)
+        self._attach: dict[int, bool] = {}
         self._unreachable: dict[int, str] = {}  #: why a peer cannot be messaged
         self._mpi: MpiLink | None = None
         self._device: HostDevice | None = None
@@ -183,6 +201,8 @@ class Messages:
         self._numbers = [0] * self.size  #: messages posted to each rank so far
         self._refused: list[GpuringError] = []  #: refusals of sends that had completed
         self._group: list[Send | Recv] | None = None  #: the open group's operations
+        #: messages take the general path: a group is open, or a refusal waits to be raised
+        self._held = False
         self._depth = 0
         self.operations = 0  #: operations posted so far (the numbers in their errors)
         self.moves = 0  #: progress passes that moved something (waits measure idleness by it)
@@ -206,25 +226,32 @@ class Messages:
                                     timeout=self.timeout)
                 ring = ring_bytes_for(len(here), settings.get("GPURING_MESSAGE_BYTES"))
                 inbox = Inbox(device, rank, self.size, ring)
-                self.eager_bytes = min(ring // 8, _LARGEST_EAGER)
+                self.eager_bytes = min(ring // 4, _LARGEST_EAGER)
             except GpuringError as exc:
                 for q in here:
                     self._unreachable[q] = str(exc)
         self._device = device
-        handles = control.exchange("setup (message inboxes)",
-                                   None if inbox is None or device is None
-                                   else device.export(inbox.mem), self.timeout)
+        attach = settings.get("GPURING_MESSAGE_ATTACH")
+        mine = InboxHandle(None if inbox is None or device is None
+                           else device.export(inbox.mem), _cma.probe())
+        handles = control.exchange("setup (message inboxes)", mine, self.timeout)
         if inbox is not None and device is not None:
             for q in here:
-                if handles[q] is None:
+                handle = InboxHandle(*handles[q])
+                if handle.inbox is None:
                     self._unreachable[q] = f"rank {q} has no inbox"
                     continue
-                theirs = open_peer(device, handles[q], q)
+                theirs = open_peer(device, handle.inbox, q)
                 assert isinstance(theirs, HostMemory)
                 lane = ShmLane(inbox, q, theirs)
-                self.lanes[q] = self._near[q] = lane
+                self.lanes[q] = self._near_of[q] = lane
                 self._shm.append(lane)
-                self._pids[q] = int(handles[q][0])
+                self._pids[q] = int(handle.inbox[0])
+                why = _cma.refusal(handle.probe) if attach else "GPURING_MESSAGE_ATTACH=0"
+                self._attach[q] = why is None
+                if why is not None:
+                    log.info("gpuring: rank %d stages messages from rank %d larger than %d "
+                             "bytes in pieces: %s", rank, q, self.eager_bytes, why)
             control.barrier(self.timeout, "setup (message inboxes mapped)")
             device.seal(inbox.mem)
         else:
@@ -268,7 +295,9 @@ class Messages:
         if self._refused:
             with self.lock:
                 if self._refused:
-                    raise self._refused.pop(0)
+                    error = self._refused.pop(0)
+                    self._held = bool(self._refused) or self._group is not None
+                    raise error
 
     def lane_for(self, peer: int) -> Any:
         lane = self.lanes.get(peer)
@@ -305,10 +334,13 @@ class Messages:
             return
         if op.nbytes > self.eager_bytes:
             op.mode = STAGED
-            if self._device is not None and peer in self._pids and self.path.registry:
+            found = None
+            if peer in self._pids and self.path.registry:
                 found = self.path.registry.find("cpu", op.array)
-                if found is not None:
-                    op.mode, op.where = REGISTERED, _WHERE.pack(*found)
+            if found is not None:
+                op.mode, op.where = REGISTERED, _WHERE.pack(*found)
+            elif peer in self._pids:  # where the receiver may read it here, it does
+                op.mode, op.where = ATTACHED, _WHERE.pack(int(op.array.ctypes.data), 0)
         box = self._outbox[peer]
         box.append(op)
         if len(box) == 1:
@@ -328,25 +360,25 @@ class Messages:
         """`send` of a small NumPy array to a peer of this node where nothing waits to go
         there before it: written now, one copy, no operation made; False where the call
         takes the general path (anything else, including arguments to check)."""
-        if type(dst) is not int or not 0 <= dst < self.size or type(tag) is not int or \
-                self._group is not None or dst in self._busy or \
-                self.path.timeline is not None or not x.flags.c_contiguous:
+        if type(dst) is not int or type(tag) is not int or not -_TAGS <= tag < _TAGS:
             return False
-        lane = self._near[dst]
-        dtype = known_dtype(x)
-        if lane is None or dtype is None or not -_TAGS <= tag < _TAGS:
+        lane = self._near_of.get(dst)
+        path = self.path
+        if lane is None or self._held or dst in self._busy or path.timeline is not None \
+                or path.life.state is not _OPEN:
+            return False
+        dtype = _DTYPES.get(x.dtype)
+        if dtype is None:
             return False
         try:
             data = memoryview(x).cast("B")
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):  # (not C-contiguous, empty, ...)
             return False
-        nbytes = data.nbytes
-        if nbytes > self.eager_bytes or self.path.life.state is not State.OPEN \
-                or self._refused:
+        if len(data) > self.eager_bytes:
             return False
         with self.lock:
             msg = self._numbers[dst]
-            if not lane.put(EAGER, msg, tag, x.size, nbytes, dtype, data):
+            if not lane.put(EAGER, msg, tag, x.size, len(data), dtype, data):
                 return False
             self._numbers[dst] = msg + 1
         self.operations += 1
@@ -357,46 +389,46 @@ class Messages:
         waits unmatched: the next record from it, copied straight into `out` if it is a small
         message with this tag that fits; its element count, or None where the call takes the
         general path (anything else: nothing of the message was consumed then)."""
-        if type(src) is not int or not 0 <= src < self.size or type(tag) is not int or \
-                self._group is not None or self._posted or self._unexpected or \
-                self.path.timeline is not None or not out.flags.c_contiguous or \
-                not out.flags.writeable:
+        if type(src) is not int or type(tag) is not int:
             return None
-        lane = self._near[src]
-        dtype = known_dtype(out)
-        if lane is None or dtype is None or self.path.life.state is not State.OPEN \
-                or self._refused:
+        lane = self._near_of.get(src)
+        path = self.path
+        if lane is None or self._held or self._posted or self._unexpected or \
+                path.timeline is not None or path.life.state is not _OPEN:
+            return None
+        dtype = _DTYPES.get(out.dtype)
+        if dtype is None or not out.flags.writeable:
             return None
         try:
             data = memoryview(out).cast("B")
         except (TypeError, ValueError):
             return None
         capacity = out.size
-        others = len(self._shm) > 1 or self._mpi is not None
-        got: list[int] = []
+        with self.lock:
+            got = lane.take_eager(tag, dtype, capacity, data)
+        if got == -1:  # not yet: wait for it, making progress with the rest meanwhile
+            others = len(self._shm) > 1 or self._mpi is not None
+            found = [-1]
 
-        def ready() -> bool:
-            record = lane.take()
-            if record is not None:
-                header, payload = record
-                if header.kind == EAGER and header.a == tag and header.b <= capacity and \
-                        header.dtype.rstrip(b"\0") == dtype:
-                    data[:header.c] = payload[:header.c]
-                    lane.skip(header)
-                    lane.release()
-                    got.append(header.b)
-                return True  # (anything else: the general path takes it as it is)
-            if self._busy or others:
-                self._progress()
-                return bool(self._unexpected)
-            return False
+            def ready() -> bool:
+                found[0] = lane.take_eager(tag, dtype, capacity, data)
+                if found[0] != -1:
+                    return True
+                if self._busy or others:
+                    self._progress()
+                    if self._unexpected:  # (its record went the general way)
+                        found[0] = -2
+                        return True
+                return False
 
-        self._loop(ready, lambda: _Pending(f"recv from rank {src} (tag {tag})", src, None,
-                                           f"no message with tag {tag} came from rank {src}"))
-        if not got:
+            self._loop(ready, lambda: _Pending(
+                f"recv from rank {src} (tag {tag})", src, None,
+                f"no message with tag {tag} came from rank {src}"))
+            got = found[0]
+        if got < 0:
             return None
         self.operations += 1
-        return got[0]
+        return got
 
     # -- groups --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -405,6 +437,7 @@ class Messages:
         if it ends by an exception: their works fail with it)."""
         if self._depth == 0:
             self._group = []
+            self._held = True
         self._depth += 1
         try:
             yield
@@ -412,6 +445,7 @@ class Messages:
             self._depth -= 1
             if self._depth == 0:
                 ops, self._group = self._group or [], None
+                self._held = bool(self._refused)
                 for op in ops:
                     self._fail(op, GpuringError(f"{op.name} was not posted: its group ended "
                                                 f"with {type(exc).__name__}: {exc}"))
@@ -419,6 +453,7 @@ class Messages:
         self._depth -= 1
         if self._depth == 0:
             ops, self._group = self._group or [], None
+            self._held = bool(self._refused)
             with self.lock:
                 for op in ops:
                     if isinstance(op, Send):
@@ -548,6 +583,7 @@ class Messages:
                 self._fail(pending, error)
             else:
                 self._refused.append(error)
+                self._held = True
 
     def _arrived(self, peer: int, header: Header, payload: Any) -> None:
         """An eager message or an announcement from `peer`: to the first receive posted for
@@ -561,7 +597,8 @@ class Messages:
         if header.kind == EAGER:
             payload = bytes(payload[:header.c])
         else:
-            payload = bytes(payload[:_WHERE.size]) if header.aux == REGISTERED else None
+            payload = bytes(payload[:_WHERE.size]) if header.aux in (REGISTERED, ATTACHED) \
+                else None
         self._unexpected.append(_Arrival(peer, header, payload))
 
     def _deliver(self, arrival: _Arrival, op: Recv, payload: Any) -> None:
@@ -587,6 +624,19 @@ class Messages:
             ident, offset = _WHERE.unpack(bytes(payload[:_WHERE.size]))
             mem = self.path.registry.memory(ident, peer)
             op.data[:nbytes] = mem.view(offset, nbytes, "u1")  # type: ignore[attr-defined]
+            op.got = nbytes
+            self._finish(op)
+            self._send_control(peer, FIN, arrival.msg)
+        elif arrival.mode == ATTACHED and self._attach.get(peer):
+            address, _ = _WHERE.unpack(bytes(payload[:_WHERE.size]))
+            try:
+                _cma.read(self._pids[peer], address, op.out, nbytes)
+            except OSError as exc:  # refused now (or gone: then its failure comes)
+                log.info("gpuring: rank %d reads no more from rank %d directly (%s); its "
+                         "messages come in pieces", self.rank, peer, exc)
+                self._attach[peer] = False
+                self._deliver(arrival, op, None)  # (staged instead)
+                return
             op.got = nbytes
             self._finish(op)
             self._send_control(peer, FIN, arrival.msg)

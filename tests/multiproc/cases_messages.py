@@ -180,7 +180,10 @@ def _refused_on_both(c: ItemChecker, send: Callable[[], object], recv: Callable[
                      field: str, want: dict[int, object]) -> None:
     """Between ranks 0 (`send`) and 1 (`recv`): the receive raises CollectiveMismatchError
     naming `field` as `want`; so does the send, or (a small one, complete before it was
-    refused) rank 0's next call, made once rank 1 answered (the refusal comes first)."""
+    refused) rank 0's next point-to-point call or `synchronize()`: its receive of rank 1's
+    answer, which rank 1 sends after the refusal (the receive raises it where it heard the
+    refusal before it started, leaving the answer to the next receive), else the
+    synchronize after it."""
     comm, rank = c.comm, c.comm.rank
     if rank >= 2:
         return
@@ -192,11 +195,15 @@ def _refused_on_both(c: ItemChecker, send: Callable[[], object], recv: Callable[
     if rank == 1:
         comm.send(np.ones(1, np.int8), 0, tag=77)  # (after the refusal, in order)
     elif not errors:
-        comm.recv(np.zeros(1, np.int8), 1, tag=77)
+        answered = False
         try:
+            comm.recv(np.zeros(1, np.int8), 1, tag=77)
+            answered = True
             comm.synchronize()
         except gpuring.CollectiveMismatchError as exc:
             errors.append(exc)
+        if not answered:
+            comm.recv(np.zeros(1, np.int8), 1, tag=77)
     else:
         comm.recv(np.zeros(1, np.int8), 1, tag=77)
     c.check(len(errors) == 1, f"rank {rank}: {len(errors)} CollectiveMismatchError")

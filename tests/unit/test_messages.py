@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import gpuring
+from gpuring import _cma
 from gpuring._mailbox import DATA, EAGER, HEADER_BYTES, Inbox, ShmLane, ring_bytes_for
 from gpuring.devices.host import HostDevice
 
@@ -69,10 +70,14 @@ def test_data_pieces_are_a_quarter_of_the_ring(lanes) -> None:
     assert bytes(view[:header.c]) == data[:sender.piece]
 
 
-def test_messages_much_larger_than_the_ring_in_every_order(monkeypatch) -> None:
-    """16 KiB rings: eager messages of up to 2 KiB, the rest in pieces of 4 KiB; sends and
-    receives of every size posted in both orders, tags mixed."""
+@pytest.mark.parametrize("attach", [True, False], ids=["attached", "staged"])
+def test_messages_much_larger_than_the_ring_in_every_order(monkeypatch, attach) -> None:
+    """16 KiB rings: eager messages of up to 4 KiB, the rest read from the sender's memory
+    (cross-memory attach) or, where that is refused, in pieces of 4 KiB; sends and receives
+    of every size posted in both orders, tags mixed."""
     monkeypatch.setenv("GPURING_MESSAGE_BYTES", "16K")
+    if not attach:
+        monkeypatch.setattr(_cma, "refusal", lambda probe: "refused by the test")
     sizes = [0, 1, 255, 256, 257, 2000, 5000, 40000, 300000]
 
     def body(comm: gpuring.Communicator) -> list[int]:
@@ -216,3 +221,13 @@ def test_arguments_are_checked_before_anything_moves() -> None:
             comm.send(np.zeros(2), comm.rank)
 
     run_ranks(2, body)
+
+
+def test_cross_memory_attach_reads_this_process_and_refuses_a_gone_one() -> None:
+    mine = _cma.probe()
+    assert _cma.refusal(mine) is None
+    x = np.arange(1000, dtype=np.float64)
+    got = np.zeros(1000)
+    _cma.read(mine.pid, int(x.ctypes.data), got, x.nbytes)
+    assert np.array_equal(got, x)
+    assert _cma.refusal(mine._replace(pid=2 ** 22 + 12345)) is not None
