@@ -91,6 +91,8 @@ log = logging.getLogger("gpuring")
 #: sleep (a peer that runs answers within microseconds; where ranks outnumber processors,
 #: polling keeps the one it waits for from running, hence the short first stretch)
 _BUSY, _SPIN = 1e-3, 1e-2
+#: the busy stretch where this node runs more ranks than it has processors
+_BUSY_CROWDED = 2e-5
 #: seconds between a wait's checks for failures (and for peers that left)
 _CHECK_EVERY = 0.02
 #: where a registered array lies, as an RTS record's payload: registration, offset
@@ -115,6 +117,14 @@ class MessagePath(Protocol):
     def watchdog(self) -> Any: ...
 
     def ensure_watchdog(self) -> None: ...
+
+
+def _processors() -> int:
+    """The processors this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class InboxHandle(NamedTuple):
@@ -206,6 +216,9 @@ class Messages:
         self._depth = 0
         self.operations = 0  #: operations posted so far (the numbers in their errors)
         self.moves = 0  #: progress passes that moved something (waits measure idleness by it)
+        #: how long a wait polls without a pause: short where this node's ranks outnumber
+        #: its processors (polling would keep the rank waited for from running)
+        self.busy_seconds = _BUSY if control.local_size <= _processors() else _BUSY_CROWDED
         if self.size > 1 and setup:
             self._setup(transport)
 
@@ -705,7 +718,8 @@ class Messages:
                 return
         start = last = time.monotonic()
         check_at = start + _CHECK_EVERY
-        busy_until, spin_until = start + _BUSY, start + _SPIN
+        busy = self.busy_seconds
+        busy_until, spin_until = start + busy, start + _SPIN
         delay = 1e-5
         moves = self.moves
         while True:
@@ -715,7 +729,7 @@ class Messages:
             now = time.monotonic()
             if self.moves != moves:
                 moves, last, delay = self.moves, now, 1e-5
-                busy_until, spin_until = now + _BUSY, now + _SPIN
+                busy_until, spin_until = now + busy, now + _SPIN
             if now >= check_at:
                 check_at = now + _CHECK_EVERY
                 self._check_failures(pending())
