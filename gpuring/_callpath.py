@@ -54,6 +54,8 @@ class CallPath:
         self.rank, self.size = control.rank, control.size
         self.life = Lifecycle(control.rank)
         self.engines: dict[str, Engine] = {}
+        #: devices besides the engines' that a failure aborts (the GPU of CuPy messages)
+        self.devices: list[Any] = []
         self.prepared: dict[tuple[Any, ...], PreparedCall] = {}
         #: counts the times `prepared` was forgotten (a call's own `prepared` is of one)
         self.generation = 0
@@ -412,7 +414,8 @@ class CallPath:
 
     def device_operations(self) -> int:
         """Driver calls the engines' devices made so far (`Communicator.device_operations`)."""
-        return sum(engine.device.operations for engine in self.engines.values())
+        return sum(engine.device.operations for engine in self.engines.values()) + \
+            sum(device.operations for device in self.devices)
 
     def start_timeline(self, filename: str) -> None:
         """Record every collective from now on (every rank calls it: a common time origin)."""

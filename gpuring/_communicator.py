@@ -542,6 +542,7 @@ class Communicator:
         if self.closed:
             return
         self._close_training()
+        self._messages.leave()
         unraised = self._path.close(close_channels(self._pairs) if self._pairs else None)
         self._finalizer()
         if self._on_close is not None:

@@ -3,8 +3,12 @@ records they travel as.
 
 Each rank's inbox is one shared-memory allocation that every peer of its node maps:
 
-    [control: HEAD[q], FREED[q] for every rank q, a cache line each | RING[q] for every other
-     rank q, `ring_bytes` each]
+    [control: HEAD[q], FREED[q], GPU_READY[q], GPU_FREED[q] for every rank q, a cache line
+     each | RING[q] for every other rank q, `ring_bytes` each]
+
+(GPU_READY and GPU_FREED count the pieces of CuPy messages, whose data travels in GPU
+memory: `_cuda_messages`; the GPU reads and writes them where the inbox is registered with
+CUDA.)
 
 RING[q] of rank r holds the records rank q sends rank r, a byte stream that only q writes
 and only r reads. HEAD[q] counts the bytes q has published there, FREED[q] the bytes rank q
@@ -31,7 +35,9 @@ import numpy as np
 
 from .devices.host import HostDevice, HostMemory
 
-__all__ = ["EAGER", "RTS", "CTS", "DATA", "NACK", "FIN", "Header", "Inbox", "ShmLane",
+__all__ = ["EAGER", "RTS", "CTS", "DATA", "NACK", "FIN", "GPU_RTS", "GPU_DETACHED", "Header",
+           "Inbox",
+           "ShmLane",
            "HEADER_BYTES", "byte_view", "ring_bytes_for"]
 
 #: a whole message: header and data (a): tag, (b): element count, (c): bytes
@@ -49,6 +55,11 @@ NACK = 5
 FIN = 6
 #: the rest of the ring is unused: the next record starts at its beginning
 WRAP = 7
+#: a CuPy message's header (a, b, c as EAGER; the payload: its pieces, JSON), its data on
+#: the GPU (`_cuda_messages`)
+GPU_RTS = 8
+#: the sender of this record closed its mappings of this rank's GPU outbox (at close)
+GPU_DETACHED = 9
 
 _HEADER = struct.Struct("<iiqqqqq16s")
 _new = tuple.__new__
@@ -97,7 +108,7 @@ class Inbox:
 
     def __init__(self, device: HostDevice, rank: int, size: int, ring_bytes: int):
         self.rank, self.size, self.ring_bytes = rank, size, ring_bytes
-        self.control_bytes = -(-2 * size * _LINE // _PAGE) * _PAGE
+        self.control_bytes = -(-4 * size * _LINE // _PAGE) * _PAGE
         self.mem = device.alloc(self.control_bytes + (size - 1) * ring_bytes)
 
     def head_word(self, sender: int) -> int:
@@ -106,6 +117,13 @@ class Inbox:
 
     def freed_word(self, reader: int) -> int:
         return (self.size + reader) * _LINE // 8
+
+    def gpu_ready_offset(self, sender: int) -> int:
+        """Where GPU_READY[sender] lies in an inbox (bytes)."""
+        return (2 * self.size + sender) * _LINE
+
+    def gpu_freed_offset(self, reader: int) -> int:
+        return (3 * self.size + reader) * _LINE
 
     def ring_offset(self, owner: int, sender: int) -> int:
         """Where RING[sender] lies in rank `owner`'s inbox."""
@@ -117,14 +135,16 @@ class ShmLane:
     peer's inbox (`put`), records read from this rank's (`take`, `release`)."""
 
     __slots__ = ("_freed", "_freed_there", "_head", "_head_here", "_in_mv", "_in_off",
-                 "_mine", "_out_mv", "_out_off", "_theirs", "peer", "piece", "ring", "sent",
-                 "taken")
+                 "_mine", "_out_mv", "_out_off", "_theirs", "inbox", "peer", "piece", "ring",
+                 "sent", "taken", "their_inbox")
     #: a message's data travels in DATA records (pieces of at most `piece` bytes)
     records_data = True
 
     def __init__(self, inbox: Inbox, peer: int, theirs: HostMemory):
         rank = inbox.rank
         self.peer = peer
+        self.inbox = inbox  #: this rank's inbox
+        self.their_inbox = theirs  #: the peer's inbox, mapped here
         self.ring = inbox.ring_bytes
         mine = inbox.mem
         assert mine.i64 is not None and theirs.i64 is not None and mine.mapping is not None \

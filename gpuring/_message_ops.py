@@ -52,16 +52,18 @@ class Send:
     """One message this rank sends: `data` (the bytes of the C-contiguous `array`, kept
     alive until the message no longer needs them) to rank `peer` with `tag`."""
 
-    __slots__ = ("array", "begin", "count", "data", "dtype", "error", "finished", "mode",
-                 "msg", "name", "nbytes", "peer", "sent", "state", "tag", "where")
+    __slots__ = ("array", "begin", "count", "cuda", "data", "dtype", "error", "finished",
+                 "mode", "msg", "name", "nbytes", "peer", "sent", "state", "tag", "where")
 
     def __init__(self, name: str, peer: int, tag: int, array: Any):
         self.name = name
         self.peer = peer
         self.tag = tag
         self.array = array
-        self.data = byte_view(array)
-        self.nbytes = self.data.nbytes
+        #: a CuPy array: its data travels on the GPU (`_cuda_messages`)
+        self.cuda = _arrays.is_cupy(array)
+        self.data = memoryview(b"") if self.cuda else byte_view(array)
+        self.nbytes = int(array.nbytes)
         self.count = int(array.size)
         self.dtype = dtype_bytes(array)
         self.state = QUEUED
@@ -83,8 +85,8 @@ class Recv:
     from rank `src` (None: any rank) with `tag`. Once matched: `source`, `count` (elements)
     and `nbytes` of the message; `got` counts the bytes arrived."""
 
-    __slots__ = ("begin", "capacity", "count", "data", "dtype", "error", "finished", "given",
-                 "got", "name", "nbytes", "out", "source", "src", "tag")
+    __slots__ = ("begin", "capacity", "count", "cuda", "data", "dtype", "error", "finished",
+                 "given", "got", "name", "nbytes", "out", "source", "src", "tag")
 
     def __init__(self, name: str, src: int | None, tag: int, out: Any, given: Any):
         self.name = name
@@ -92,7 +94,8 @@ class Recv:
         self.tag = tag
         self.out = out
         self.given = given
-        self.data = byte_view(out)
+        self.cuda = _arrays.is_cupy(out)
+        self.data = memoryview(b"") if self.cuda else byte_view(out)
         self.capacity = int(out.size)
         self.dtype = dtype_bytes(out)
         self.source: int | None = None
@@ -111,7 +114,7 @@ class Recv:
 class Waiter(Protocol):
     """What a message's Work asks of the engine that runs it."""
 
-    def poll(self) -> None: ...
+    def poll(self, op: Send | Recv | None = None) -> None: ...
 
     def wait(self, ops: list[Send | Recv], timeout: float | None = None) -> None: ...
 
@@ -137,7 +140,7 @@ class MessageWork(Work):
     def done(self) -> bool:
         op = self.op
         if not op.finished:
-            self._engine.poll()
+            self._engine.poll(op)
         return op.finished
 
     def wait(self, timeout: float | None = None) -> Any:

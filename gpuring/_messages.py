@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from . import _cma, _failures, settings
+from ._cuda_messages import CudaArrival, CudaMessages, GpuMessages
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -58,7 +59,20 @@ from ._errors import (
     PeerFailureError,
 )
 from ._failures import State, in_context
-from ._mailbox import CTS, DATA, EAGER, FIN, NACK, RTS, Header, Inbox, ShmLane, ring_bytes_for
+from ._mailbox import (
+    CTS,
+    DATA,
+    EAGER,
+    FIN,
+    GPU_DETACHED,
+    GPU_RTS,
+    NACK,
+    RTS,
+    Header,
+    Inbox,
+    ShmLane,
+    ring_bytes_for,
+)
 from ._message_ops import (
     ATTACHED,
     AWAITING,
@@ -112,6 +126,10 @@ class MessagePath(Protocol):
     life: Any
     registry: Registry
     timeline: Timeline | None
+    #: devices a failure aborts besides the engines' (the GPU of CuPy messages goes there)
+    devices: list[Any]
+    #: per kind of device: whether the ranks map each other's memory (once decided)
+    mappable: dict[str, bool]
 
     @property
     def watchdog(self) -> Any: ...
@@ -165,14 +183,19 @@ class _Arrival:
 
 
 class _Parts:
-    """The inboxes' memory and the MPI link of a communicator's messages, closed with it."""
+    """The inboxes' memory, the MPI link and the GPU part (once made) of a communicator's
+    messages, closed with it."""
 
     def __init__(self, device: HostDevice | None, mpi: MpiLink | None):
         self.device, self.mpi = device, mpi
+        self.gpu: list[CudaMessages] = []
 
     def close(self) -> None:
-        """Unmap the inboxes (the peers' records to this rank go with them) and forget the
-        MPI requests. Idempotent."""
+        """Free the GPU part, unmap the inboxes (the peers' records to this rank go with
+        them) and forget the MPI requests. Idempotent."""
+        gpu, self.gpu = self.gpu, []
+        for part in gpu:
+            part.close()
         if self.mpi is not None:
             self.mpi.abandon()
         if self.device is not None:
@@ -216,6 +239,11 @@ class Messages:
         self._depth = 0
         self.operations = 0  #: operations posted so far (the numbers in their errors)
         self.moves = 0  #: progress passes that moved something (waits measure idleness by it)
+        self.transport = transport
+        self._ring_bytes = 0
+        self._parts = _Parts(None, None)
+        #: the host's side of CuPy messages (their GPU part is made on first use)
+        self.gpu = GpuMessages(self, self._make_gpu)
         #: how long a wait polls without a pause: short where this node's ranks outnumber
         #: its processors (polling would keep the rank waited for from running)
         self.busy_seconds = _BUSY if control.local_size <= _processors() else _BUSY_CROWDED
@@ -239,11 +267,13 @@ class Messages:
                                     timeout=self.timeout)
                 ring = ring_bytes_for(len(here), settings.get("GPURING_MESSAGE_BYTES"))
                 inbox = Inbox(device, rank, self.size, ring)
+                self._ring_bytes = ring
                 self.eager_bytes = min(ring // 4, _LARGEST_EAGER)
             except GpuringError as exc:
                 for q in here:
                     self._unreachable[q] = str(exc)
         self._device = device
+        self._parts.device = device
         attach = settings.get("GPURING_MESSAGE_ATTACH")
         mine = InboxHandle(None if inbox is None or device is None
                            else device.export(inbox.mem), _cma.probe())
@@ -287,7 +317,7 @@ class Messages:
 
         from .transports.mpi_messages import MpiLink
 
-        self._mpi = MpiLink(control.comm, MPI)
+        self._mpi = self._parts.mpi = MpiLink(control.comm, MPI)
         if not self.eager_bytes:
             self.eager_bytes = _LARGEST_EAGER
         for q in peers:
@@ -296,7 +326,24 @@ class Messages:
     def parts(self) -> _Parts:
         """What closing the communicator closes of its messages (it holds nothing of the
         communicator: its finalizer keeps it)."""
-        return _Parts(self._device, self._mpi)
+        return self._parts
+
+    def _make_gpu(self) -> CudaMessages:
+        """The GPU part of CuPy messages (on their first use)."""
+        if not self._near_of:
+            raise GpuringError("CuPy messages travel between ranks of one node, and this "
+                               "rank has no peer on its node")
+        made = CudaMessages(self.control, self._near_of, self.timeout, self._ring_bytes)
+        self._parts.gpu.append(made)
+        self.path.devices.append(made.device)  # (a failure of the communicator aborts it)
+        return made
+
+    def gpu_reaches(self, peer: int | None) -> bool:
+        """Whether CuPy messages to or from `peer` (None: any) take the GPU path (the ranks
+        of this node, with their GPUs mapping each other's memory)."""
+        if self.transport == "nccl" or self.path.mappable.get("cuda") is False:
+            return False
+        return peer is None or peer in self._near_of
 
     # -- posting -------------------------------------------------------------------------
     def check(self, name: str) -> None:
@@ -331,10 +378,22 @@ class Messages:
             return work
         with self.lock:
             if isinstance(op, Send):
-                self._post_send(op)
+                if op.cuda:
+                    op.msg = self._number(op.peer)
+                    self.gpu.post_send(op)
+                else:
+                    self._post_send(op)
+            elif op.cuda:
+                self.gpu.post_recv(op)
             else:
                 self._post_recv(op)
         return work
+
+    def _number(self, peer: int) -> int:
+        """The next message number to `peer`."""
+        msg = self._numbers[peer]
+        self._numbers[peer] = msg + 1
+        return msg
 
     def _post_send(self, op: Send) -> None:
         peer = op.peer
@@ -469,16 +528,61 @@ class Messages:
             self._held = bool(self._refused)
             with self.lock:
                 for op in ops:
-                    if isinstance(op, Send):
+                    if isinstance(op, Send) and not op.cuda:
                         self._post_send(op)
                 for op in ops:
-                    if isinstance(op, Recv):
+                    if isinstance(op, Recv) and not op.cuda:
                         self._post_recv(op)
+                sends = [op for op in ops if isinstance(op, Send) and op.cuda]
+                receives = [op for op in ops if isinstance(op, Recv) and op.cuda]
+                for op in sends:
+                    op.msg = self._number(op.peer)
+            if sends or receives:
+                self.gpu.run_group(sends, receives)
 
     # -- progress ------------------------------------------------------------------------
-    def poll(self) -> None:
+    def poll(self, op: Send | Recv | None = None) -> None:
+        """Make progress once (`Work.done()`); a CuPy receive `op` is queued now where its
+        header came."""
         with self.lock:
             self._progress()
+        if isinstance(op, Recv) and op.cuda:
+            self.gpu.ready_now(op)
+
+    # -- what the CuPy messages ask of this engine (`_cuda_messages.HostEngine`) --------------
+    def send_record(self, peer: int, kind: int, msg: int, a: int, b: int, c: int,
+                    dtype: bytes, payload: bytes) -> None:
+        with self.lock:
+            box = self._outbox[peer]
+            box.append((kind, msg, a, b, c, dtype, payload, len(payload)))
+            if len(box) == 1:
+                self._busy[peer] = None
+                self._push(peer)
+
+    def refuse(self, peer: int, msg: int, text: str,
+               differences: dict[str, dict[int, Any]]) -> None:
+        """Tell `peer` that this rank refused its message `msg`, and why."""
+        body = json.dumps({"text": f"rank {self.rank} received it: {text}",
+                           "differences": differences}).encode()
+        with self.lock:
+            self._send_control(peer, NACK, msg, body)
+
+    def wait_until(self, ready: Callable[[], bool], name: str, peer: int | None,
+                   what: str) -> None:
+        """Make progress until `ready()` (under the lock), as a wait does."""
+        progress = self._progress
+
+        def moved() -> bool:
+            progress()
+            return ready()
+
+        self._loop(moved, lambda: _Pending(name, peer, None, what))
+
+    def finish(self, op: Send | Recv) -> None:
+        self._finish(op)
+
+    def fail(self, op: Send | Recv, error: BaseException) -> None:
+        self._fail(op, error)
 
     def _progress(self) -> bool:
         """Push and pull every lane once; whether anything moved (counted in `moves`)."""
@@ -568,6 +672,15 @@ class Messages:
         kind = header.kind
         if kind == EAGER or kind == RTS:
             self._arrived(peer, header, payload)
+        elif kind == GPU_RTS:
+            arrival = CudaArrival(peer, header.msg, header.a, header.b, header.c,
+                                  header.dtype.rstrip(b"\0"),
+                                  json.loads(bytes(payload[:header.aux]).decode()))
+            if arrival.handle is not None:
+                self.gpu.handles_from.add(peer)
+            self.gpu.arrivals.append(arrival)
+        elif kind == GPU_DETACHED:
+            self.gpu.detached.add(peer)
         elif kind == DATA:
             op = self._streams[(peer, header.msg)]
             start = header.a
@@ -618,7 +731,7 @@ class Messages:
         """Receive `arrival` (`payload`: its eager data, or where its data lies) with `op`."""
         peer = arrival.source
         op.source, op.count, op.nbytes = peer, arrival.count, arrival.nbytes
-        refusal = self._refusal(arrival, op)
+        refusal = self.refusal(arrival, op)
         if refusal is not None:
             text, differences = refusal
             self._fail(op, CollectiveMismatchError(f"{op.name} on rank {self.rank}: {text}",
@@ -661,8 +774,8 @@ class Messages:
                 lane.expect(op.data[:nbytes], lambda: self._finish(op))
             self._send_control(peer, CTS, arrival.msg)
 
-    def _refusal(self, arrival: _Arrival, op: Recv
-                 ) -> tuple[str, dict[str, dict[int, Any]]] | None:
+    def refusal(self, arrival: Any, op: Recv
+                ) -> tuple[str, dict[str, dict[int, Any]]] | None:
         """Why `op` cannot take `arrival` (its dtype differs, or it has no room), if so."""
         peer, me = arrival.source, self.rank
         theirs, mine = arrival.dtype.decode(), op.dtype.decode()
@@ -697,6 +810,9 @@ class Messages:
         if group is not None and any(op is g for g in group for op in ops):
             raise GpuringError("a message of a group is posted when the group ends: wait "
                                "for it after the `with comm.group():` block")
+        for op in ops:  # a CuPy receive is queued now, once its header came
+            if isinstance(op, Recv) and op.cuda and not op.finished:
+                self.gpu.resolve(op)
         progress = self._progress
 
         def ready() -> bool:
@@ -732,7 +848,8 @@ class Messages:
                 busy_until, spin_until = now + busy, now + _SPIN
             if now >= check_at:
                 check_at = now + _CHECK_EVERY
-                self._check_failures(pending())
+                if self._check_failures(pending(), ready):
+                    return
             if timeout is not None and now - start > timeout:
                 raise TimeoutError(f"{pending().name} did not complete within {timeout} s; "
                                    "it is still pending, call wait() again")
@@ -760,9 +877,10 @@ class Messages:
                     else f"no message with tag {op.tag} came from {whom}")
         return _Pending(op.name, peer, op, what)
 
-    def _check_failures(self, pending: _Pending) -> None:
+    def _check_failures(self, pending: _Pending, ready: Callable[[], bool]) -> bool:
         """Raise, as the pending operation's error, a failure of the communicator, or a
-        peer that died or left while it waits for it."""
+        peer that died or left while it waits for it; True where what the peer did before
+        it went makes the wait `ready()` after all."""
         name, peer, op = pending.name, pending.peer, pending.op
         life = self.path.life
         if life.state is not State.OPEN:
@@ -781,13 +899,13 @@ class Messages:
         gone += [(q, f"rank {q} closed its communicator") for q in watched if q in left]
         if gone and len(gone) == len(watched):
             with self.lock:  # what it sent before it went is taken first
-                self._progress()
-            if op is not None and op.finished:
-                return
+                if ready():
+                    return True
             peer_gone, why = gone[0]
             self._give_up(pending, PeerFailureError(
                 f"{name} on rank {self.rank}: {why} while this rank waited for it",
                 peer=peer_gone))
+        return False
 
     def _control_notice(self) -> GpuringError | None:
         if self._mpi is None:
@@ -839,11 +957,18 @@ class Messages:
                 self._fail(op, error)
         raise error
 
+    def leave(self) -> None:
+        """At close, before the communicator's own steps: the GPU part of the messages
+        lets its peers go (`GpuMessages.leave`)."""
+        if self.gpu.made() is not None or self.gpu.handles_from:
+            self.gpu.leave(orderly=self.path.life.state is State.OPEN)
+
     # -- queries ---------------------------------------------------------------------------
     def progress_now(self) -> None:
         """`synchronize()`'s part: make progress once, and raise a refusal of a send that
         had completed."""
         with self.lock:
             self._progress()
+        self.gpu.synchronize()
         self.check("synchronize")
 

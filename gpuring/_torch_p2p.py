@@ -1,8 +1,10 @@
 """The torch.distributed backend's point-to-point calls (`send`, `recv`, `recv_anysource`):
-CPU tensors as gpuring's non-blocking messages (tags matched, any source), each returned
-as a torch `Work` that completes them when waited for; so `isend`/`irecv` never block, and
-`batch_isend_irecv` takes its operations in any order. CUDA tensors go as the
-communicator's `send`/`recv`, queued on torch's current stream, tag 0."""
+gpuring's non-blocking messages (tags matched, any source), each returned as a torch `Work`
+that completes them when waited for; so `isend`/`irecv` never block, and
+`batch_isend_irecv` takes its operations in any order. CPU tensors are NumPy messages; CUDA
+tensors CuPy messages on torch's current stream: a send queued when made, a receive when
+its work is waited for (between ranks whose GPUs do not map each other's memory they go on
+NCCL: then as `send`/`recv`, tag 0, queued when made)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from . import interop
 from ._communicator import Communicator
+from ._errors import GpuringError
 
 __all__ = ["MessageWork", "send", "recv"]
 
@@ -24,12 +27,14 @@ _Work: Any = dist.Work
 
 
 class MessageWork(_Work):
-    """torch's Work of gpuring messages: `wait()` completes them (and copies a received
-    message into a tensor that was not contiguous); `_source_rank()` is the rank a
+    """torch's Work of gpuring messages (`works`: each with the tensor it moves): `wait()`
+    completes them (a CUDA receive is queued then, on torch's current stream) and copies a
+    received message into a tensor that was not contiguous; `_source_rank()` is the rank a
     receive's message came from."""
 
-    def __init__(self, works: Sequence[Any], tensors: Sequence[torch.Tensor],
-                 finish: Callable[[], None] | None = None, source: int | None = None):
+    def __init__(self, works: Sequence[tuple[Any, torch.Tensor]],
+                 tensors: Sequence[torch.Tensor], finish: Callable[[], None] | None = None,
+                 source: int | None = None):
         super().__init__()
         self._works = list(works)
         self._tensors = list(tensors)
@@ -40,8 +45,9 @@ class MessageWork(_Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = None if not timeout else timeout.total_seconds()
         try:
-            for work in self._works:
-                work.wait(seconds)
+            for work, tensor in self._works:
+                with interop.caller_stream(tensor):
+                    work.wait(seconds)
         except TimeoutError:
             raise
         except BaseException as exc:
@@ -53,7 +59,7 @@ class MessageWork(_Work):
         return True
 
     def is_completed(self) -> bool:
-        return all(work.done() for work in self._works)
+        return all(work.done() for work, _ in self._works)
 
     def is_success(self) -> bool:
         if not self.is_completed():
@@ -76,7 +82,7 @@ class MessageWork(_Work):
 
     def _source_rank(self) -> int:
         if self._source is None:
-            for work in self._works:
+            for work, _ in self._works:
                 self._source = work.source
         if self._source is None:
             raise RuntimeError("the rank a message came from is known once it is received")
@@ -89,11 +95,14 @@ def send(comm: Communicator, tensors: list[torch.Tensor], dst: int, tag: int) ->
     """Each tensor (its contiguous data, kept until sent) as a message to rank `dst`."""
     works = []
     for tensor in tensors:
-        if tensor.is_cuda:  # (queued on torch's stream: nothing to wait for on the host)
-            with interop.caller_stream(tensor):
-                comm.send(interop.to_native(tensor.detach().contiguous()), dst)
-        else:
-            works.append(comm.isend(interop.to_native(tensor.detach().contiguous()), dst, tag))
+        with interop.caller_stream(tensor):
+            array = interop.to_native(tensor.detach().contiguous())
+            try:
+                works.append((comm.isend(array, dst, tag), tensor))
+            except GpuringError:
+                if not tensor.is_cuda:
+                    raise
+                comm.send(array, dst)  # (on NCCL: queued now)
     return MessageWork(works, tensors, source=dst)
 
 
@@ -106,14 +115,14 @@ def recv(comm: Communicator, tensors: list[torch.Tensor], src: int | None,
         into = tensor if tensor.is_contiguous() else tensor.contiguous()
         if into is not tensor:
             staged.append((tensor, into))
-        if tensor.is_cuda:
-            if src is None:
-                raise ValueError("the gpuring backend receives CUDA tensors from a named "
-                                 "rank only")
-            with interop.caller_stream(tensor):
-                comm.recv(interop.to_native(into.detach()), src)
-        else:
-            works.append(comm.irecv(interop.to_native(into.detach()), src, tag))
+        with interop.caller_stream(tensor):
+            array = interop.to_native(into.detach())
+            try:
+                works.append((comm.irecv(array, src, tag), tensor))
+            except GpuringError:
+                if not tensor.is_cuda:
+                    raise
+                comm.recv(array, src)  # (on NCCL: queued now)
 
     def finish() -> None:
         for tensor, into in staged:

@@ -121,7 +121,7 @@ def p2p(plan: Plan) -> Iterator[Item]:
         yield Item.one("recv-int32-strided-refused", strided)
     yield Item.one("send_recv_sendrecv-wrong_ranks-refused", wrong_ranks)
     if n > 1:
-        yield from _mismatches() if plan.device == "cuda" else _host_mismatches()
+        yield from _host_mismatches(plan)
 
     def timeline(c: ItemChecker) -> None:
         comm, rank, xp = c.comm, c.comm.rank, c.xp
@@ -133,47 +133,13 @@ def p2p(plan: Plan) -> Iterator[Item]:
         if comm.stop_timeline() is not None and n > 1:  # rank 0 wrote every rank's events
             with open(trace) as f:
                 names = {(e["pid"], e["name"]) for e in json.load(f)["traceEvents"]}
-            if plan.device == "cuda":
+            event = "sendrecv: recv from rank {} (tag 0)"
+            if plan.device == "cuda" and not comm._messages.gpu_reaches(left):  # on NCCL
                 event = "sendrecv with rank {}" if n == 2 else "sendrecv: recv from rank {}"
-            else:
-                event = "sendrecv: recv from rank {} (tag 0)"
             c.check(all((q, event.format((q - 1) % n)) in names for q in range(n)),
                     f"events {sorted(names)}")
 
     yield Item.one("sendrecv-int64-5-ring_shift_right-timeline", timeline)
-
-
-def _mismatches() -> Iterator[Item]:
-    """CuPy arrays, between ranks 0 and 1 (the others wait): a recv of another shape, two
-    sends that cross, a recv of another dtype."""
-
-    def shape(c: ItemChecker) -> None:
-        comm, rank, xp = c.comm, c.comm.rank, c.xp
-        if rank < 2:
-            expect_mismatches(c, [("shape", lambda: comm.send(xp.ones(4), 1) if rank == 0 else
-                                   comm.recv(xp.ones(5), 0))])
-
-    def crossing(c: ItemChecker) -> None:
-        comm, rank, xp = c.comm, c.comm.rank, c.xp
-        if rank < 2:  # both send first
-            expect_mismatches(c, [("root", lambda: comm.send(xp.ones(4), 1 - rank))])
-
-    def dtype(c: ItemChecker) -> None:
-        comm, rank, xp = c.comm, c.comm.rank, c.xp
-        if rank >= 2:
-            return
-        try:
-            comm.send(xp.ones(4), 1) if rank == 0 else comm.recv(xp.ones(4, "int8"), 0)
-        except gpuring.CollectiveMismatchError as exc:
-            c.check(exc.differences.get("dtype") == {0: "float64", 1: "int8"},
-                    f"differences {exc.differences}")
-            c.check("ranks 0 and 1" in str(exc), str(exc))
-        else:
-            c.check(False, "no CollectiveMismatchError for another dtype")
-
-    yield Item.one("send_recv-float64-4_vs_5-shape-mismatch", shape)
-    yield Item.one("send_send-float64-4-crossing-mismatch", crossing)
-    yield Item.one("send_recv-float64_vs_int8-dtype-mismatch", dtype)
 
 
 def _refused_on_both(c: ItemChecker, send: Callable[[], object], recv: Callable[[], object],
@@ -211,17 +177,38 @@ def _refused_on_both(c: ItemChecker, send: Callable[[], object], recv: Callable[
         c.check(exc.differences.get(field) == want, f"differences {exc.differences}")
 
 
-def _host_mismatches() -> Iterator[Item]:
-    """NumPy arrays, between ranks 0 and 1 (the others wait): a buffer of another shape with
-    room, two small sends that cross, a dtype that differs and a message larger than the
-    buffer, small and large (the large send itself raises)."""
+def _on_nccl(c: ItemChecker) -> bool:
+    """Whether ranks 0 and 1 exchange CuPy messages on NCCL (their GPUs do not map each
+    other's memory): the pair's channel, whose rules differ (the receiver's array has the
+    sender's shape; two sends that cross, or a dtype that differs, raise on both ranks from
+    the calls)."""
+    if c.xp is np or c.comm.rank >= 2:
+        return False
+    return not c.comm._messages.gpu_reaches(1 - c.comm.rank)
+
+
+def _refused_on_nccl(c: ItemChecker, field: str, calls: dict[int, Callable[[], object]]
+                     ) -> None:
+    """On NCCL: the calls of ranks 0 and 1 raise CollectiveMismatchError naming `field`."""
+    if c.comm.rank in calls:
+        expect_mismatches(c, [(field, calls[c.comm.rank])])
+
+
+def _host_mismatches(plan: Plan) -> Iterator[Item]:
+    """Between ranks 0 and 1 (the others wait): a buffer of another shape with room, two
+    small sends that cross, a dtype that differs and a message larger than the buffer, small
+    and large (a large NumPy send raises itself; a CuPy send, queued, from the next call).
+    CuPy messages on NCCL keep their rules (`_on_nccl`)."""
 
     def room(c: ItemChecker) -> None:
-        comm, rank = c.comm, c.comm.rank
-        if rank == 0:
-            comm.send(np.arange(10, dtype=np.float64), 1)
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        if _on_nccl(c):
+            _refused_on_nccl(c, "shape", {0: lambda: comm.send(xp.arange(10.0), 1),
+                                          1: lambda: comm.recv(xp.zeros((2, 7)), 0)})
+        elif rank == 0:
+            comm.send(xp.arange(10, dtype=np.float64), 1)
         elif rank == 1:
-            out = np.zeros((2, 7))
+            out = xp.zeros((2, 7))
             got = comm.recv(out, 0)
             c.check(got is out, "recv returned another array")
             c.expect(out.reshape(-1)[:10], np.arange(10.0), "the message", copy=True,
@@ -230,25 +217,33 @@ def _host_mismatches() -> Iterator[Item]:
                      shared=False)
 
     def crossing(c: ItemChecker) -> None:
-        comm, rank = c.comm, c.comm.rank
-        if rank < 2:  # both send first: small messages do not wait for their receive
-            comm.send(np.full(4, rank, np.int64), 1 - rank)
-            c.expect(comm.recv(np.zeros(4, np.int64), 1 - rank), np.full(4, 1 - rank),
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        if _on_nccl(c):
+            _refused_on_nccl(c, "root", {r: lambda: comm.send(xp.ones(4), 1 - rank)
+                                         for r in (0, 1)})
+        elif rank < 2:  # both send first: small messages do not wait for their receive
+            comm.send(xp.full(4, rank, np.int64), 1 - rank)
+            c.expect(comm.recv(xp.zeros(4, np.int64), 1 - rank), np.full(4, 1 - rank),
                      "crossing sends", copy=True, shared=False)
 
-    def dtype(c: ItemChecker) -> None:
-        _refused_on_both(c, lambda: c.comm.send(np.ones(4), 1),
-                         lambda: c.comm.recv(np.ones(4, np.int8), 0),
-                         "dtype", {0: "float64", 1: "int8"})
+    def refused(send: Callable[[ItemChecker], object], recv: Callable[[ItemChecker], object],
+                field: str, want: dict[int, object], nccl_field: str
+                ) -> Callable[[ItemChecker], None]:
+        def body(c: ItemChecker) -> None:
+            if _on_nccl(c):
+                _refused_on_nccl(c, nccl_field, {0: lambda: send(c), 1: lambda: recv(c)})
+            else:
+                _refused_on_both(c, lambda: send(c), lambda: recv(c), field, want)
+        return body
 
-    def larger(c: ItemChecker) -> None:
-        _refused_on_both(c, lambda: c.comm.send(np.ones(6), 1),
-                         lambda: c.comm.recv(np.ones(5), 0), "count", {0: 6, 1: 5})
-
-    def large(c: ItemChecker) -> None:  # announced, then refused: the send raises itself
-        _refused_on_both(c, lambda: c.comm.send(np.ones(1 << 20, np.float32), 1),
-                         lambda: c.comm.recv(np.ones(1 << 20, np.int32), 0),
-                         "dtype", {0: "float32", 1: "int32"})
+    dtype = refused(lambda c: c.comm.send(c.xp.ones(4), 1),
+                    lambda c: c.comm.recv(c.xp.ones(4, np.int8), 0),
+                    "dtype", {0: "float64", 1: "int8"}, "dtype")
+    larger = refused(lambda c: c.comm.send(c.xp.ones(6), 1),
+                     lambda c: c.comm.recv(c.xp.ones(5), 0), "count", {0: 6, 1: 5}, "shape")
+    large = refused(lambda c: c.comm.send(c.xp.ones(1 << 20, np.float32), 1),
+                    lambda c: c.comm.recv(c.xp.ones(1 << 20, np.int32), 0),
+                    "dtype", {0: "float32", 1: "int32"}, "dtype")
 
     yield Item.one("send_recv-float64-10_into_2x7-room", room)
     yield Item.one("send_send-int64-4-crossing-small", crossing)
@@ -483,4 +478,122 @@ def group_orders(plan: Plan) -> Iterator[Item]:
             yield Item.one(f"{form}-float64-{count}-every_order-all_pairs", body(form, count))
 
 
-FAMILIES = {"p2p": p2p, "messages": messages, "group_orders": group_orders}
+def gpu_messages(plan: Plan) -> Iterator[Item]:
+    """isend and irecv of CuPy arrays, queued on the stream: a ring shift in a group at every
+    size (one piece to more pieces than the slots) into larger buffers, both directions with
+    the receive listed first, a batch, what the Work says, any source, done() before and
+    after the sender posted, tags that must come in the order sent (a receive of another tag
+    is refused on both ranks), and a driver-call count per small message."""
+    n = plan.n
+    if plan.device != "cuda" or n < 2:
+        return
+    seed = 25000
+
+    def sizes(c: ItemChecker) -> None:
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for i, count in enumerate(_SIZES):
+            ins = c.inputs("float32", (count,), seed + i)
+            out = xp.full(count + 5, -1, np.float32)
+            with comm.group():
+                received = comm.irecv(out, left, tag=i)
+                sent = comm.isend(dev(c, ins[rank]), right, tag=i)
+            c.check(received.wait() is out and sent.wait() is None, "what wait() returned")
+            c.check((received.source, received.tag, received.count) == (left, i, count),
+                    f"work says {(received.source, received.tag, received.count)}")
+            c.expect(out[:count], ins[left], f"{count} elements", copy=True, shared=False)
+            c.expect(out[count:], np.full(5, -1, np.float32), "past the message", copy=True,
+                     shared=False)
+
+    def both_ways(c: ItemChecker) -> None:
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        right, left = (rank + 1) % n, (rank - 1) % n
+        ins = c.inputs("int64", (3 << 20,), seed + 20)  # 24 MiB: many pieces each way
+        from_left, from_right = xp.zeros(3 << 20, np.int64), xp.zeros(3 << 20, np.int64)
+        x = dev(c, ins[rank])
+        works = comm.batch([("irecv", from_left, left), ("irecv", from_right, right),
+                            ("isend", x, right), ("isend", x, left)])
+        for work in works:
+            work.wait()
+        c.expect(from_left, ins[left], "from the left", copy=True, shared=False)
+        c.expect(from_right, ins[right], "from the right", copy=True, shared=False)
+
+    def any_source(c: ItemChecker) -> None:
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        if rank == 0:
+            seen = set()
+            for _ in range(n - 1):
+                out = xp.zeros(3, np.int64)
+                work = comm.irecv(out, tag=8)
+                work.wait()
+                c.expect(out, np.full(3, work.source), "from any source", copy=True,
+                         shared=False)
+                seen.add(work.source)
+            c.check(seen == set(range(1, n)), f"sources {seen}")
+        else:
+            comm.send(xp.full(3, rank, np.int64), 0, tag=8)
+
+    def polling(c: ItemChecker) -> None:
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        if rank == 0:
+            out = xp.zeros(4)
+            work = comm.irecv(out, 1, tag=3)
+            c.check(not work.done(), "done() before the message was sent")
+            comm.barrier()  # rank 1 sends after it
+            for _ in range(1_000_000):
+                if work.done():
+                    break
+            c.check(work.done(), "done() never became true")
+            c.expect(out, np.arange(4.0), "after done()", copy=True, shared=False)
+        else:
+            comm.barrier()
+            if rank == 1:
+                comm.send(xp.arange(4.0), 0, tag=3)
+
+    def tag_order(c: ItemChecker) -> None:  # sent with tags 5, 6; received as 6, 6
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        if rank == 0:
+            comm.send(xp.full(2, 5.0), 1, tag=5)
+            comm.send(xp.full(2, 6.0), 1, tag=6)
+            comm.recv(np.zeros(1), 1, tag=77)  # (rank 1 answers once it refused)
+            try:
+                comm.synchronize()
+            except gpuring.CollectiveMismatchError as exc:
+                c.check("tag" in exc.differences, f"differences {exc.differences}")
+            else:
+                c.check(False, "the refused send raised nothing")
+        elif rank == 1:
+            try:
+                comm.recv(xp.zeros(2), 0, tag=6)
+            except gpuring.CollectiveMismatchError as exc:
+                c.check(exc.differences.get("tag") == {0: 5, 1: 6},
+                        f"differences {exc.differences}")
+            else:
+                c.check(False, "a receive of another tag took the message")
+            c.expect(comm.recv(xp.zeros(2), 0, tag=6), np.full(2, 6.0), "the next one",
+                     copy=True, shared=False)
+            comm.send(np.zeros(1), 0, tag=77)
+
+    def driver_calls(c: ItemChecker) -> None:  # a small message, both sides ready
+        comm, rank, xp = c.comm, c.comm.rank, c.xp
+        if rank > 1:
+            return
+        x, out = xp.ones(1000, np.float32), xp.zeros(1000, np.float32)
+        before = comm.device_operations
+        if rank == 0:
+            comm.send(x, 1)
+        else:
+            comm.recv(out, 0)
+        calls = comm.device_operations - before
+        c.check(calls <= 3, f"{calls} driver calls for a message of 4000 bytes")
+
+    yield Item.one("group-float32-every_size-into_larger-ring_shift", sizes)
+    yield Item.one("batch-int64-24MiB-both_ways-receive_first", both_ways)
+    yield Item.one("irecv-int64-any_source-several_senders", any_source)
+    yield Item.one("irecv-float64-done_before_and_after_send", polling)
+    yield Item.one("send_recv-float64-tags_out_of_order-refused_on_both", tag_order)
+    yield Item.one("send_recv-float32-4000B-driver_calls", driver_calls)
+
+
+FAMILIES = {"p2p": p2p, "messages": messages, "group_orders": group_orders,
+            "gpu_messages": gpu_messages}

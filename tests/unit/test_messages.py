@@ -231,3 +231,15 @@ def test_cross_memory_attach_reads_this_process_and_refuses_a_gone_one() -> None
     _cma.read(mine.pid, int(x.ctypes.data), got, x.nbytes)
     assert np.array_equal(got, x)
     assert _cma.refusal(mine._replace(pid=2 ** 22 + 12345)) is not None
+
+
+def test_a_groups_pieces_go_by_piece_number_sends_first() -> None:
+    """Two sends to one peer (pieces 0-2 and 3-4) and a receive from it (pieces 0-3): by
+    piece number, a number's send before its receive (each rank's stream then only waits for
+    what comes earlier in the same order on its peer's)."""
+    from gpuring._cuda_messages import interleaved
+
+    order = interleaved([("a", 0, 3), ("b", 3, 2)], [("r", 0, 4)])
+    assert order == [("send", "a", 0), ("receive", "r", 0), ("send", "a", 1),
+                     ("receive", "r", 1), ("send", "a", 2), ("receive", "r", 2),
+                     ("send", "b", 0), ("receive", "r", 3), ("send", "b", 1)]
