@@ -12,6 +12,7 @@ from ._ops import ReduceOp
 
 if TYPE_CHECKING:
     from ._engine import Launch
+    from ._recorder import What
     from ._registry import Placement
 
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
@@ -46,13 +47,15 @@ class Call:
     #: prepared calls it belongs to (`CallPath.generation`: a stale one is looked up anew)
     prepared: PreparedCall | None = None
     generation: int = -1
+    #: what the flight recorder keeps of it (`_recorder.What`), once its first run made it
+    what: What | None = None
 
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout and placement (what it worked out
         kept)."""
         return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
                     self.channels, self.in_place, self.algorithm, self.known_key, self.bound,
-                    self.placement, self.prepared, self.generation)
+                    self.placement, self.prepared, self.generation, self.what)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""

@@ -12,16 +12,23 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _arrays, _capture, _failures
+from . import _arrays, _capture, _failures, _recorder
 from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import Choices
 from ._config import Config
 from ._engine import Engine, Launch
-from ._errors import CommunicatorClosedError, GpuringError, PeerFailureError, RegistrationError
+from ._errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    GpuringError,
+    PeerFailureError,
+    RegistrationError,
+)
 from ._failures import Lifecycle, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
+from ._recorder import END, FAILED, SEQ, Ring, Standing, clock, describe
 from ._registry import Registry
 from ._route import Facts
 from ._timeline import Timeline
@@ -81,42 +88,87 @@ class CallPath:
         #: per kind of device that may lack it: whether the ranks map each other's memory
         #: (decided with the first collective of that kind; else the collectives run on NCCL)
         self.mappable: dict[str, bool] = {}
+        #: the flight recorder's ring (GPURING_TRACE_ENTRIES; None: off)
+        self.ring = Ring(config.trace_entries) if config.trace_entries > 0 else None
+        if self.ring is not None:
+            _recorder.register(self)
 
     def run(self, call: Call) -> Any:
         """Run a checked call: prepare it once per key, then run it by its route. A call
         that comes again (`LastCalls`), or a persistent collective's, holds its prepared
         call: it runs as it is while the prepared calls of this generation stand (forgetting
-        them happens on every rank at once, so every rank prepares it anew alike)."""
+        them happens on every rank at once, so every rank prepares it anew alike). The
+        flight recorder keeps it: a slot of the ring, and its end time."""
         if self.life.state is not State.OPEN:
-            self.life.check(call.collective, self.seq + 1)
+            self._refuse(call)
         if call.x is None:
             _capture.refuse_barrier()
         with self.lock:
             prepared = call.prepared
             if prepared is None or call.generation != self.generation:
                 prepared = self._prepared(call)
-            launch = prepared.launch
-            if launch is not None and (prepared.captured is not launch or
-                                       self._timeline is not None) \
-                    and launch.engine.device.capturing():
-                captured = _capture.recorded(prepared, call.collective,
-                                             self._timeline is not None,
-                                             call.x is not None and call.x.size == 0)
-                self.seq += 1
-                if captured is None:  # an empty collective: nothing moves, nothing to record
-                    self._last_schedule = "nothing"
-                    return call.out
-                self._last_schedule = "kernels" if captured is not launch \
-                    else prepared.schedule
-                return self._run_engine(prepared, call, captured)
-            if prepared.route is Route.ENGINE:  # the common route, decided first
-                self.seq += 1
-                self._last_schedule = prepared.schedule
-                return self._run_engine(prepared, call)
-            _capture.refuse_route(prepared, call.collective, call.x)
+            ring = self.ring
+            if ring is None:
+                return self._start(prepared, call)
+            what = call.what
+            if what is None:  # (once per checked call: a call that comes again keeps it)
+                what = call.what = describe(call.collective, call.x, call.out, call.op,
+                                            call.root, prepared.schedule)
+            seq = self.seq + 1
+            entry: list[Any] = [seq, what, clock(), 0.0, ""]
+            ring.slots[seq % ring.capacity] = entry
+            try:  # (a try costs nothing where nothing fails)
+                result = self._start(prepared, call)
+            except BaseException:
+                entry[FAILED] = "failed"
+                raise
+            entry[END] = clock()
+            return result
+
+    def _start(self, prepared: PreparedCall, call: Call) -> Any:
+        """Run the prepared call by its route (a new collective: `seq` moves on)."""
+        launch = prepared.launch
+        if launch is not None and (prepared.captured is not launch or
+                                   self._timeline is not None) \
+                and launch.engine.device.capturing():
+            captured = _capture.recorded(prepared, call.collective,
+                                         self._timeline is not None,
+                                         call.x is not None and call.x.size == 0)
+            self.seq += 1
+            if captured is None:  # an empty collective: nothing moves, nothing to record
+                self._last_schedule = "nothing"
+                return call.out
+            self._last_schedule = "kernels" if captured is not launch \
+                else prepared.schedule
+            return self._run_engine(prepared, call, captured)
+        if prepared.route is Route.ENGINE:  # the common route, decided first
             self.seq += 1
             self._last_schedule = prepared.schedule
-            return _ROUTES[prepared.route](self, prepared, call)
+            return self._run_engine(prepared, call)
+        _capture.refuse_route(prepared, call.collective, call.x)
+        self.seq += 1
+        self._last_schedule = prepared.schedule
+        return _ROUTES[prepared.route](self, prepared, call)
+
+    def _refuse(self, call: Call) -> None:
+        """Raise the error of a call this communicator may no longer run (`Lifecycle.check`),
+        after recording it as failed (once per sequence number: the call this rank would
+        have run next, which a dump shows)."""
+        ring, seq = self.ring, self.seq + 1
+        if ring is None or self.life.state is State.CLOSED:
+            self.life.check(call.collective, seq)
+            return
+        held = ring.slots[seq % ring.capacity]
+        if held is not None and held[SEQ] == seq:  # recorded (and written) already
+            self.life.check(call.collective, seq)
+            return
+        what = call.what or describe(call.collective, call.x, call.out, call.op, call.root, "")
+        ring.slots[seq % ring.capacity] = [seq, what, clock(), 0.0, "refused"]
+        try:
+            self.life.check(call.collective, seq)
+        except GpuringError as exc:
+            _failures.trace(self, exc)
+            raise
 
     @property
     def last_schedule(self) -> str:
@@ -157,13 +209,33 @@ class CallPath:
         if prepared is None:
             if _arrays.capturing(call.x):  # (a barrier was refused before)
                 raise _capture.first_call_refused(call.collective)
-            prepared = prepare(self, call)
+            prepared = self._prepare_recorded(call)
             if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
                 self._forget_prepared()
             self.prepared[key] = prepared
-        if prepared is not call.prepared:
-            call.prepared, call.bound = prepared, None  # (operands of another launch)
+        if prepared is not call.prepared:  # (operands of another launch, maybe another
+            call.prepared, call.bound, call.what = prepared, None, None  # schedule)
         call.generation = self.generation
+        return prepared
+
+    def _prepare_recorded(self, call: Call) -> PreparedCall:
+        """`prepare(call)`, shown meanwhile in the flight recorder as collective `seq + 1`
+        (its ranks agree on it: a rank that stalls there shows where), then as it was (the
+        run that follows records the call), or as failed where preparing it failed."""
+        ring, seq = self.ring, self.seq + 1
+        if ring is None:
+            return prepare(self, call)
+        slot = seq % ring.capacity
+        held = ring.slots[slot]
+        entry = [seq, describe(call.collective, call.x, call.out, call.op, call.root, ""),
+                 clock(), 0.0, ""]
+        ring.slots[slot] = entry
+        try:
+            prepared = prepare(self, call)
+        except BaseException:
+            entry[FAILED] = "failed"
+            raise
+        ring.slots[slot] = held
         return prepared
 
     def _forget_prepared(self) -> None:
@@ -270,7 +342,12 @@ class CallPath:
             return
         name = signature.collective
         signatures = self.exchange("a collective", signature, name, _described(signature))
-        check_alike(signatures, name, self.rank)
+        try:
+            check_alike(signatures, name, self.rank)
+        except CollectiveMismatchError as exc:  # every rank raises it; the communicator
+            self._entry_failed(self.seq + 1)  # goes on
+            _failures.trace(self, exc)
+            raise
         if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
             self.agreed.clear()  # on every rank at once (the same calls agreed on);
             self._forget_prepared()  # a prepared call is only reused while still agreed
@@ -361,6 +438,7 @@ class CallPath:
                 f"{name} #{self.seq}: results differ across ranks (checksums "
                 + ", ".join(f"rank {r} {c:08x}" for r, c in enumerate(sums)) + ")")
             self.life.raised(error)
+            _failures.trace(self, error)
             raise error
 
     # -- what the communicator asks of its path --------------------------------------------
@@ -444,6 +522,30 @@ class CallPath:
         """Stop recording; the timeline that recorded (None: none did)."""
         timeline, self._timeline = self._timeline, None
         return timeline
+
+    # -- the flight recorder (`_recorder`) ------------------------------------------------
+    def standing(self) -> Standing:
+        """What a dump of the flight recorder says of this communicator besides its ring."""
+        life, watchdog = self.life, self.watchdog
+        broken = life.error or life.cause
+        failure = broken or life.traced
+        return Standing(self.control.job_id, tuple(self.control.job_ranks), self.rank,
+                        self.seq, life.state.value, life.completed_through,
+                        None if watchdog is None else watchdog.in_flight(),
+                        life.lost_through, failure, broken is not None,
+                        None if failure is None else _failures.job_peer(self, failure))
+
+    def _entry_failed(self, seq: int) -> None:
+        """The flight recorder's entry of collective `seq` (where it holds one) failed."""
+        ring = self.ring
+        entry = None if ring is None else ring.slots[seq % ring.capacity]
+        if entry is not None and entry[SEQ] == seq:
+            entry[FAILED] = "failed"
+
+    def dump_trace(self, reason: str) -> str | None:
+        """Write this rank's flight recorder (every communicator of the process) now; the
+        file's path, or None where the recorder is off."""
+        return None if self.ring is None else _recorder.dump(reason)
 
     # -- failures (`_failures`) ----------------------------------------------------------
     def on_peer_failure(self, error: PeerFailureError) -> None:

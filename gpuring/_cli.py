@@ -1,5 +1,6 @@
 """The `gpuring` command: `gpuring run` launches ranks; `gpuring bench` measures; `gpuring
-tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of time."""
+tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of time;
+`gpuring doctor` says what went wrong in a job, from its ranks' flight recorders."""
 
 from __future__ import annotations
 
@@ -43,6 +44,21 @@ def _run_problem(command: list[str], nranks: int) -> str | None:
     elif shutil.which(program) is None:
         return f"command not found: {program}"
     return None
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from . import _doctor as doctor
+
+    try:
+        dumps = doctor.load(args.directory)
+    except ValueError as exc:
+        print(f"gpuring doctor: {exc}", file=sys.stderr)
+        return 2
+    report = doctor.diagnose(dumps)
+    print(json.dumps(report, indent=1) if args.json else doctor.render(report))
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -185,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--arch", action="append", default=[], type=_arch,
                          help="an architecture such as sm_90; may be repeated")
     kernels.set_defaults(func=_kernels)
+    doctor = commands.add_parser(
+        "doctor", help="say what went wrong in a job, from its ranks' flight recorders",
+        description="Read the flight recorder's dumps of every rank of a job (what "
+                    "GPURING_TRACE_DIR, or `gpuring run`'s log directory, holds) and print "
+                    "on one screen, for each communicator in trouble: the last collective "
+                    "every rank completed, the first one where the ranks diverge (who "
+                    "entered what, where in their code, who did not), the failures, the root "
+                    "cause, and what to check. Example: gpuring doctor /tmp/gpuring-run-JOB")
+    doctor.add_argument("directory", help="the directory of the dumps")
+    doctor.add_argument("--json", action="store_true",
+                        help="print the report as JSON, for tools")
+    doctor.set_defaults(func=_doctor)
     return parser
 
 

@@ -492,6 +492,13 @@ class Communicator:
         return self._path.device_operations()
 
     # -- failures -----------------------------------------------------------------------
+    def dump_trace(self) -> str | None:
+        """Write this rank's flight recorder now: the last collectives of every communicator
+        of this process (GPURING_TRACE_ENTRIES of each), as JSON, to GPURING_TRACE_DIR (see
+        docs/faults.md); returns the file's path (None where the recorder is off). Not a
+        collective: any rank, any thread, any time. `gpuring doctor DIR` reads the files."""
+        return self._path.dump_trace("dump_trace()")
+
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
         are told, and later calls raise CommunicatorClosedError. Close it afterwards."""

@@ -144,6 +144,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "largest fusion buffer of `all_reduce_many`"),
     Setting("GPURING_TIMELINE", str, None, "unset",
             "a path: record a Chrome trace of every collective from `init()` to `close()` there"),
+    Setting("GPURING_TRACE_ENTRIES", int, 256, "256",
+            "the flight recorder: the collectives each communicator keeps on every rank (the "
+            "last ones), written on a failure, a timeout, an abort, `comm.dump_trace()` and "
+            "SIGUSR1 for `gpuring doctor` (0: off)"),
+    Setting("GPURING_TRACE_DIR", str, None, "unset",
+            "where the flight recorder writes (one file per rank); unset: the directory of "
+            "`GPURING_TIMELINE`, else `gpuring-trace-JOB` in the temporary directory "
+            "(`gpuring run` sets it to its job's log directory)"),
     Setting("GPURING_CUDA_FLAGS", _choice("auto", "memops", "kernel"), "auto", "auto",
             "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
             "`auto` (memops where available, else kernel with a warning)"),
