@@ -12,7 +12,6 @@ from ._ops import ReduceOp
 
 if TYPE_CHECKING:
     from ._engine import Launch
-    from ._recorder import What
     from ._registry import Placement
 
 __all__ = ["Call", "Signature", "check_alike", "Route", "PreparedCall"]
@@ -47,8 +46,9 @@ class Call:
     #: prepared calls it belongs to (`CallPath.generation`: a stale one is looked up anew)
     prepared: PreparedCall | None = None
     generation: int = -1
-    #: what the flight recorder keeps of it (`_recorder.What`), once its first run made it
-    what: What | None = None
+    #: what the flight recorder keeps of it (`_recorder.What`'s fields, as a plain tuple),
+    #: once its first run made it
+    what: tuple[Any, ...] | None = None
 
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout and placement (what it worked out

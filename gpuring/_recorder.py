@@ -30,7 +30,8 @@ from typing import Any, NamedTuple, Protocol
 
 from . import settings
 
-__all__ = ["FORMAT", "VERSION", "What", "Ring", "Standing", "Recorded", "describe",
+__all__ = ["FORMAT", "VERSION", "What", "fields", "Ring", "Standing", "Recorded",
+           "describe",
            "register", "dump", "trace_dir", "trace_file", "clock", "SEQ", "WHAT",
            "START", "END", "FAILED"]
 
@@ -47,8 +48,9 @@ clock = time.monotonic
 
 
 class What(NamedTuple):
-    """What does not change between the runs of one checked call, as it came (made once per
-    call, so nothing is worked out here: `fields` says it in words, for a dump)."""
+    """What does not change between the runs of one checked call, as it came (`describe`
+    makes it once per call, a plain tuple: nothing is worked out then; `fields` says it in
+    words, for a dump)."""
 
     verb: str
     #: the input's shape and the output's (None: a barrier; an output of None: off the root)
@@ -64,39 +66,45 @@ class What(NamedTuple):
     code: CodeType | None
     lasti: int
 
-    def fields(self) -> dict[str, Any]:
-        """The entry's fields of a dump, but its number, state and times."""
-        barrier = self.x_shape is None
-        shapes = [] if barrier else [list(self.x_shape or ()), list(self.out_shape or ())]
-        return {"verb": self.verb, "shapes": shapes,
-                "dtype": None if barrier else str(self.dtype),
-                "op": getattr(self.op, "value", str(self.op)) if self.verb in _REDUCING
-                else None,
-                "root": self.root if self.verb in _ROOTED else None,
-                "schedule": self.schedule, "site": _site(self.code, self.lasti)}
+
+def fields(what: tuple[Any, ...]) -> dict[str, Any]:
+    """An entry's fields of a dump, but its number, state and times (`what`: a `What`)."""
+    verb, x_shape, out_shape, dtype, op, root, schedule, code, lasti = what
+    barrier = x_shape is None
+    return {"verb": verb,
+            "shapes": [] if barrier else [list(x_shape), list(out_shape or ())],
+            "dtype": None if barrier else str(dtype),
+            "op": getattr(op, "value", str(op)) if verb in _REDUCING else None,
+            "root": root if verb in _ROOTED else None,
+            "schedule": schedule, "site": _site(code, lasti)}
 
 
 #: the collectives that take an op, and those that take a root (the others' are not shown)
 _REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 
-
 #: where gpuring's own source files lie (a frame there is not the user's)
 _OURS = tuple({os.path.dirname(__file__) + os.sep,
                os.path.dirname(os.path.abspath(__file__)) + os.sep})
 
 
-def describe(verb: str, x: Any, out: Any, op: Any, root: int, schedule: str) -> What:
-    """The `What` of a call of `verb` on `x` into `out` (None: none), made where it is
-    called from: the first frame outside gpuring is the call's site."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OURS):
+def describe(verb: str, x: Any, out: Any, op: Any, root: int, schedule: str
+             ) -> tuple[Any, ...]:
+    """The `What` of a call of `verb` on `x` into `out` (None: none), as a plain tuple, made
+    where it is called from (by the call path: its caller is gpuring's too): the first frame
+    outside gpuring is the call's site."""
+    frame = sys._getframe(2)
+    ours = _OURS
+    while frame.f_code.co_filename.startswith(ours):
         frame = frame.f_back  # type: ignore[assignment]
-    code, lasti = (None, -1) if frame is None else (frame.f_code, frame.f_lasti)
+        if frame is None:
+            return (verb, None if x is None else x.shape,
+                    None if out is None else out.shape, None if x is None else x.dtype, op,
+                    root, schedule, None, -1)
     if x is None:
-        return What(verb, None, None, None, None, 0, schedule, code, lasti)
-    return What(verb, x.shape, None if out is None else out.shape, x.dtype, op, root,
-                schedule, code, lasti)
+        return (verb, None, None, None, op, root, schedule, frame.f_code, frame.f_lasti)
+    return (verb, x.shape, None if out is None else out.shape, x.dtype, op, root, schedule,
+            frame.f_code, frame.f_lasti)
 
 
 def _site(code: CodeType | None, lasti: int) -> str:
@@ -208,7 +216,7 @@ def _communicator(recorded: Recorded, offset: float) -> dict[str, Any] | None:
             "blames": standing.blames},
         "entries": [{
             "seq": entry[SEQ],
-            **entry[WHAT].fields(),
+            **fields(entry[WHAT]),
             "state": _state(entry, standing, newest),
             "start": round(entry[START] + offset, 6),
             "end": round(entry[END] + offset, 6) if entry[END] else None,

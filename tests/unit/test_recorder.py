@@ -157,7 +157,7 @@ class _Recorded:
 
 
 def _what(verb: str) -> What:
-    return What(verb, (4,), (4,), np.dtype("float32"), None, 0, "ring", None, -1)
+    return What(verb, (4,), (4,), np.dtype("float32"), "sum", 0, "ring", None, -1)
 
 
 @pytest.mark.parametrize(("case", "expected"), [
