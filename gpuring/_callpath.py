@@ -343,7 +343,7 @@ class CallPath:
         name = signature.collective
         signatures = self.exchange("a collective", signature, name, _described(signature))
         try:
-            check_alike(signatures, name, self.rank)
+            check_alike(signatures, name, self.rank, self.seq + 1)
         except CollectiveMismatchError as exc:  # every rank raises it; the communicator
             self._entry_failed(self.seq + 1)  # goes on
             _failures.trace(self, exc)
@@ -386,7 +386,7 @@ class CallPath:
                     kind != "cpu" and (not self.control.single_node
                                        or self.config.transport == "nccl")):
                 return None
-            self.ensure_watchdog()
+            self.ensure_watchdog(name)
             self.agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
             if _routes.asks_reach(self, kind):
                 self.mappable[kind] = _routes.peers_reachable(self, kind, name)
@@ -415,13 +415,15 @@ class CallPath:
             self.engines[kind] = engine
         return engine
 
-    def ensure_watchdog(self) -> None:
-        """Create the status board and watchdog (collectively, on first use)."""
+    def ensure_watchdog(self, name: str = "a collective") -> None:
+        """Create the status board and watchdog (collectively, on first use: by the call
+        `name`, whose error a failure to set them up is, as its agreement's would be)."""
         if self.watchdog is None:
             host = HostDevice(name_prefix=f"{SHM_PREFIX}{self.control.job_id}-"
                                           f"r{self.rank}-status-", timeout=self.config.timeout,
                               for_collectives=False)
-            with contextlib.ExitStack() as undo:
+            with contextlib.ExitStack() as undo, \
+                    _failures.on_exchange(self, name, self.seq + 1):
                 undo.callback(host.close)
                 self.watchdog = Watchdog(self.control, host, timeout=self.config.timeout,
                                          stall_warning_s=self.config.stall_warning_s,

@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"gpuring run: {problem}", file=sys.stderr)
         return 2
-    return run(command, args.nranks, grace=args.grace, host=args.host)
+    return run(command, args.nranks, grace=args.grace, host=args.host, log_dir=args.log_dir)
 
 
 def _run_problem(command: list[str], nranks: int) -> str | None:
@@ -160,12 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="start N ranks of a program on this node",
         description="Start N ranks of COMMAND on this node, each with its rank in the "
                     "environment; output lines are prefixed with the rank. When one rank "
-                    "fails the others are told, then stopped after --grace seconds.")
+                    "fails the others are told, then stopped after --grace seconds; the job "
+                    "ends with one summary of the root cause, and exits with its status.")
     run.add_argument("-n", "--nranks", type=int, required=True, help="number of ranks")
     run.add_argument("--grace", type=float, default=3.0,
                      help="seconds the survivors get after a rank fails (default 3)")
     run.add_argument("--host", default="127.0.0.1",
                      help="interface the control plane listens on (default loopback)")
+    run.add_argument("--log-dir", default=None,
+                     help="where each rank's whole output goes (rank-N.log) and, unless "
+                          "GPURING_TRACE_DIR says otherwise, the flight recorder's dumps "
+                          "(default: gpuring-run-JOB in the temporary directory, removed "
+                          "when the job ends well)")
     run.add_argument("command", nargs=argparse.REMAINDER,
                      help="the program, e.g. python train.py (a .py file runs with this Python)")
     run.set_defaults(func=_run)

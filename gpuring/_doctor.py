@@ -12,10 +12,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ._recorder import FORMAT, VERSION
+from ._wording import call_words, ranks_text
 
 __all__ = ["Dumps", "load", "diagnose", "render", "ranks_text", "call_text"]
 
@@ -62,30 +63,11 @@ def load(directory: str) -> Dumps:
     return Dumps(directory, newest, by_rank, skipped)
 
 
-def ranks_text(ranks: Iterable[int]) -> str:
-    """`rank 3`, `ranks 0-2, 5`: ranks in words, runs joined."""
-    ordered = sorted(set(ranks))
-    runs: list[list[int]] = []
-    for r in ordered:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
-    return f"rank {text}" if len(ordered) == 1 else f"ranks {text}"
-
-
 def call_text(entry: dict[str, Any]) -> str:
     """A recorded call in words: `all_reduce(float32[4096], op=sum)`."""
-    if entry.get("dtype") is None:
-        return f"{entry['verb']}()"
-    shape = entry["shapes"][0] if entry.get("shapes") else []
-    parts = [f"{entry['dtype']}[{', '.join(map(str, shape))}]"]
-    if entry.get("op") is not None:
-        parts.append(f"op={entry['op']}")
-    if entry.get("root") is not None:
-        parts.append(f"root={entry['root']}")
-    return f"{entry['verb']}({', '.join(parts)})"
+    shapes = entry.get("shapes") or [[]]
+    return call_words(entry["verb"], shapes[0], entry.get("dtype"), entry.get("op"),
+                      entry.get("root"))
 
 
 def _site(entry: dict[str, Any]) -> str:
@@ -182,14 +164,17 @@ def _root_cause(report: dict[str, Any], ranks: Sequence[int]) -> dict[str, Any] 
         if failure.get("blames") is not None and failure["blames"] != failure["rank"]:
             blamed[failure["blames"]] = blamed.get(failure["blames"], 0) + 1
     if divergence is not None and len(divergence["entered"]) > 1:
-        majority, *others = divergence["entered"]
-        culprits = [r for g in others for r in g["ranks"]]
-        if len(majority["ranks"]) == len(others[0]["ranks"]) and blamed:  # no majority
+        groups = divergence["entered"]
+        culprits = [r for g in groups[1:] for r in g["ranks"]]
+        if len(groups[0]["ranks"]) == len(groups[1]["ranks"]) and blamed:  # no majority
             top = max(blamed.values())
             culprits = sorted(r for r, n in blamed.items() if n == top)
+        theirs = next(g for g in groups if culprits[0] in g["ranks"])
+        others = next(g for g in groups if g is not theirs)
         return {"ranks": culprits, "kind": "mismatch",
-                "why": f"{ranks_text(culprits)} called another collective as "
-                       f"#{divergence['seq']} than {ranks_text(majority['ranks'])}"}
+                "why": f"{ranks_text(theirs['ranks'])} called {theirs['call']} as "
+                       f"#{divergence['seq']} where {ranks_text(others['ranks'])} called "
+                       f"{others['call']}"}
     if blamed:
         top = max(blamed.values())
         culprits = sorted(r for r, n in blamed.items() if n == top)

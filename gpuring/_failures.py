@@ -429,10 +429,15 @@ class on_exchange(_Translating):
             watchdog.check()
         error = life.explain(exc, name, seq)
         if life.cause is None and isinstance(exc, CollectiveTimeoutError):
-            # say so on the status board (which rank is missing is unknown here): a late
-            # peer then fails at once, instead of completing the exchange this rank left
-            # and waiting its own timeout in a collective nobody else will run
-            give_up(path, error, name, culprit=-1, seq=seq)
+            # say so on the status board, blaming the rank that did not take part where the
+            # control plane knows it: a late peer then fails at once, instead of completing
+            # the exchange this rank left and waiting its own timeout in a collective nobody
+            # else will run; where there is no board yet (the first call sets it up), the
+            # control plane tells the peers
+            missing = getattr(error, "peer", None)
+            give_up(path, error, name, culprit=-1 if missing is None else missing, seq=seq)
+            if watchdog is None and missing is not None:
+                tell_peers(path, error)
         elif watchdog is not None:  # at close, tell the peers this rank failed (and why),
             watchdog.note_failure(error)  # not that it left without entering the call
         life.raised(error)

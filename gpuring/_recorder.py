@@ -29,6 +29,7 @@ from types import CodeType
 from typing import Any, NamedTuple, Protocol
 
 from . import settings
+from ._wording import REDUCING, ROOTED
 
 __all__ = ["FORMAT", "VERSION", "What", "fields", "Ring", "Standing", "Recorded",
            "describe",
@@ -80,8 +81,7 @@ def fields(what: tuple[Any, ...]) -> dict[str, Any]:
 
 
 #: the collectives that take an op, and those that take a root (the others' are not shown)
-_REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
-_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+_REDUCING, _ROOTED = REDUCING, ROOTED
 
 #: where gpuring's own source files lie (a frame there is not the user's)
 _OURS = tuple({os.path.dirname(__file__) + os.sep,

@@ -51,8 +51,8 @@ def test_doctor_names_the_rank_that_skipped_a_collective(case: str, tmp_path: Pa
                and line.endswith(f"{worker}:46 (failed)") for line in lines), text
     assert any(line.startswith("    rank 5 entered all_reduce(float32[64], op=sum) at ")
                and line.endswith(states) and f"{worker}:41 " in line for line in lines), text
-    assert "  root cause: rank 5: rank 5 called another collective as #6 than ranks " \
-           "0-4, 6-7" in lines, text
+    assert "  root cause: rank 5: rank 5 called all_reduce(float32[64], op=sum) as #6 where " \
+           "ranks 0-4, 6-7 called all_gather(float32[1])" in lines, text
     as_json = json.loads(doctor(traces, "--json").stdout)
     (comm,) = [c for c in as_json["communicators"] if c["group"] == as_json["job"]]
     assert comm["root_cause"]["ranks"] == [5]
