@@ -25,7 +25,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"gpuring run: {problem}", file=sys.stderr)
         return 2
-    return run(command, args.nranks, grace=args.grace, host=args.host, log_dir=args.log_dir)
+    return run(command, args.nranks, grace=args.grace, host=args.host, log_dir=args.log_dir,
+               keep_going=args.keep_going)
 
 
 def _run_problem(command: list[str], nranks: int) -> str | None:
@@ -167,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds the survivors get after a rank fails (default 3)")
     run.add_argument("--host", default="127.0.0.1",
                      help="interface the control plane listens on (default loopback)")
+    run.add_argument("--keep-going", action="store_true",
+                     help="a rank that dies does not stop the others: they are told (a "
+                          "PeerFailureError) and may go on in comm.shrink(); the job ends "
+                          "well where every other rank does")
     run.add_argument("--log-dir", default=None,
                      help="where each rank's whole output goes (rank-N.log) and, unless "
                           "GPURING_TRACE_DIR says otherwise, the flight recorder's dumps "

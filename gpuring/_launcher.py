@@ -27,6 +27,7 @@ from typing import IO
 
 from . import _doctor
 from ._reports import Outcome, RankOutput, describe_status, exit_status, root_cause, summary
+from ._wording import ranks_text
 from .devices.host import SHM_DIR, SHM_PREFIX
 from .rendezvous.store import ENV_ADDR, ENV_JOB, ENV_KEY, StoreServer
 
@@ -51,6 +52,8 @@ class _Rank:
     output: RankOutput
     #: gpuring run signalled it to stop (after a failure, or forwarding a signal)
     stopped: bool = field(default=False)
+    #: its failure was told to the other ranks
+    reported: bool = field(default=False)
 
 
 def shm_leftovers(job_id: str) -> list[str]:
@@ -60,11 +63,13 @@ def shm_leftovers(job_id: str) -> list[str]:
 
 def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127.0.0.1",
         env: dict[str, str] | None = None, quiet: bool = False,
-        log_dir: str | None = None) -> int:
+        log_dir: str | None = None, keep_going: bool = False) -> int:
     """Run `command` as `nranks` ranks; return the job's exit status. Unless `quiet`, each
     rank's output also goes to `LOG_DIR/rank-N.log` (default: `gpuring-run-JOB` in the
     temporary directory, removed when the job ends well), tracebacks of ranks that fail are
-    summed up, and a failed job ends with one summary (`_reports.summary`)."""
+    summed up, and a failed job ends with one summary (`_reports.summary`). `keep_going`: a
+    rank that fails does not stop the others (they are told, and may shrink their
+    communicators and go on); the job ends well where every other rank does."""
     if nranks < 1:
         raise ValueError("the number of ranks must be at least 1")
     if not command:
@@ -111,7 +116,8 @@ def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127
                     pump.start()
                 ranks.append(_Rank(r, proc, pumps, output))
             try:
-                first_failure = _supervise(ranks, server, grace, stopping, received)
+                first_failure = _supervise(ranks, server, grace, stopping, received,
+                                           keep_going)
             finally:
                 for rank in ranks:
                     if rank.proc.poll() is None:
@@ -143,6 +149,8 @@ def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127
                   + ("" if logs is None else f"; the ranks' output: {logs}"), file=sys.stderr)
         return exit_status(code)
     outcomes = [Outcome(r.rank, r.proc.returncode, r.stopped, r.output.raised) for r in ranks]
+    if keep_going and received == [] and _survived(outcomes, quiet, logs):
+        return 0
     traces = base_env.get(_TRACE_DIR) or None
     blamed, why = _blamed(traces, job_id)
     report = root_cause(outcomes, rank_id, blamed, why)
@@ -155,6 +163,22 @@ def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127
                                 traces if blamed or why else None):
                 print(line, file=sys.stderr)
     return report.status
+
+
+def _survived(outcomes: list[Outcome], quiet: bool, logs: str | None) -> bool:
+    """Under --keep-going: whether the job went on without the ranks that failed: every
+    other rank ended well (then say which failed, and that the others went on)."""
+    died = [o for o in outcomes if o.status != 0]
+    if not died or len(died) == len(outcomes) or any(o.stopped for o in outcomes):
+        return False
+    if not quiet:
+        for o in died:
+            print(f"gpuring run: rank {o.rank} {describe_status(o.status or 0)}",
+                  file=sys.stderr)
+        went_on = [o.rank for o in outcomes if o not in died]
+        print(f"gpuring run: {ranks_text(went_on)} went on (--keep-going) and ended well"
+              + ("" if logs is None else f"; the ranks' output: {logs}"), file=sys.stderr)
+    return True
 
 
 def _log_dir(chosen: str | None, job_id: str) -> str:
@@ -201,8 +225,11 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
 
 
 def _supervise(ranks: list[_Rank], server: StoreServer, grace: float,
-               stopping: threading.Event, received: list[int]) -> tuple[int, int] | None:
-    """Wait for every rank; return (rank, status) of the first that failed, if any."""
+               stopping: threading.Event, received: list[int],
+               keep_going: bool = False) -> tuple[int, int] | None:
+    """Wait for every rank; return (rank, status) of the first that failed, if any. A rank
+    that fails is reported to the others (`server`); unless `keep_going`, the others are
+    stopped `grace` seconds later."""
     first_failure: tuple[int, int] | None = None
     stop_at: float | None = None
     killed = False
@@ -218,11 +245,14 @@ def _supervise(ranks: list[_Rank], server: StoreServer, grace: float,
             stop_at = time.monotonic() + grace
         for rank in ranks:
             code = rank.proc.poll()
-            if code not in (None, 0) and first_failure is None:
-                first_failure = (rank.rank, code)
+            if code not in (None, 0) and not rank.reported:
+                rank.reported = True
+                if first_failure is None:
+                    first_failure = (rank.rank, code)
+                    if not keep_going:
+                        stop_at = time.monotonic() + grace
                 server.report_failure(rank.rank, f"rank {rank.rank} {describe_status(code)}",
                                       dead=True)
-                stop_at = time.monotonic() + grace
         if stop_at is not None and time.monotonic() > stop_at:
             signum = signal.SIGKILL if killed else signal.SIGTERM
             for rank in ranks:

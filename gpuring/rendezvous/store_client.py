@@ -117,6 +117,11 @@ class _Link:
                 pass
             self.conn.close()
 
+    def departed(self) -> frozenset[int]:
+        """The ranks of the job known dead."""
+        with self._lock:
+            return frozenset(self.deaths)
+
     def _read_loop(self) -> None:
         while True:
             try:
@@ -303,6 +308,9 @@ class StoreClient(ControlPlane):
 
     def interrupt(self, reason: str) -> None:
         self._replies.put(Lost(reason))
+
+    def departed(self) -> frozenset[int]:
+        return self._link.departed()
 
     def report_failure(self, reason: str, peer: int | None = None,
                        timed_out: bool = False, job_peer: int | None = None) -> None:
