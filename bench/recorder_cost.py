@@ -3,6 +3,7 @@ in the same processes, taking turns.
 
     mpiexec -n 2 python bench/recorder_cost.py [--iters 3000] [--rounds 6]
     gpuring run -n 2 python bench/recorder_cost.py
+    python bench/recorder_cost.py --alone      (a world of one, in thread CPU time)
 
 For 8 B, 256 B and 4 KiB (float32, sum) two kinds of call: `out=` given (the call that comes
 again: `LastCalls` keeps its checks and its recorder's description) and a new output each
@@ -35,14 +36,15 @@ if TYPE_CHECKING:
     from _typeshed import TraceFunction
 
 
-def per_call_us(comm: gpuring.Communicator, fn: Callable[[], object], iters: int) -> float:
+def per_call_us(comm: gpuring.Communicator, fn: Callable[[], object], iters: int,
+                clock: Callable[[], float] = time.perf_counter) -> float:
     reps = []
     for _ in range(3):
         comm.barrier()
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iters):
             fn()
-        reps.append((time.perf_counter() - t0) / iters * 1e6)
+        reps.append((clock() - t0) / iters * 1e6)
     return statistics.median(reps)
 
 
@@ -78,14 +80,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--alone", action="store_true",
+                        help="a world of one (no launcher): the call path and the recorder "
+                             "with no peer to wait for, timed in this thread's CPU time "
+                             "(time.thread_time), which other processes' load disturbs less")
     args = parser.parse_args()
     comm = gpuring.init()
+    clock = time.thread_time if args.alone else time.perf_counter
     path = comm._path
     ring = path.ring
     if ring is None:
         raise SystemExit("the recorder is off (GPURING_TRACE_ENTRIES=0): nothing to compare")
     if comm.rank == 0:
-        print(f"# {comm.size} ranks, float32 sum, {args.iters} calls x 3 per measure, "
+        print(f"# {comm.size} ranks{' (thread CPU time)' if args.alone else ''}, "
+              f"float32 sum, {args.iters} calls x 3 per measure, "
               f"{args.rounds} rounds; python {sys.version.split()[0]}, numpy {np.__version__}, "
               f"{ring.capacity} entries per communicator")
         print(f"{'bytes':>6} {'call':>8} {'on us':>7} {'off us':>7} {'on-off':>7} "
@@ -110,7 +118,7 @@ def main() -> None:
                 times = {}
                 for setting in order:
                     path.ring = setting
-                    times[setting is not None] = per_call_us(comm, fn, args.iters)
+                    times[setting is not None] = per_call_us(comm, fn, args.iters, clock)
                 path.ring = ring
                 on.append(times[True])
                 off.append(times[False])

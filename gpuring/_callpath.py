@@ -28,7 +28,7 @@ from ._errors import (
 from ._failures import Lifecycle, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
-from ._recorder import END, FAILED, SEQ, Ring, Standing, clock, describe
+from ._recorder import END, FAILED, SEQ, WHAT, Ring, Standing, clock, describe
 from ._registry import Registry
 from ._route import Facts
 from ._timeline import Timeline
@@ -98,7 +98,7 @@ class CallPath:
         that comes again (`LastCalls`), or a persistent collective's, holds its prepared
         call: it runs as it is while the prepared calls of this generation stand (forgetting
         them happens on every rank at once, so every rank prepares it anew alike). The
-        flight recorder keeps it: a slot of the ring, and its end time."""
+        flight recorder keeps it: a slot of the ring, its end time, whether it failed."""
         if self.life.state is not State.OPEN:
             self._refuse(call)
         if call.x is None:
@@ -107,48 +107,45 @@ class CallPath:
             prepared = call.prepared
             if prepared is None or call.generation != self.generation:
                 prepared = self._prepared(call)
-            ring = self.ring
-            if ring is None:
-                return self._start(prepared, call)
-            what = call.what
-            if what is None:  # (once per checked call: a call that comes again keeps it)
-                what = call.what = describe(call.collective, call.x, call.out, call.op,
-                                            call.root, prepared.schedule)
-            seq = self.seq + 1
-            entry: list[Any] = [seq, what, clock(), 0.0, ""]
-            ring.slots[seq % ring.capacity] = entry
-            try:  # (a try costs nothing where nothing fails)
-                result = self._start(prepared, call)
+            ring, entry = self.ring, None
+            if ring is not None:  # (a call that comes again keeps its description; a new
+                seq = self.seq + 1  # one takes its kind's first call's)
+                what = call.what
+                if what is None:
+                    what = call.what = ring.kind(prepared, call.key(), call.out)
+                entry = [seq, what, clock(), 0.0, ""]
+                ring.slots[seq % ring.capacity] = entry
+            try:  # (costs nothing where nothing fails)
+                launch = prepared.launch
+                if launch is not None and (prepared.captured is not launch or
+                                           self._timeline is not None) \
+                        and launch.engine.device.capturing():
+                    captured = _capture.recorded(prepared, call.collective,
+                                                 self._timeline is not None,
+                                                 call.x is not None and call.x.size == 0)
+                    self.seq += 1
+                    if captured is None:  # an empty collective: nothing moves or is recorded
+                        self._last_schedule = "nothing"
+                        return call.out
+                    self._last_schedule = "kernels" if captured is not launch \
+                        else prepared.schedule
+                    return self._run_engine(prepared, call, captured)
+                if prepared.route is Route.ENGINE:  # the common route, decided first
+                    self.seq += 1
+                    self._last_schedule = prepared.schedule
+                    return self._run_engine(prepared, call)
+                _capture.refuse_route(prepared, call.collective, call.x)
+                self.seq += 1
+                self._last_schedule = prepared.schedule
+                return _ROUTES[prepared.route](self, prepared, call)
             except BaseException:
-                entry[FAILED] = "failed"
+                if entry is not None:  # (and where this one was called from, exactly)
+                    entry[WHAT] = describe(call.key(), call.out, prepared.schedule)
+                    entry[FAILED] = "failed"
                 raise
-            entry[END] = clock()
-            return result
-
-    def _start(self, prepared: PreparedCall, call: Call) -> Any:
-        """Run the prepared call by its route (a new collective: `seq` moves on)."""
-        launch = prepared.launch
-        if launch is not None and (prepared.captured is not launch or
-                                   self._timeline is not None) \
-                and launch.engine.device.capturing():
-            captured = _capture.recorded(prepared, call.collective,
-                                         self._timeline is not None,
-                                         call.x is not None and call.x.size == 0)
-            self.seq += 1
-            if captured is None:  # an empty collective: nothing moves, nothing to record
-                self._last_schedule = "nothing"
-                return call.out
-            self._last_schedule = "kernels" if captured is not launch \
-                else prepared.schedule
-            return self._run_engine(prepared, call, captured)
-        if prepared.route is Route.ENGINE:  # the common route, decided first
-            self.seq += 1
-            self._last_schedule = prepared.schedule
-            return self._run_engine(prepared, call)
-        _capture.refuse_route(prepared, call.collective, call.x)
-        self.seq += 1
-        self._last_schedule = prepared.schedule
-        return _ROUTES[prepared.route](self, prepared, call)
+            finally:
+                if entry is not None:
+                    entry[END] = clock()
 
     def _refuse(self, call: Call) -> None:
         """Raise the error of a call this communicator may no longer run (`Lifecycle.check`),
@@ -162,7 +159,7 @@ class CallPath:
         if held is not None and held[SEQ] == seq:  # recorded (and written) already
             self.life.check(call.collective, seq)
             return
-        what = call.what or describe(call.collective, call.x, call.out, call.op, call.root, "")
+        what = call.what or describe(call.key(), call.out, "")
         ring.slots[seq % ring.capacity] = [seq, what, clock(), 0.0, "refused"]
         try:
             self.life.check(call.collective, seq)
@@ -227,8 +224,7 @@ class CallPath:
             return prepare(self, call)
         slot = seq % ring.capacity
         held = ring.slots[slot]
-        entry = [seq, describe(call.collective, call.x, call.out, call.op, call.root, ""),
-                 clock(), 0.0, ""]
+        entry = [seq, describe(call.key(), call.out, ""), clock(), 0.0, ""]
         ring.slots[slot] = entry
         try:
             prepared = prepare(self, call)

@@ -36,6 +36,8 @@ __all__ = ["run", "describe_status"]
 #: the variable of the flight recorder's directory (`gpuring.settings`), which the ranks
 #: get where the user did not set it: the job's log directory
 _TRACE_DIR = "GPURING_TRACE_DIR"
+#: ... and of its size, and the size the ranks get where the user did not set it
+_TRACE_ENTRIES, RECORDED = "GPURING_TRACE_ENTRIES", 256
 
 
 def _pump(stream: IO[bytes], output: RankOutput, stderr: bool) -> None:
@@ -81,8 +83,10 @@ def run(command: list[str], nranks: int, *, grace: float = 3.0, host: str = "127
     base_env = dict(os.environ if env is None else env)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     logs = None if quiet else _log_dir(log_dir, job_id)
-    if logs is not None:
+    if logs is not None:  # (the summary reads the ranks' flight recorders)
         base_env.setdefault(_TRACE_DIR, logs)
+        if not base_env.get(_TRACE_ENTRIES):
+            base_env[_TRACE_ENTRIES] = str(RECORDED)
     server = StoreServer(nranks, key, host)
     lock = threading.Lock()
     ranks: list[_Rank] = []

@@ -53,13 +53,11 @@ class What(NamedTuple):
     makes it once per call, a plain tuple: nothing is worked out then; `fields` says it in
     words, for a dump)."""
 
-    verb: str
-    #: the input's shape and the output's (None: a barrier; an output of None: off the root)
-    x_shape: tuple[int, ...] | None
+    #: the call's key (`Call.key`: the verb, and for a call on arrays the input's shape,
+    #: dtype, type, op, root, ...)
+    key: tuple[Any, ...]
+    #: the output's shape (None: none, as off the root of a reduce)
     out_shape: tuple[int, ...] | None
-    dtype: Any
-    op: Any
-    root: int
     #: what runs (`PreparedCall.schedule`)
     schedule: str
     #: the first frame outside gpuring that made the call: its code and the instruction
@@ -70,41 +68,37 @@ class What(NamedTuple):
 
 def fields(what: tuple[Any, ...]) -> dict[str, Any]:
     """An entry's fields of a dump, but its number, state and times (`what`: a `What`)."""
-    verb, x_shape, out_shape, dtype, op, root, schedule, code, lasti = what
-    barrier = x_shape is None
+    key, out_shape, schedule, code, lasti = what
+    verb = key[0]
+    if len(key) == 1:  # a barrier
+        return {"verb": verb, "shapes": [], "dtype": None, "op": None, "root": None,
+                "schedule": schedule, "site": _site(code, lasti)}
+    x_shape, dtype, op, root = key[1], key[2], key[4], key[5]
     return {"verb": verb,
-            "shapes": [] if barrier else [list(x_shape), list(out_shape or ())],
-            "dtype": None if barrier else str(dtype),
-            "op": getattr(op, "value", str(op)) if verb in _REDUCING else None,
-            "root": root if verb in _ROOTED else None,
+            "shapes": [list(x_shape), list(out_shape or ())],
+            "dtype": str(dtype),
+            "op": getattr(op, "value", str(op)) if verb in REDUCING else None,
+            "root": root if verb in ROOTED else None,
             "schedule": schedule, "site": _site(code, lasti)}
 
-
-#: the collectives that take an op, and those that take a root (the others' are not shown)
-_REDUCING, _ROOTED = REDUCING, ROOTED
 
 #: where gpuring's own source files lie (a frame there is not the user's)
 _OURS = tuple({os.path.dirname(__file__) + os.sep,
                os.path.dirname(os.path.abspath(__file__)) + os.sep})
 
 
-def describe(verb: str, x: Any, out: Any, op: Any, root: int, schedule: str
+def describe(key: tuple[Any, ...], out: Any, schedule: str, above: int = 2
              ) -> tuple[Any, ...]:
-    """The `What` of a call of `verb` on `x` into `out` (None: none), as a plain tuple, made
-    where it is called from (by the call path: its caller is gpuring's too): the first frame
-    outside gpuring is the call's site."""
-    frame = sys._getframe(2)
+    """The `What` of a call (`key`: its `Call.key()`; `out`: its output, None for none), as
+    a plain tuple, made where the call path is called from: the first frame outside gpuring
+    from `above` frames up (the call path's caller) is the call's site."""
+    frame = sys._getframe(above)
     ours = _OURS
     while frame.f_code.co_filename.startswith(ours):
         frame = frame.f_back  # type: ignore[assignment]
         if frame is None:
-            return (verb, None if x is None else x.shape,
-                    None if out is None else out.shape, None if x is None else x.dtype, op,
-                    root, schedule, None, -1)
-    if x is None:
-        return (verb, None, None, None, op, root, schedule, frame.f_code, frame.f_lasti)
-    return (verb, x.shape, None if out is None else out.shape, x.dtype, op, root, schedule,
-            frame.f_code, frame.f_lasti)
+            return (key, None if out is None else out.shape, schedule, None, -1)
+    return (key, None if out is None else out.shape, schedule, frame.f_code, frame.f_lasti)
 
 
 def _site(code: CodeType | None, lasti: int) -> str:
@@ -121,13 +115,28 @@ def _site(code: CodeType | None, lasti: int) -> str:
 
 
 class Ring:
-    """A communicator's last `capacity` collectives: slots indexed by sequence number."""
+    """A communicator's last `capacity` collectives: slots indexed by sequence number; and
+    the description of each kind of call it ran (`kinds`: id of its `PreparedCall` -> that
+    prepared call and the `What` of its first call), which a new call of that kind takes
+    rather than walk the stack anew."""
 
-    __slots__ = ("capacity", "slots")
+    __slots__ = ("capacity", "kinds", "slots")
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.slots: list[list[Any] | None] = [None] * capacity
+        self.kinds: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+
+    def kind(self, prepared: Any, key: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
+        """The `What` of a call of the kind `prepared` runs: the first one's (described now,
+        where it is the first; `key` and `out`: the call's). Called by the call path."""
+        held = self.kinds.get(id(prepared))
+        if held is None or held[0] is not prepared:
+            if len(self.kinds) > 4096:  # bounded: forgetting costs a walk of the stack
+                self.kinds.clear()
+            held = self.kinds[id(prepared)] = (prepared, describe(key, out, prepared.schedule,
+                                                                  3))
+        return held[1]
 
     def entries(self) -> list[list[Any]]:
         """The slots written so far, oldest first (copies: the caller's thread may write

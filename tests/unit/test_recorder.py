@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve()
 @pytest.fixture
 def trace_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("GPURING_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("GPURING_TRACE_ENTRIES", "256")
     monkeypatch.delenv("GPURING_TIMELINE", raising=False)
     return tmp_path
 
@@ -89,7 +90,8 @@ def test_the_ring_keeps_the_last_entries(trace_dir: Path) -> None:
         comm.close()
 
 
-def test_the_recorder_can_be_off(trace_dir: Path) -> None:
+def test_the_recorder_is_off_by_default(trace_dir: Path) -> None:
+    assert Config().trace_entries == 0
     comm = Communicator(SingleProcess(), Config(trace_entries=0))
     try:
         comm.all_reduce(np.ones(3))
@@ -157,7 +159,8 @@ class _Recorded:
 
 
 def _what(verb: str) -> What:
-    return What(verb, (4,), (4,), np.dtype("float32"), "sum", 0, "ring", None, -1)
+    key = (verb, (4,), np.dtype("float32"), np.ndarray, "sum", 0)
+    return What(key, (4,), "ring", None, -1)
 
 
 @pytest.mark.parametrize(("case", "expected"), [
@@ -214,7 +217,7 @@ def test_sigusr1_writes_a_dump(tmp_path: Path) -> None:
         comm.close()
         print("went on")
     """)
-    env = dict(os.environ, GPURING_TRACE_DIR=str(tmp_path))
+    env = dict(os.environ, GPURING_TRACE_DIR=str(tmp_path), GPURING_TRACE_ENTRIES="16")
     for name in ("GPURING_STORE", "GPURING_RANK", "GPURING_WORLD_SIZE"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -226,3 +229,25 @@ def test_sigusr1_writes_a_dump(tmp_path: Path) -> None:
     (record,) = document["communicators"]
     assert [(e["seq"], e["verb"], e["state"]) for e in record["entries"]] == [
         (1, "all_reduce", "done")]
+
+
+def test_a_kind_of_call_takes_its_first_calls_site_but_a_refused_one_its_own(
+        trace_dir: Path) -> None:
+    """Two all_reduce calls of one kind (new arrays, so nothing kept of the first) from two
+    lines: the second shows the first's line (worked out once per kind); after an abort, a
+    refused call of that kind shows its own."""
+    comm = Communicator(SingleProcess())
+    try:
+        first = sys._getframe().f_lineno + 1
+        comm.all_reduce(np.ones(3))
+        comm.all_reduce(np.ones(3))
+        comm.abort("test")
+        refused = sys._getframe().f_lineno + 2
+        with pytest.raises(CommunicatorClosedError):
+            comm.all_reduce(np.ones(3))
+        entries = _entries(comm.dump_trace() or "", comm._control.job_id)
+        assert [(e["seq"], e["state"], e["site"]) for e in entries] == [
+            (1, "done", f"{HERE}:{first}"), (2, "done", f"{HERE}:{first}"),
+            (3, "refused", f"{HERE}:{refused}")]
+    finally:
+        comm.close()
