@@ -4,7 +4,9 @@
 - `mismatch`: rank 2 passes float64 to the first all_reduce, the others float32.
 - `kill`: rank 1 SIGKILLs itself after the first all_reduce; the others go on to a second.
 - `stall_first`: rank 1 makes its first collective only once every other rank has written
-  DIR/result-RANK.txt (they time out waiting for it in theirs).
+  DIR/result-RANK.txt (they time out waiting for it in theirs) and its communicator has
+  learnt that they failed (else it could still complete a one-shot all_reduce they left, with
+  the data they had posted).
 - `stall_later`: the same, before the second all_reduce.
 Every rank that raises writes DIR/result-RANK.txt, then lets the error end it (a traceback and
 exit status 1, as a script that does not catch it would).
@@ -27,7 +29,7 @@ CASE, DIR = sys.argv[1], sys.argv[2]
 def wait_for_the_others(comm: gpuring.Communicator) -> None:
     deadline = time.monotonic() + 300
     others = [os.path.join(DIR, f"result-{r}.txt") for r in range(comm.size) if r != comm.rank]
-    while not all(os.path.exists(p) for p in others):
+    while not all(os.path.exists(p) for p in others) or comm._path.state == "open":
         assert time.monotonic() < deadline, "the others never reported"
         time.sleep(0.05)
 
