@@ -45,7 +45,7 @@ def loss(w: np.ndarray, ranks: list[int], step: int) -> float:
 def main() -> None:
     comm = gpuring.init()
     me = comm.rank  # (its rank in the job: the data it holds follows it)
-    print("JOB", os.environ["GPURING_JOB_ID"], flush=True)
+    print("JOB", comm._control.job_id, flush=True)
     if os.environ.get("SHRINK_DEVICE") == "cuda":
         import cupy
 
