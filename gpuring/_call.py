@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._errors import CollectiveMismatchError
 from ._ops import ReduceOp
+from ._wording import call_words, differences_text
 
 if TYPE_CHECKING:
     from ._engine import Launch
@@ -46,13 +47,16 @@ class Call:
     #: prepared calls it belongs to (`CallPath.generation`: a stale one is looked up anew)
     prepared: PreparedCall | None = None
     generation: int = -1
+    #: what the flight recorder keeps of it (`_recorder.What`'s fields, as a plain tuple),
+    #: once its first run made it
+    what: tuple[Any, ...] | None = None
 
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout and placement (what it worked out
         kept)."""
         return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
                     self.channels, self.in_place, self.algorithm, self.known_key, self.bound,
-                    self.placement, self.prepared, self.generation)
+                    self.placement, self.prepared, self.generation, self.what)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""
@@ -96,20 +100,23 @@ class Signature(NamedTuple):
     transport: str | None = None
 
 
-def check_alike(signatures: list[Signature], name: str, rank: int) -> None:
-    """Raise CollectiveMismatchError naming every field in which the ranks' signatures
-    differ, and each rank's value (`name` and `rank`: this rank's call)."""
+def check_alike(signatures: list[Signature], name: str, rank: int,
+                seq: int | None = None) -> None:
+    """Raise CollectiveMismatchError where the ranks' signatures differ (`name`, `rank` and
+    `seq`: this rank's call): its message says what differs in the words of the call (only
+    what the user set: `_wording.differences_text`), its `differences` every field in which
+    they differ, and each rank's value."""
     differences: dict[str, dict[int, object]] = {}
     for i, field in enumerate(Signature._fields):
         values: dict[int, object] = {r: s[i] for r, s in enumerate(signatures)}
         if len(set(map(repr, values.values()))) > 1:
             differences[field] = values
     if differences:
-        detail = "; ".join(
-            f"{field}: " + ", ".join(f"rank {r} {v}" for r, v in values.items())
-            for field, values in differences.items())
+        where = name if seq is None else f"{name} #{seq}"
+        calls = {r: call_words(s.collective, s.shape, s.dtype, s.op, s.root)
+                 for r, s in enumerate(signatures)}
         raise CollectiveMismatchError(
-            f"ranks called different collectives ({name} on rank {rank}): {detail}",
+            f"{where} on rank {rank}: {differences_text(differences, calls)}",
             differences=differences)
 
 

@@ -12,16 +12,23 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _arrays, _capture, _failures
+from . import _arrays, _capture, _failures, _recorder
 from . import _transport_routes as _routes
 from ._call import Call, PreparedCall, Route, Signature, check_alike
 from ._choices import Choices
 from ._config import Config
 from ._engine import Engine, Launch
-from ._errors import CommunicatorClosedError, GpuringError, PeerFailureError, RegistrationError
+from ._errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    GpuringError,
+    PeerFailureError,
+    RegistrationError,
+)
 from ._failures import Lifecycle, Outcome, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
+from ._recorder import END, FAILED, SEQ, WHAT, Ring, Standing, clock, describe
 from ._registry import Registry
 from ._route import Facts
 from ._timeline import Timeline
@@ -91,47 +98,90 @@ class CallPath:
         #: per kind of device that may lack it: whether the ranks map each other's memory
         #: (decided with the first collective of that kind; else the collectives run on NCCL)
         self.mappable: dict[str, bool] = {}
+        #: the flight recorder's ring (GPURING_TRACE_ENTRIES; None: off)
+        self.ring = Ring(config.trace_entries) if config.trace_entries > 0 else None
+        if self.ring is not None:
+            _recorder.register(self)
 
     def run(self, call: Call) -> Any:
         """Run a checked call: prepare it once per key, then run it by its route. A call
         that comes again (`LastCalls`), or a persistent collective's, holds its prepared
         call: it runs as it is while the prepared calls of this generation stand (forgetting
-        them happens on every rank at once, so every rank prepares it anew alike)."""
+        them happens on every rank at once, so every rank prepares it anew alike). The
+        flight recorder keeps it: a slot of the ring, its end time, whether it failed."""
         if self.life.state is not State.OPEN:
-            self.life.check(call.collective, self.seq + 1)
+            self._refuse(call)
         if call.x is None:
             _capture.refuse_barrier()
         with self.lock:
             prepared = call.prepared
             if prepared is None or call.generation != self.generation:
                 prepared = self._prepared(call)
-            launch = prepared.launch
-            if launch is not None and (prepared.captured is not launch or
-                                       self._timeline is not None) \
-                    and launch.engine.device.capturing():
-                captured = _capture.recorded(prepared, call.collective,
-                                             self._timeline is not None,
-                                             call.x is not None and call.x.size == 0)
-                self.seq += 1
-                if captured is None:  # an empty collective: nothing moves, nothing to record
-                    self._last_schedule = "nothing"
-                    return call.out
-                self._last_schedule = "kernels" if captured is not launch \
-                    else prepared.schedule
-                return self._run_engine(prepared, call, captured)
-            if prepared.route is Route.ENGINE:  # the common route, decided first
+            ring, entry = self.ring, None
+            if ring is not None:  # (a call that comes again keeps its description; a new
+                seq = self.seq + 1  # one takes its kind's first call's)
+                what = call.what
+                if what is None:
+                    what = call.what = ring.kind(prepared, call.key(), call.out)
+                entry = [seq, what, clock(), 0.0, ""]
+                ring.slots[seq % ring.capacity] = entry
+            try:  # (costs nothing where nothing fails)
+                launch = prepared.launch
+                if launch is not None and (prepared.captured is not launch or
+                                           self._timeline is not None) \
+                        and launch.engine.device.capturing():
+                    captured = _capture.recorded(prepared, call.collective,
+                                                 self._timeline is not None,
+                                                 call.x is not None and call.x.size == 0)
+                    self.seq += 1
+                    if captured is None:  # an empty collective: nothing moves or is recorded
+                        self._last_schedule = "nothing"
+                        return call.out
+                    self._last_schedule = "kernels" if captured is not launch \
+                        else prepared.schedule
+                    return self._run_engine(prepared, call, captured)
+                if prepared.route is Route.ENGINE:  # the common route, decided first
+                    self.seq += 1
+                    self._last_schedule = prepared.schedule
+                    return self._run_engine(prepared, call)
+                _capture.refuse_route(prepared, call.collective, call.x)
                 self.seq += 1
                 self._last_schedule = prepared.schedule
-                return self._run_engine(prepared, call)
-            _capture.refuse_route(prepared, call.collective, call.x)
-            self.seq += 1
-            self._last_schedule = prepared.schedule
-            return _ROUTES[prepared.route](self, prepared, call)
+                return _ROUTES[prepared.route](self, prepared, call)
+            except BaseException:
+                if entry is not None:  # (and where this one was called from, exactly)
+                    entry[WHAT] = describe(call.key(), call.out, prepared.schedule)
+                    entry[FAILED] = "failed"
+                raise
+            finally:
+                if entry is not None:
+                    entry[END] = clock()
+
+    def _refuse(self, call: Call) -> None:
+        """Raise the error of a call this communicator may no longer run (`Lifecycle.check`),
+        after recording it as failed (once per sequence number: the call this rank would
+        have run next, which a dump shows)."""
+        ring, seq = self.ring, self.seq + 1
+        if ring is None or self.life.state is State.CLOSED:
+            self.life.check(call.collective, seq)
+            return
+        held = ring.slots[seq % ring.capacity]
+        if held is not None and held[SEQ] == seq:  # recorded (and written) already
+            self.life.check(call.collective, seq)
+            return
+        what = call.what or describe(call.key(), call.out, "")
+        ring.slots[seq % ring.capacity] = [seq, what, clock(), 0.0, "refused"]
+        try:
+            self.life.check(call.collective, seq)
+        except GpuringError as exc:
+            _failures.trace(self, exc)
+            raise
 
     def start(self, call: Call) -> Any:
         """Run a persistent collective's call (`PersistentCollective.start`): `run` of a call
         that holds its prepared call, where that runs on an engine as it is (no timeline, no
-        verification, nothing else to record under a capture) without `run`'s look-ups;
+        flight recorder, no verification, nothing else to record under a capture) without
+        `run`'s look-ups;
         once its operands are bound (a fused launch's, bound on its first run), only the
         status board, the launch and the completion bookkeeping remain."""
         prepared = call.prepared
@@ -139,7 +189,7 @@ class CallPath:
             return self.run(call)
         launch = prepared.launch
         if launch is None or call.generation != self.generation or call.x is None \
-                or self._timeline is not None or self.config.verify or (
+                or self._timeline is not None or self.ring is not None or self.config.verify or (
                     prepared.captured is not launch and launch.engine.device.capturing()):
             return self.run(call)
         if self.life.state is not State.OPEN:
@@ -199,13 +249,32 @@ class CallPath:
         if prepared is None:
             if _arrays.capturing(call.x):  # (a barrier was refused before)
                 raise _capture.first_call_refused(call.collective)
-            prepared = prepare(self, call)
+            prepared = self._prepare_recorded(call)
             if len(self.prepared) > 1024:  # bounded: forgetting costs a new preparation
                 self._forget_prepared()
             self.prepared[key] = prepared
-        if prepared is not call.prepared:
-            call.prepared, call.bound = prepared, None  # (operands of another launch)
+        if prepared is not call.prepared:  # (operands of another launch, maybe another
+            call.prepared, call.bound, call.what = prepared, None, None  # schedule)
         call.generation = self.generation
+        return prepared
+
+    def _prepare_recorded(self, call: Call) -> PreparedCall:
+        """`prepare(call)`, shown meanwhile in the flight recorder as collective `seq + 1`
+        (its ranks agree on it: a rank that stalls there shows where), then as it was (the
+        run that follows records the call), or as failed where preparing it failed."""
+        ring, seq = self.ring, self.seq + 1
+        if ring is None:
+            return prepare(self, call)
+        slot = seq % ring.capacity
+        held = ring.slots[slot]
+        entry = [seq, describe(call.key(), call.out, ""), clock(), 0.0, ""]
+        ring.slots[slot] = entry
+        try:
+            prepared = prepare(self, call)
+        except BaseException:
+            entry[FAILED] = "failed"
+            raise
+        ring.slots[slot] = held
         return prepared
 
     def _forget_prepared(self) -> None:
@@ -312,7 +381,12 @@ class CallPath:
             return
         name = signature.collective
         signatures = self.exchange("a collective", signature, name, _described(signature))
-        check_alike(signatures, name, self.rank)
+        try:
+            check_alike(signatures, name, self.rank, self.seq + 1)
+        except CollectiveMismatchError as exc:  # every rank raises it; the communicator
+            self._entry_failed(self.seq + 1)  # goes on
+            _failures.trace(self, exc)
+            raise
         if len(self.agreed) >= 4096:  # bounded: forgetting only costs a fresh agreement
             self.agreed.clear()  # on every rank at once (the same calls agreed on);
             self._forget_prepared()  # a prepared call is only reused while still agreed
@@ -351,7 +425,7 @@ class CallPath:
                     kind != "cpu" and (not self.control.single_node
                                        or self.config.transport == "nccl")):
                 return None
-            self.ensure_watchdog()
+            self.ensure_watchdog(name)
             self.agree(Signature(name, kind, shape, dtype.name, None, 0), remember=False)
             if _routes.asks_reach(self, kind):
                 self.mappable[kind] = _routes.peers_reachable(self, kind, name)
@@ -380,13 +454,15 @@ class CallPath:
             self.engines[kind] = engine
         return engine
 
-    def ensure_watchdog(self) -> None:
-        """Create the status board and watchdog (collectively, on first use)."""
+    def ensure_watchdog(self, name: str = "a collective") -> None:
+        """Create the status board and watchdog (collectively, on first use: by the call
+        `name`, whose error a failure to set them up is, as its agreement's would be)."""
         if self.watchdog is None:
             host = HostDevice(name_prefix=f"{SHM_PREFIX}{self.control.job_id}-"
                                           f"r{self.rank}-status-", timeout=self.config.timeout,
                               for_collectives=False)
-            with contextlib.ExitStack() as undo:
+            with contextlib.ExitStack() as undo, \
+                    _failures.on_exchange(self, name, self.seq + 1):
                 undo.callback(host.close)
                 self.watchdog = Watchdog(self.control, host, timeout=self.config.timeout,
                                          stall_warning_s=self.config.stall_warning_s,
@@ -404,6 +480,7 @@ class CallPath:
                 f"{name} #{self.seq}: results differ across ranks (checksums "
                 + ", ".join(f"rank {r} {c:08x}" for r, c in enumerate(sums)) + ")")
             self.life.raised(error)
+            _failures.trace(self, error)
             raise error
 
     # -- what the communicator asks of its path --------------------------------------------
@@ -488,6 +565,30 @@ class CallPath:
         """Stop recording; the timeline that recorded (None: none did)."""
         timeline, self._timeline = self._timeline, None
         return timeline
+
+    # -- the flight recorder (`_recorder`) ------------------------------------------------
+    def standing(self) -> Standing:
+        """What a dump of the flight recorder says of this communicator besides its ring."""
+        life, watchdog = self.life, self.watchdog
+        broken = life.error or life.cause
+        failure = broken or life.traced
+        return Standing(self.control.job_id, tuple(self.control.job_ranks), self.rank,
+                        self.seq, life.state.value, life.completed_through,
+                        None if watchdog is None else watchdog.in_flight(),
+                        life.lost_through, failure, broken is not None,
+                        None if failure is None else _failures.job_peer(self, failure))
+
+    def _entry_failed(self, seq: int) -> None:
+        """The flight recorder's entry of collective `seq` (where it holds one) failed."""
+        ring = self.ring
+        entry = None if ring is None else ring.slots[seq % ring.capacity]
+        if entry is not None and entry[SEQ] == seq:
+            entry[FAILED] = "failed"
+
+    def dump_trace(self, reason: str) -> str | None:
+        """Write this rank's flight recorder (every communicator of the process) now; the
+        file's path, or None where the recorder is off."""
+        return None if self.ring is None else _recorder.dump(reason)
 
     # -- failures (`_failures`) ----------------------------------------------------------
     def on_peer_failure(self, error: PeerFailureError) -> None:

@@ -1,5 +1,6 @@
 """The `gpuring` command: `gpuring run` launches ranks; `gpuring bench` measures; `gpuring
-tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of time."""
+tune` writes a tuning table; `gpuring kernels` builds the CUDA kernels ahead of time;
+`gpuring doctor` says what went wrong in a job, from its ranks' flight recorders."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"gpuring run: {problem}", file=sys.stderr)
         return 2
-    return run(command, args.nranks, grace=args.grace, host=args.host)
+    return run(command, args.nranks, grace=args.grace, host=args.host, log_dir=args.log_dir,
+               keep_going=args.keep_going)
 
 
 def _run_problem(command: list[str], nranks: int) -> str | None:
@@ -43,6 +45,21 @@ def _run_problem(command: list[str], nranks: int) -> str | None:
     elif shutil.which(program) is None:
         return f"command not found: {program}"
     return None
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from . import _doctor as doctor
+
+    try:
+        dumps = doctor.load(args.directory)
+    except ValueError as exc:
+        print(f"gpuring doctor: {exc}", file=sys.stderr)
+        return 2
+    report = doctor.diagnose(dumps)
+    print(json.dumps(report, indent=1) if args.json else doctor.render(report))
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -144,12 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="start N ranks of a program on this node",
         description="Start N ranks of COMMAND on this node, each with its rank in the "
                     "environment; output lines are prefixed with the rank. When one rank "
-                    "fails the others are told, then stopped after --grace seconds.")
+                    "fails the others are told, then stopped after --grace seconds; the job "
+                    "ends with one summary of the root cause, and exits with its status.")
     run.add_argument("-n", "--nranks", type=int, required=True, help="number of ranks")
     run.add_argument("--grace", type=float, default=3.0,
                      help="seconds the survivors get after a rank fails (default 3)")
     run.add_argument("--host", default="127.0.0.1",
                      help="interface the control plane listens on (default loopback)")
+    run.add_argument("--keep-going", action="store_true",
+                     help="a rank that dies does not stop the others: they are told (a "
+                          "PeerFailureError) and may go on in comm.shrink(); the job ends "
+                          "well where every other rank does")
+    run.add_argument("--log-dir", default=None,
+                     help="where each rank's whole output goes (rank-N.log) and, unless "
+                          "GPURING_TRACE_DIR says otherwise, the flight recorder's dumps "
+                          "(default: gpuring-run-JOB in the temporary directory, removed "
+                          "when the job ends well)")
     run.add_argument("command", nargs=argparse.REMAINDER,
                      help="the program, e.g. python train.py (a .py file runs with this Python)")
     run.set_defaults(func=_run)
@@ -185,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--arch", action="append", default=[], type=_arch,
                          help="an architecture such as sm_90; may be repeated")
     kernels.set_defaults(func=_kernels)
+    doctor = commands.add_parser(
+        "doctor", help="say what went wrong in a job, from its ranks' flight recorders",
+        description="Read the flight recorder's dumps of every rank of a job (what "
+                    "GPURING_TRACE_DIR, or `gpuring run`'s log directory, holds) and print "
+                    "on one screen, for each communicator in trouble: the last collective "
+                    "every rank completed, the first one where the ranks diverge (who "
+                    "entered what, where in their code, who did not), the failures, the root "
+                    "cause, and what to check. Example: gpuring doctor /tmp/gpuring-run-JOB")
+    doctor.add_argument("directory", help="the directory of the dumps")
+    doctor.add_argument("--json", action="store_true",
+                        help="print the report as JSON, for tools")
+    doctor.set_defaults(func=_doctor)
     return parser
 
 

@@ -111,6 +111,7 @@ class Communicator:
         self._executor_lock = threading.Lock()
         self._last_calls = LastCalls()
         self._splits = 0  #: split() calls so far (the same on every rank)
+        self._shrinks = 0  #: shrink() calls so far (the same on every survivor)
         #: point-to-point messages: a channel per peer
         self._pairs = Pairs(self._path, control, self.config,
                             lambda group, config: _channel(cls(group, config, messages=False)))
@@ -315,6 +316,22 @@ class Communicator:
         self._splits += 1
         return self._splits
 
+    def shrink(self) -> Communicator:
+        """A new communicator of the ranks still alive, renumbered in rank order, with its
+        own buffers and sequence numbers: after a peer died (`PeerFailureError`), the
+        survivors go on there (MPI ULFM's `MPIX_Comm_shrink`). Every survivor calls it; they
+        agree on who is alive (a rank that dies meanwhile is left out by every survivor
+        alike), bounded by the timeout. Needs ranks that outlive a death: `gpuring run
+        --keep-going`, torchrun, or ranks started by hand (mpiexec ends the job; see
+        docs/faults.md, "Shrink and carry on"). This communicator stays as it is: close it."""
+        from ._shrink import shrink
+
+        cls, config = type(self), self.config
+        self._shrinks += 1
+        number = self._shrinks
+        return shrink(self._control, lambda: number, lambda group: cls(group, config),
+                      config.timeout)
+
     def _run(self, verb: str, x: Any, out: Any, args: tuple[Any, ...],
              check: Callable[[], Call]) -> Any:
         """Run `verb`'s call: the last one's again where the same arrays and `args` (every
@@ -513,6 +530,13 @@ class Communicator:
         return self._path.device_operations()
 
     # -- failures -----------------------------------------------------------------------
+    def dump_trace(self) -> str | None:
+        """Write this rank's flight recorder now: the last collectives of every communicator
+        of this process (GPURING_TRACE_ENTRIES of each), as JSON, to GPURING_TRACE_DIR (see
+        docs/faults.md); returns the file's path (None where the recorder is off). Not a
+        collective: any rank, any thread, any time. `gpuring doctor DIR` reads the files."""
+        return self._path.dump_trace("dump_trace()")
+
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now, from any thread: pending waits raise at once, peers
         are told, and later calls raise CommunicatorClosedError. Close it afterwards."""

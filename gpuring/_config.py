@@ -19,7 +19,7 @@ _FROM = {"timeout": "GPURING_TIMEOUT", "chunk_bytes": "GPURING_CHUNK_BYTES",
          "stall_warning_s": "GPURING_STALL_WARNING",
          "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT",
          "algorithm": "GPURING_ALGORITHM", "deterministic": "GPURING_DETERMINISTIC",
-         "tuning": "GPURING_TUNING"}
+         "tuning": "GPURING_TUNING", "trace_entries": "GPURING_TRACE_ENTRIES"}
 
 
 def _default(field: str) -> Any:
@@ -45,6 +45,7 @@ class Config:
     algorithm: str = _default("algorithm")
     deterministic: bool = _default("deterministic")
     tuning: str | None = _default("tuning")
+    trace_entries: int = _default("trace_entries")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
@@ -76,5 +77,7 @@ class Config:
         if self.deterministic and self.algorithm == "ring":
             raise ValueError("deterministic mode folds in rank order, which the ring does not: "
                              "leave algorithm 'auto' or choose 'two_shot' or 'one_shot'")
+        if self.trace_entries < 0:
+            raise ValueError(f"trace_entries must be 0 (off) or more, got {self.trace_entries}")
         if self.buffer_bytes is not None and self.buffer_bytes < 4096:
             raise ValueError(f"buffer_bytes must be at least 4096, got {self.buffer_bytes}")

@@ -19,9 +19,13 @@ __all__ = [
 class GpuringError(RuntimeError):
     """Base class of every error gpuring raises on its own account."""
 
+    __module__ = "gpuring"  # (how tracebacks name it: where users import it from)
+
 
 class CollectiveMismatchError(GpuringError):
     """Ranks called collectives that do not match (kind, shape, dtype, op, root...)."""
+
+    __module__ = "gpuring"  # (how tracebacks name it: where users import it from)
 
     def __init__(self, message: str, *, differences: dict[str, dict[int, object]] | None = None):
         super().__init__(message)
@@ -31,6 +35,8 @@ class CollectiveMismatchError(GpuringError):
 
 class CollectiveTimeoutError(GpuringError):
     """A collective did not complete within the communicator's timeout."""
+
+    __module__ = "gpuring"  # (how tracebacks name it: where users import it from)
 
     def __init__(self, message: str, *, collective: str | None = None, seq: int | None = None,
                  peer: int | None = None):
@@ -42,6 +48,8 @@ class CollectiveTimeoutError(GpuringError):
 
 class PeerFailureError(GpuringError):
     """A peer rank died or aborted while this rank depended on it."""
+
+    __module__ = "gpuring"  # (how tracebacks name it: where users import it from)
 
     def __init__(self, message: str, *, peer: int | None = None, collective: str | None = None,
                  seq: int | None = None, job_peer: int | None = None):
@@ -57,6 +65,8 @@ class PeerFailureError(GpuringError):
 
 class CommunicatorClosedError(GpuringError):
     """The communicator was closed or aborted and can no longer be used."""
+
+    __module__ = "gpuring"  # (how tracebacks name it: where users import it from)
 
 
 def in_ranks(exc: GpuringError, members: Sequence[int], where: str,

@@ -26,11 +26,14 @@ What happens when something fails, all of it here:
   which says which collective, which sequence number, which rank (`in_context`), or into
   the failure that caused them where one is known (a peer that died reads better than the
   abort it caused).
+- `trace`: every failure this rank learns of, or raises, is written down by the flight
+  recorder (`_recorder`: the communicators' last collectives), once per error.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -53,7 +56,9 @@ if TYPE_CHECKING:
 
 __all__ = ["State", "Lifecycle", "Outcome", "in_context", "weakly", "Path", "fail",
            "give_up", "giving_up", "on_run", "on_exchange", "on_transport", "on_nodes",
-           "on_streams", "job_peer", "tell_peers", "Unraised"]
+           "on_streams", "job_peer", "tell_peers", "trace", "Unraised"]
+
+log = logging.getLogger("gpuring")
 
 
 class State(enum.Enum):
@@ -103,6 +108,8 @@ class Lifecycle:
         self.outcome = Outcome()
         #: told every `completed` sequence number (the watchdog publishes it)
         self.on_completed: Callable[[int], None] | None = None
+        #: the last failure the flight recorder wrote down (`trace`)
+        self.traced: BaseException | None = None
         self._lock = threading.Lock()
 
     @property
@@ -241,6 +248,8 @@ class Path(Protocol):
     @property
     def levels(self) -> NodeLevels | None: ...
 
+    def dump_trace(self, reason: str) -> str | None: ...
+
 
 def job_peer(path: Path, error: BaseException) -> int | None:
     """The rank of the job `error` blames, where it names one."""
@@ -252,6 +261,25 @@ def tell_peers(path: Path, error: BaseException) -> None:
     path.control.report_failure(f"rank {path.rank}: {error!r}", getattr(error, "peer", None),
                                 isinstance(error, CollectiveTimeoutError),
                                 getattr(error, "job_peer", None))
+
+
+def trace(path: Path, error: BaseException) -> None:
+    """Have the flight recorder write this rank's dump, because of `error` (once per error:
+    a failure that comes from outside a call, then the error a call raises of it, are two).
+    A dump that cannot be written is logged, never raised."""
+    life = path.life
+    if life.traced is error:
+        return
+    life.traced = error
+    reason = ("abort" if life.by_user else "timeout" if isinstance(error, CollectiveTimeoutError)
+              else "mismatch" if isinstance(error, CollectiveMismatchError) else "failure")
+    try:
+        written = path.dump_trace(reason)
+    except Exception as exc:
+        log.warning("gpuring: rank %d could not write its flight recorder: %s", path.rank, exc)
+        return
+    if written is not None:
+        log.info("gpuring: rank %d wrote its flight recorder to %s", path.rank, written)
 
 
 def fail(path: Path, error: GpuringError, *, by_user: bool = False) -> None:
@@ -275,6 +303,7 @@ def fail(path: Path, error: GpuringError, *, by_user: bool = False) -> None:
     if nccl is not None:
         nccl.abort(str(error))
     path.control.interrupt(str(error))
+    trace(path, error)
 
 
 def give_up(path: Path, error: BaseException, name: str, culprit: int | None = None,
@@ -294,6 +323,7 @@ def give_up(path: Path, error: BaseException, name: str, culprit: int | None = N
     nccl = path.nccl
     if nccl is not None:
         nccl.abort(f"rank {path.rank} gave up: {error!r}")
+    trace(path, error)
 
 
 class Unraised:
@@ -377,8 +407,10 @@ class on_run(_Translating):
         if life.cause is not None:
             error = life.explain(life.cause, name, seq)
             life.raised(error)
+            trace(path, error)
         elif isinstance(error, CollectiveMismatchError):
             life.raised(error)
+            trace(path, error)
         else:
             culprit = None
             if isinstance(error, CollectiveTimeoutError) and path.watchdog is not None:
@@ -408,13 +440,19 @@ class on_exchange(_Translating):
             watchdog.check()
         error = life.explain(exc, name, seq)
         if life.cause is None and isinstance(exc, CollectiveTimeoutError):
-            # say so on the status board (which rank is missing is unknown here): a late
-            # peer then fails at once, instead of completing the exchange this rank left
-            # and waiting its own timeout in a collective nobody else will run
-            give_up(path, error, name, culprit=-1, seq=seq)
+            # say so on the status board, blaming the rank that did not take part where the
+            # control plane knows it: a late peer then fails at once, instead of completing
+            # the exchange this rank left and waiting its own timeout in a collective nobody
+            # else will run; where there is no board yet (the first call sets it up), the
+            # control plane tells the peers
+            missing = getattr(error, "peer", None)
+            give_up(path, error, name, culprit=-1 if missing is None else missing, seq=seq)
+            if watchdog is None and missing is not None:
+                tell_peers(path, error)
         elif watchdog is not None:  # at close, tell the peers this rank failed (and why),
             watchdog.note_failure(error)  # not that it left without entering the call
         life.raised(error)
+        trace(path, error)
         return error
 
 
@@ -481,6 +519,7 @@ class on_nodes(_Translating):
             give_up(path, error, name)
         else:
             life.raised(error)
+            trace(path, error)
         levels = path.levels
         if levels is not None:
             levels.abort(f"rank {path.rank}: {error!r}", job_peer(path, error))
@@ -504,6 +543,7 @@ class on_streams(_Translating):
         if life.cause is not None:  # the cause (a peer died, say) reads better
             error: BaseException = in_context(life.cause, name, path.seq, path.rank)
             life.raised(error)
+            trace(path, error)
             return error
         collective, seq = path.last_collective, path.seq
         error = exc

@@ -43,7 +43,7 @@ def prepare(path: RoutePath, call: Call) -> PreparedCall:
     plain = plain._replace(algorithm=algorithm, tuning=path.choices.digest,
                            transport=config.transport)
     if path.size > 1 and x is not None and _routes.asks_reach(path, kind):  # (once per kind)
-        path.ensure_watchdog()  # (whichever route follows: the ranks share a node)
+        path.ensure_watchdog(name)  # (whichever route follows: the ranks share a node)
         path.agree(plain, remember=False)  # (every rank asks on the same call)
         path.mappable[kind] = _routes.peers_reachable(path, kind, name)
     route, schedule, refusal = choose(path.facts, name, None if x is None else kind,
@@ -75,7 +75,7 @@ def prepare(path: RoutePath, call: Call) -> PreparedCall:
                                    device_settings=devices.capability_settings())
         if placement is not None:
             signature = signature._replace(registered=placement)
-    path.ensure_watchdog()
+    path.ensure_watchdog(name)
     path.agree(signature, remember=refusal is None)
     if refusal is not None:  # agreed: every rank refuses it
         raise GpuringError(refusal)

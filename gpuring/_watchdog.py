@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, GpuringError, PeerFailureError
 from ._status import GAVE_UP, LEFT, MISMATCH, TIMED_OUT, StatusBoard, outside
+from ._wording import compare_calls, ranks_text
 from .devices.base import Event, FlagWaitAborted
 from .devices.host import HostDevice
 from .rendezvous.base import ControlPlane
@@ -62,11 +63,11 @@ class Watchdog:
         clash = self.board.enter(seq, text, digest)
         if clash is not None:
             peer, theirs = clash
-            message = (f"{name} #{seq}: rank {self.rank} called {text} but rank {peer} called "
-                       f"{theirs}")
+            said, differences = compare_calls({self.rank: text, peer: theirs})
+            message = f"{name} #{seq} on rank {self.rank}: {said}"
             self._failed = True
             self.board.give_up(MISMATCH, message)
-            raise CollectiveMismatchError(message)
+            raise CollectiveMismatchError(message, differences=differences)
 
     def leave(self) -> None:
         self._current = None
@@ -133,8 +134,9 @@ class Watchdog:
         if not missing or missing[0] == error.peer:
             return error
         return CollectiveTimeoutError(
-            f"{error}; ranks {missing} have not entered {name} #{seq}", collective=name,
-            seq=seq, peer=missing[0])
+            f"{error}; but {ranks_text(missing)} {'has' if len(missing) == 1 else 'have'} "
+            f"not entered {name} #{seq}: {'that' if len(missing) == 1 else 'those'} "
+            f"stalled", collective=name, seq=seq, peer=missing[0])
 
     def give_up(self, reason: str, *, timed_out_on: int | None = None,
                 because: BaseException | None = None, job_peer: int | None = None) -> None:
@@ -213,15 +215,22 @@ class Watchdog:
             in_job = outside(culprit)  # (a rank of the job this group has none for)
             error: GpuringError
             if state == MISMATCH:
-                error = CollectiveMismatchError(f"rank {peer} found a mismatch: {reason}")
+                error = CollectiveMismatchError(f"{reason} (found by rank {peer})")
             elif state == TIMED_OUT:
-                error = CollectiveTimeoutError(f"rank {peer} timed out: {reason}", peer=blamed)
+                waited = "" if blamed is None or blamed == peer else \
+                    f" waiting for rank {blamed}"
+                error = CollectiveTimeoutError(f"rank {peer} timed out{waited}: {reason}",
+                                               peer=blamed)
             elif in_job is not None:
                 error = PeerFailureError(f"rank {in_job} of the job failed (rank {peer} here "
                                          f"gave up because of it: {reason})", job_peer=in_job)
-            else:  # a rank that failed on its own account is the one to name
-                error = PeerFailureError(f"rank {peer} failed: {reason}",
-                                         peer=peer if blamed is None else blamed)
+            elif blamed is None or blamed == peer:  # it failed on its own account
+                error = PeerFailureError(f"rank {peer} failed: {reason}", peer=peer,
+                                         job_peer=self.board.job_ranks[peer])
+            else:  # it gave up because of another: that one is the one to name
+                error = PeerFailureError(f"rank {blamed} failed (rank {peer} gave up because "
+                                         f"of it: {reason})", peer=blamed,
+                                         job_peer=self.board.job_ranks[blamed])
             # say so on the board at once, naming the cause: a rank that looks later may find
             # this one gone too (a launcher ends the whole job once a rank died), and must
             # not blame it (unless this rank said something first: that stands)
@@ -243,7 +252,7 @@ class Watchdog:
             if gone:
                 self._fail(PeerFailureError(
                     f"rank {gone[0]} closed its communicator without entering {waiting[1]} "
-                    f"#{waiting[0]}", peer=gone[0]))
+                    f"#{waiting[0]}", peer=gone[0], job_peer=self.board.job_ranks[gone[0]]))
                 return
             departed = self.board.departed_before(waiting[0])
             if departed:

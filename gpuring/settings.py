@@ -153,6 +153,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "largest fusion buffer of `all_reduce_many`"),
     Setting("GPURING_TIMELINE", str, None, "unset",
             "a path: record a Chrome trace of every collective from `init()` to `close()` there"),
+    Setting("GPURING_TRACE_ENTRIES", int, 0, "0 (256 under `gpuring run`)",
+            "the flight recorder: the collectives each communicator keeps on every rank (the "
+            "last ones), written on a failure, a timeout, an abort, `comm.dump_trace()` and "
+            "SIGUSR1 for `gpuring doctor` and `gpuring run`'s summary (0: off; it costs "
+            "each call a few tenths of a microsecond, docs/faults.md)"),
+    Setting("GPURING_TRACE_DIR", str, None, "unset",
+            "where the flight recorder writes (one file per rank); unset: the directory of "
+            "`GPURING_TIMELINE`, else `gpuring-trace-JOB` in the temporary directory "
+            "(`gpuring run` sets it to its job's log directory)"),
     Setting("GPURING_CUDA_FLAGS", _choice("auto", "memops", "kernel"), "auto", "auto",
             "GPU flag waits: `memops` (stream memory operations), `kernel` (spin kernel), "
             "`auto` (memops where available, else kernel with a warning)"),

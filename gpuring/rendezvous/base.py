@@ -160,6 +160,12 @@ class ControlPlane(abc.ABC):
     def interrupt(self, reason: str) -> None:
         """Make a pending or later exchange of this rank fail with PeerFailureError(reason)."""
 
+    def departed(self) -> frozenset[int]:
+        """The ranks of the job this control plane knows are gone for good (they died, or
+        dropped their connection): what the survivors leave out when they shrink. Control
+        planes that cannot tell know none."""
+        return frozenset()
+
     @abc.abstractmethod
     def close(self) -> None:
         """Leave the job. Idempotent."""

@@ -109,6 +109,13 @@ class Abort(NamedTuple):
     blamed: int | None = None
 
 
+class Waiting(NamedTuple):
+    """The rank's wait in exchange `step` of `group` timed out: which members never posted?"""
+
+    step: int
+    group: str = ""
+
+
 # ... and server to rank (`Lost` is the client's own note that the connection ended):
 class Gathered(NamedTuple):
     """Every member's value of exchange `step` of `group`, in the group's order."""
@@ -135,6 +142,15 @@ class Left(NamedTuple):
     step: int
     rank: int
     reason: str
+    group: str = ""
+
+
+class Absent(NamedTuple):
+    """The members of `group` (ranks of the job) that had not posted exchange `step` when a
+    rank asked (`Waiting`; empty: the exchange was not waiting for anyone any more)."""
+
+    step: int
+    ranks: tuple[int, ...]
     group: str = ""
 
 
@@ -227,6 +243,8 @@ class StoreServer:
                         self._release_if_stuck(step)
             elif isinstance(message, Abort):
                 self._report_abort(rank, generation, message)
+            elif isinstance(message, Waiting):
+                self._answer_waiting(rank, generation, message)
 
     def _send(self, rank: int, message: Any, generation: int | None = None) -> None:
         """Send to `rank`'s connection of `generation`; None: to every one of the rank's."""
@@ -250,6 +268,12 @@ class StoreServer:
                     self._send(r, Gathered(step[2], values, step[1]), step[0])
             else:
                 self._release_if_stuck(step)
+
+    def _answer_waiting(self, rank: int, generation: int, asked: Waiting) -> None:
+        with self._lock:
+            entry = self._posted.get((generation, asked.group, asked.step))
+            missing = () if entry is None else tuple(r for r in entry[1] if r not in entry[0])
+            self._send(rank, Absent(asked.step, missing, asked.group), generation)
 
     def _release_if_stuck(self, step: tuple[int, str, int]) -> None:
         """An exchange that a closed rank never joined cannot complete: tell the ranks that

@@ -22,6 +22,7 @@ from .store import (
     ENV_JOB,
     ENV_KEY,
     Abort,
+    Absent,
     Bye,
     Failure,
     Gathered,
@@ -29,6 +30,7 @@ from .store import (
     Left,
     Lost,
     Post,
+    Waiting,
     receive,
 )
 
@@ -115,6 +117,11 @@ class _Link:
             except OSError:
                 pass
             self.conn.close()
+
+    def departed(self) -> frozenset[int]:
+        """The ranks of the job known dead."""
+        with self._lock:
+            return frozenset(self.deaths)
 
     def _read_loop(self) -> None:
         while True:
@@ -263,9 +270,15 @@ class StoreClient(ControlPlane):
             try:
                 message = self._replies.get(timeout=wait)
             except queue.Empty:
+                missing = self._absent()
+                who = "some rank" if not missing else \
+                    f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
                 raise CollectiveTimeoutError(
                     f"control-plane exchange #{self._step} timed out after {timeout} s on rank "
-                    f"{self.rank}: some rank did not take part") from None
+                    f"{self.rank}: {who} did not take part",
+                    peer=missing[0] if missing else None) from None
+            if isinstance(message, Absent):  # (an answer that came too late)
+                continue
             if isinstance(message, Gathered) and message.step == self._step:
                 return list(message.values)
             if isinstance(message, Failure):
@@ -276,8 +289,36 @@ class StoreClient(ControlPlane):
             if isinstance(message, Left) and message.step == self._step:
                 raise PeerFailureError(message.reason, peer=self.job_ranks.index(message.rank))
 
+    def _absent(self) -> list[int]:
+        """After a wait in exchange `_step` timed out: the ranks of this group that never
+        posted it, as the server says (asked, and waited for, a second at most; [] where it
+        does not answer, or where the exchange completed meanwhile)."""
+        try:
+            self._send(Waiting(self._step, self.group))
+        except OSError:
+            return []
+        deadline = time.monotonic() + 1.0
+        held = []
+        try:
+            while (wait := deadline - time.monotonic()) > 0:
+                try:
+                    message = self._replies.get(timeout=wait)
+                except queue.Empty:
+                    break
+                if isinstance(message, Absent) and message.step == self._step:
+                    return [self.job_ranks.index(r) for r in message.ranks
+                            if r in self.job_ranks]
+                held.append(message)
+        finally:
+            for message in held:  # (whatever came meanwhile is for the next read)
+                self._replies.put(message)
+        return []
+
     def interrupt(self, reason: str) -> None:
         self._replies.put(Lost(reason))
+
+    def departed(self) -> frozenset[int]:
+        return self._link.departed()
 
     def report_failure(self, reason: str, peer: int | None = None,
                        timed_out: bool = False, job_peer: int | None = None) -> None:

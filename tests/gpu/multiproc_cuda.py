@@ -366,7 +366,7 @@ def test_survivors_of_a_killed_rank_keep_their_gpu(cuda_platform):
                   timeout=2 * grace + 60)
     took = time.monotonic() - start
     out = proc.stdout + proc.stderr
-    assert "rank 1 failed first: it was killed by SIGKILL" in proc.stderr, out[-4000:]
+    assert "gpuring run: rank 1 failed: it was killed by SIGKILL" in proc.stderr, out[-4000:]
     failed = dict(re.findall(r"RESULT (\d+) (\w+) peer=1 ", proc.stdout))
     assert failed == {"0": "PeerFailureError", "2": "PeerFailureError"}, out[-4000:]
     recovered = set(re.findall(r"RECOVERED (\d+) ", proc.stdout))

@@ -40,7 +40,7 @@ def test_sigkill_mid_allreduce(n, verb):
                                                        "GPURING_TEST_VERB": verb}, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert "rank 1 failed first: it was killed by SIGKILL" in proc.stderr, out
+    assert "gpuring run: rank 1 failed: it was killed by SIGKILL" in proc.stderr, out
     got = results(proc.stdout)
     survivors = set(range(n)) - {1}
     assert set(got) == survivors, out
@@ -361,12 +361,19 @@ def test_a_control_plane_timeout_fails_the_late_rank_too(launcher, tmp_path):
     got = dir_results(tmp_path)
     assert set(got) == {0, 1, 2}, out
     exchange = "control-plane exchange" if launcher == "gpuring" else "MPI allgather"
+    # the launcher's control plane knows who did not take part, and the errors name it
+    waited = " waiting for rank 1" if launcher == "gpuring" else ""
+    peer = "1" if launcher == "gpuring" else "None"
     for rank in (0, 2):  # its own timeout, or the other's if that one said so first
-        assert f"RESULT {rank} CollectiveTimeoutError " in got[rank], out
+        assert f"RESULT {rank} CollectiveTimeoutError peer={peer} " in got[rank], out
         assert f":: all_reduce #2 on rank {rank}: {exchange} " in got[rank] or (
-            f":: all_reduce #2 on rank {rank}: rank {2 - rank} timed out: " in got[rank]), out
+            f":: all_reduce #2 on rank {rank}: rank {2 - rank} timed out{waited}: "
+            in got[rank]), out
+        if launcher == "gpuring":
+            assert "rank 1 did not take part" in got[rank], out
     assert "RESULT 1 CollectiveTimeoutError " in got[1], out
-    assert re.search(r"all_reduce #2 on rank 1: rank [02] timed out: all_reduce #2: ", got[1]), out
+    assert re.search(rf"all_reduce #2 on rank 1: rank [02] timed out{waited}: all_reduce #2: ",
+                     got[1]), out
     assert after(got[1]) < 1.5, out  # told, not timed out itself (the timeout is 2 s)
 
 
@@ -448,7 +455,8 @@ def test_the_root_cause_wins_over_the_aborts_it_caused(nonblocking, tmp_path):
     for rank in (0, 2):
         assert f"RESULT {rank} CollectiveTimeoutError peer=1 " in got[rank], out
         assert f":: {said.format(rank)}" in got[rank] or (
-            f":: {call} #2 on rank {rank}: rank {2 - rank} timed out: " in got[rank]), out
+            f":: {call} #2 on rank {rank}: rank {2 - rank} timed out waiting for rank 1: "
+            in got[rank]), out
     assert "RESULT 1 CollectiveTimeoutError peer=1 " in got[1], out  # told by the others
 
 

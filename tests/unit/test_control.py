@@ -113,8 +113,10 @@ def test_an_exchange_a_rank_never_joins_times_out(monkeypatch: pytest.MonkeyPatc
         clients = _clients(server.address, key)
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError, match=r"exchange #1 timed out after 0.3 s "
-                                                         r"on rank 0"):
+                                                         r"on rank 0: rank 1 did not take "
+                                                         r"part$") as info:
             clients[0].exchange("y", 1, timeout=0.3)
+        assert info.value.peer == 1  # the server said who never posted
         assert time.monotonic() - start < 10
         for client in clients:
             client.close()

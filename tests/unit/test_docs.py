@@ -169,7 +169,7 @@ def test_the_usage_of_gpuring_run_is_the_launchers() -> None:
     assert usage is not None
     run = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
     options = {o for action in run._actions for o in action.option_strings}
-    assert set(re.findall(r"(?<![\w-])(-{1,2}[a-z]+)", usage.group(1))) <= options
+    assert set(re.findall(r"(?<![\w-])(-{1,2}[a-z][a-z-]*)", usage.group(1))) <= options
 
 
 def _extras() -> dict[str, list[str]]:

@@ -19,6 +19,9 @@ NAMEDTUPLE = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defau
 FOREIGN = {
     ("algorithms/collectives.py", "_getframe"):
         "sys._getframe: the caller's frame for a DeprecationWarning's stacklevel",
+    ("_recorder.py", "_getframe"):
+        "sys._getframe: the user's frame that made a call, for the flight recorder (walked once "
+        "per checked call; `inspect.stack` would read every frame's source lines)",
     ("torch.py", "_plugins"):
         "torch.distributed.Backend._plugins: whether the backend is registered already "
         "(torch has no public query)",

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gpuring import GpuringError
+from gpuring import GpuringError, PeerFailureError
 from gpuring._watchdog import Watchdog
 from gpuring.devices.base import Event
 from gpuring.devices.host import HostDevice
@@ -236,3 +236,41 @@ def test_two_checks_at_once_deal_with_each_collective_once(later: bool) -> None:
         assert watchdog.in_flight() == (2 if later else None)
     finally:
         watchdog.close()
+
+
+def test_the_text_blames_the_rank_the_error_names() -> None:
+    """Rank 2 gives up because of rank 1 (which closed, say): rank 0's error names rank 1 in
+    its text, as its `.peer` and `.job_peer` do, not rank 2, which only gave up."""
+    from .test_status import _Threads
+
+    size, shared, meet = 3, {}, threading.Barrier(3)
+    failures: list[GpuringError] = []
+    dogs: list[Watchdog | None] = [None] * size
+
+    def make(rank: int) -> None:
+        dogs[rank] = Watchdog(_Threads(rank, size, shared, meet),
+                              HostDevice(timeout=30, for_collectives=False), timeout=30,
+                              stall_warning_s=1e9,
+                              on_failure=failures.append if rank == 0 else lambda e: None)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(dogs)
+    try:
+        dogs[1].close()  # type: ignore[union-attr]
+        dogs[2].give_up("closed its communicator after a failure",  # type: ignore[union-attr]
+                        because=PeerFailureError("rank 1 closed", peer=1))
+        deadline = time.monotonic() + 30
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (error,) = failures
+        assert isinstance(error, PeerFailureError)
+        assert (error.peer, error.job_peer) == (1, 1)
+        assert str(error).startswith("rank 1 failed (rank 2 gave up because of it: "), error
+    finally:
+        for dog in dogs:
+            if dog is not None:
+                dog.close()
