@@ -166,7 +166,7 @@ class Levels:
         watchdog = self.intra.parts.watchdog()
         if watchdog is None:
             return None
-        trouble = watchdog.board.troubled_peer()
+        trouble = watchdog.board.troubled_peer(departures=True)
         if trouble is None:
             return None
         peer, _state, reason, culprit = trouble

@@ -150,12 +150,14 @@ class StatusBoard:
         n = int(words[length_word])
         return bytes(page.u8[at:at + n]).decode(errors="replace")
 
-    def troubled_peer(self) -> tuple[int, int, str, int] | None:
+    def troubled_peer(self, departures: bool = False) -> tuple[int, int, str, int] | None:
         """(peer, state, reason, culprit) of a peer that died or gave up, if any. When several
         did, the root cause wins: a mismatch, then a timeout, then a rank that failed or died
         on its own account (a rank that gives up because of another's report says GAVE_UP
         and blames that one: it may die too before this rank looks, when a launcher ends
-        the whole job), then a rank that blames another."""
+        the whole job), then a rank that blames another. A peer whose process ended after
+        its last collective (`departed`) is no trouble, unless `departures` (a level of a
+        collective across nodes, between whose parts a rank may end)."""
         found: list[tuple[int, bool, tuple[int, int, str, int]]] = []  # (order, own, report)
         for peer, page in enumerate(self._pages):
             if peer == self.rank:
@@ -168,7 +170,7 @@ class StatusBoard:
                 found.append((_ROOT_CAUSE_ORDER[state], culprit in (-1, peer), (
                     peer, state, self._text(page, _REASON_AT, _REASON_LEN), culprit)))
             elif state != LEFT and not _alive(int(words[_PID])) and \
-                    self._finished(words) is None:
+                    (departures or self._finished(words) is None):
                 found.append((_ROOT_CAUSE_ORDER[GAVE_UP], True, (
                     peer, GAVE_UP, f"rank {peer} (pid {int(words[_PID])}) is gone", peer)))
         if not found:
@@ -206,10 +208,10 @@ class StatusBoard:
                 if peer != self.rank and page.i64[_STATE] == LEFT  # type: ignore[index]
                 and page.i64[_SEQ] < seq]  # type: ignore[index]
 
-    def departed_before(self, seq: int) -> list[tuple[int, int]]:
-        """(peer, its last collective) of the peers whose process ended, without closing
-        their communicator, after completing every collective they entered, the last one
-        before `seq` (those are gone for collective `seq`)."""
+    def departed_before(self, seq: int) -> list[tuple[int, int, int]]:
+        """(peer, its last collective, its pid) of the peers whose process ended, without
+        closing their communicator, after completing every collective they entered, the last
+        one before `seq` (those are gone for collective `seq`)."""
         found = []
         for peer, page in enumerate(self._pages):
             if peer == self.rank:
@@ -219,7 +221,7 @@ class StatusBoard:
             if words[_STATE] == 0 and words[_SEQ] < seq and not _alive(int(words[_PID])):
                 last = self._finished(words)
                 if last is not None:
-                    found.append((peer, last))
+                    found.append((peer, last, int(words[_PID])))
         return found
 
     def departed(self, peer: int) -> bool:

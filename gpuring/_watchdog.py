@@ -256,9 +256,9 @@ class Watchdog:
                 return
             departed = self.board.departed_before(waiting[0])
             if departed:
-                peer, last = departed[0]
-                message = (f"rank {peer} left: its process ended after collective #{last}, "
-                           f"without entering {waiting[1]} #{waiting[0]}")
+                peer, last, pid = departed[0]
+                message = (f"rank {peer} (pid {pid}) is gone: its process ended after "
+                           f"collective #{last}, without entering {waiting[1]} #{waiting[0]}")
                 self.board.give_up(GAVE_UP, message, peer)
                 self._fail(PeerFailureError(message, peer=peer))
                 return

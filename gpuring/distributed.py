@@ -123,12 +123,13 @@ class NCCLBackend:
     the CPU; `stream` is then ignored). `comm` is the gpuring Communicator underneath, for
     the rest of gpuring's verbs; `NCCLBackend.over(comm)` wraps one made otherwise."""
 
-    def __init__(self, n_devices: int, rank: int, host: str = DEFAULT_HOST,
-                 port: int = DEFAULT_PORT, use_mpi: bool = False, *,
+    def __init__(self, n_devices: int, rank: int, host: str | None = DEFAULT_HOST,
+                 port: int | None = DEFAULT_PORT, use_mpi: bool = False, *,
                  timeout: float | None = None):
         n_devices, rank = _job_size_and_rank(n_devices, rank)
         config = Config.from_env(timeout=timeout)
-        control = _meet(n_devices, rank, host, int(port), use_mpi, config)
+        control = _meet(n_devices, rank, host or DEFAULT_HOST,
+                        DEFAULT_PORT if port is None else _integer(port, "port"), use_mpi, config)
         cupy = sys.modules.get("cupy")
         if cupy is not None:  # CuPy arrays live on the device current now, as with cupyx
             control.device_slot = int(cupy.cuda.runtime.getDevice())
