@@ -76,10 +76,6 @@ class Twin:
             atexit.register(_destroy)  # where the item that destroys them was not selected
         return cls.made
 
-    def both(self, call: Callable[[Any], Any]) -> tuple[Any, Any]:
-        """call(group) on gpuring's group, then on gloo's."""
-        return call(self.ours), call(self.gloo)
-
 
 def _destroy() -> None:
     if dist.is_initialized():
