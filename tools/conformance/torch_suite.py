@@ -35,12 +35,18 @@ from typing import Any
 
 _BACKEND_ENV = "TORCH_SUITE_BACKEND"
 
+_DDP_BY_NAME = ("the suite builds this test's DDP model for the backends mpi, gloo and nccl "
+                "only, by name")
+_MONITORED_BY_NAME = "torch serves dist.monitored_barrier on gloo's groups only, by name"
 #: tests that fail for a backend other than torch's own because the suite or torch admits
 #: only those by name, with where it does so (see the module's docstring)
 RESERVED_BY_NAME = {
-    "test_monitored_barrier_allreduce_hang": "torch: monitored_barrier is for gloo only",
-    "test_monitored_barrier_allreduce_hang_wait_all_ranks":
-        "torch: monitored_barrier is for gloo only",
+    "test_accumulate_gradients_no_sync": _DDP_BY_NAME,
+    "test_accumulate_gradients_no_sync_grad_is_view": _DDP_BY_NAME,
+    "test_accumulate_gradients_no_sync_allreduce_hook": _DDP_BY_NAME,
+    "test_accumulate_gradients_no_sync_allreduce_with_then_hook": _DDP_BY_NAME,
+    "test_monitored_barrier_gloo": _MONITORED_BY_NAME,
+    "test_monitored_barrier_gloo_subgroup": _MONITORED_BY_NAME,
 }
 
 
@@ -163,7 +169,10 @@ def compare(reference: dict[str, Any], ours: dict[str, Any]) -> str:
     for name in differ:
         detail = got.get(name, {"outcome": "not run", "detail": ""})
         last = [ln.strip() for ln in detail["detail"].splitlines() if ln.strip()]
-        why = RESERVED_BY_NAME.get(name, last[-1][:200] if last else detail["outcome"])
+        if name in RESERVED_BY_NAME:
+            why = f"reserved by name: {RESERVED_BY_NAME[name]}"
+        else:
+            why = last[-1][:240] if last else detail["outcome"]
         lines.append(f"  {name}: {why}")
     better = sorted(n for n, o in got.items() if o["outcome"] == "passed"
                     and ref.get(n, {}).get("outcome") != "passed")
