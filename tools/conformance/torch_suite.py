@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -156,6 +157,14 @@ def _counts(outcomes: dict[str, dict[str, Any]]) -> str:
     return f"{len(outcomes)} tests: " + ", ".join(f"{found[k]} {k}" for k in kinds)
 
 
+def _error_line(detail: str) -> str:
+    """The last line of a failure's text that names an exception ("NameError: ..."), else
+    its last line."""
+    lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+    return (named or lines or [""])[-1][:240]
+
+
 def compare(reference: dict[str, Any], ours: dict[str, Any]) -> str:
     """A report: both runs' counts, then the tests that pass for the reference backend and do
     not for ours (the first line of each failure's last error)."""
@@ -168,11 +177,10 @@ def compare(reference: dict[str, Any], ours: dict[str, Any]) -> str:
     lines.append(f"passed for {reference['backend']}, not for {ours['backend']}: {len(differ)}")
     for name in differ:
         detail = got.get(name, {"outcome": "not run", "detail": ""})
-        last = [ln.strip() for ln in detail["detail"].splitlines() if ln.strip()]
         if name in RESERVED_BY_NAME:
             why = f"reserved by name: {RESERVED_BY_NAME[name]}"
         else:
-            why = last[-1][:240] if last else detail["outcome"]
+            why = _error_line(detail["detail"]) or detail["outcome"]
         lines.append(f"  {name}: {why}")
     better = sorted(n for n, o in got.items() if o["outcome"] == "passed"
                     and ref.get(n, {}).get("outcome") != "passed")
