@@ -30,6 +30,7 @@ from ._communicator import Communicator
 from ._config import Config
 from ._torch_arrays import Reduction, Staged, from_array, readable, reduction, same_dtype
 from ._torch_errors import c10d_errors
+from ._torch_monitored import monitored_barrier
 from ._torch_sparse import all_reduce_sparse
 from .rendezvous.store import StoreServer, leave_and_stop
 from .rendezvous.store_client import StoreClient
@@ -66,7 +67,7 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta
         control.device_slot = torch.cuda.current_device()  # the GPU the caller set
     else:  # the process's GPU, whichever groups it is in: its local rank in the job
         control.device_slot = int(os.environ.get("LOCAL_RANK", rank))
-    return GpuringProcessGroup(Communicator(control, config), server)
+    return GpuringProcessGroup(Communicator(control, config), server, store)
 
 
 def _view(tensor: torch.Tensor) -> Any:
@@ -107,10 +108,13 @@ class GpuringProcessGroup(_ProcessGroup):
     current stream, and its work's future carries the tensors on their devices, so `wait()`
     orders the caller's stream after it without blocking the host."""
 
-    def __init__(self, comm: Communicator, server: StoreServer | None = None):
+    def __init__(self, comm: Communicator, server: StoreServer | None = None,
+                 store: Any = None):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
         self._server = server
+        self._store = store  # the group's c10d store (monitored_barrier's)
+        self._monitored_barriers = 0
         self._group_name = ""
         self._group_desc = ""
 
@@ -384,6 +388,18 @@ class GpuringProcessGroup(_ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         self.comm.barrier()
         return self._work([])
+
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """As gloo's, through the group's c10d store (`_torch_monitored`); `timeout`: the
+        group's by default."""
+        if self._store is None:
+            raise RuntimeError("monitored_barrier needs the group's c10d store")
+        self._monitored_barriers += 1
+        monitored_barrier(self._store, self.comm.rank, self.comm.size, self._monitored_barriers,
+                          datetime.timedelta(seconds=self.comm.config.timeout)
+                          if timeout is None else timeout,
+                          wait_all_ranks)
 
     # -- point to point --------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:

@@ -76,10 +76,6 @@ class Twin:
             atexit.register(_destroy)  # where the item that destroys them was not selected
         return cls.made
 
-    def both(self, call: Callable[[Any], Any]) -> tuple[Any, Any]:
-        """call(group) on gpuring's group, then on gloo's."""
-        return call(self.ours), call(self.gloo)
-
 
 def _destroy() -> None:
     if dist.is_initialized():
@@ -756,9 +752,14 @@ def errors(plan: Plan) -> Iterator[Item]:
     on gpuring's a DistBackendError and a gpuring.CollectiveTimeoutError (its fields kept),
     with async_op=True at wait();
     mismatched calls raise a DistBackendError that is a gpuring.CollectiveMismatchError on
-    every rank (gloo's behaviour there is undefined: not run)."""
+    every rank (gloo's behaviour there is undefined: not run); a group's monitored_barrier
+    (which torch's dist.monitored_barrier refuses for any backend but gloo, and the group
+    serves) passes where every rank calls it, and where rank 0 calls it alone raises naming
+    the ranks that did not come (all of them with wait_all_ranks), or rank 0 itself when its
+    timeout is 0, as gloo's does."""
     yield Item.one("timeout-barrier", _timeout)
     yield Item.one("mismatch-all_reduce", _mismatch)
+    yield Item.one("monitored_barrier", _monitored, stderr=GLOO_MONITORED_LOG)
 
 
 def _timeout(c: ItemChecker) -> None:
@@ -788,6 +789,36 @@ def _timeout(c: ItemChecker) -> None:
                         f"{what}: {type(error).__mro__}, {error}")
         dist.barrier(group=t.gloo)  # rank 0 is done waiting
         dist.destroy_process_group(sub)
+
+
+#: what gloo's monitored_barrier logs on rank 0 as it raises
+GLOO_MONITORED_LOG = (r"\[rank0\]:\[E[\d :.]+ProcessGroupGloo\.cpp:\d+\] .*monitoredBarrier.*",
+                      r"No ranks successfully processed in monitoredBarrier\.")
+
+
+def _monitored(c: ItemChecker) -> None:
+    t = Twin.get()
+    second = datetime.timedelta(seconds=1)
+    others = ", ".join(str(q) for q in range(1, t.n))
+    alone = [(second, False, "Rank 1 failed to pass monitoredBarrier"),
+             (second, True, f"Ranks {others} failed to pass monitoredBarrier"),
+             (datetime.timedelta(0), False, "Rank 0 timed out in monitoredBarrier")]
+    for backend in ("gpuring", "gloo"):
+        sub = dist.new_group(backend=backend, timeout=TIMEOUT)
+        for _ in range(2):
+            error = raised(lambda sub=sub: sub.monitored_barrier(TIMEOUT))
+            c.check(error is None, f"{backend}: monitored_barrier on every rank: {error!r}")
+        dist.destroy_process_group(sub)
+        for timeout, wait_all, words in alone:
+            sub = dist.new_group(backend=backend, timeout=TIMEOUT)
+            if t.rank == 0:  # the others never call
+                error = raised(lambda sub=sub, timeout=timeout, wait_all=wait_all: (
+                    sub.monitored_barrier(timeout, wait_all_ranks=wait_all)))
+                c.check(isinstance(error, RuntimeError) and words in str(error),
+                        f"{backend}: monitored_barrier({timeout}, wait_all_ranks={wait_all}) "
+                        f"on rank 0 alone raised {error!r}, not {words!r}")
+            dist.barrier(group=t.gloo)
+            dist.destroy_process_group(sub)
 
 
 def _mismatch(c: ItemChecker) -> None:

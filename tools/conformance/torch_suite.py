@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -35,12 +36,18 @@ from typing import Any
 
 _BACKEND_ENV = "TORCH_SUITE_BACKEND"
 
+_DDP_BY_NAME = ("the suite builds this test's DDP model for the backends mpi, gloo and nccl "
+                "only, by name")
+_MONITORED_BY_NAME = "torch serves dist.monitored_barrier on gloo's groups only, by name"
 #: tests that fail for a backend other than torch's own because the suite or torch admits
 #: only those by name, with where it does so (see the module's docstring)
 RESERVED_BY_NAME = {
-    "test_monitored_barrier_allreduce_hang": "torch: monitored_barrier is for gloo only",
-    "test_monitored_barrier_allreduce_hang_wait_all_ranks":
-        "torch: monitored_barrier is for gloo only",
+    "test_accumulate_gradients_no_sync": _DDP_BY_NAME,
+    "test_accumulate_gradients_no_sync_grad_is_view": _DDP_BY_NAME,
+    "test_accumulate_gradients_no_sync_allreduce_hook": _DDP_BY_NAME,
+    "test_accumulate_gradients_no_sync_allreduce_with_then_hook": _DDP_BY_NAME,
+    "test_monitored_barrier_gloo": _MONITORED_BY_NAME,
+    "test_monitored_barrier_gloo_subgroup": _MONITORED_BY_NAME,
 }
 
 
@@ -150,6 +157,14 @@ def _counts(outcomes: dict[str, dict[str, Any]]) -> str:
     return f"{len(outcomes)} tests: " + ", ".join(f"{found[k]} {k}" for k in kinds)
 
 
+def _error_line(detail: str) -> str:
+    """The last line of a failure's text that names an exception ("NameError: ..."), else
+    its last line."""
+    lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+    return (named or lines or [""])[-1][:240]
+
+
 def compare(reference: dict[str, Any], ours: dict[str, Any]) -> str:
     """A report: both runs' counts, then the tests that pass for the reference backend and do
     not for ours (the first line of each failure's last error)."""
@@ -162,8 +177,10 @@ def compare(reference: dict[str, Any], ours: dict[str, Any]) -> str:
     lines.append(f"passed for {reference['backend']}, not for {ours['backend']}: {len(differ)}")
     for name in differ:
         detail = got.get(name, {"outcome": "not run", "detail": ""})
-        last = [ln.strip() for ln in detail["detail"].splitlines() if ln.strip()]
-        why = RESERVED_BY_NAME.get(name, last[-1][:200] if last else detail["outcome"])
+        if name in RESERVED_BY_NAME:
+            why = f"reserved by name: {RESERVED_BY_NAME[name]}"
+        else:
+            why = _error_line(detail["detail"]) or detail["outcome"]
         lines.append(f"  {name}: {why}")
     better = sorted(n for n, o in got.items() if o["outcome"] == "passed"
                     and ref.get(n, {}).get("outcome") != "passed")
