@@ -8,6 +8,7 @@ a `Route` is picked, the engine plans it) and runs it. Barrier is a call without
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -19,7 +20,7 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from . import _argcheck, _arrays, _persistent, interop
+from . import _argcheck, _arrays, _p2p, _persistent, interop
 from ._call import Call
 from ._callpath import CallPath
 from ._config import Config
@@ -33,14 +34,12 @@ from ._groups import (
     Pairs,
     abort_channels,
     close_channels,
-    recv,
-    send,
-    sendrecv,
     split,
     synchronize_channels,
 )
 from ._hierarchy import LevelParts
 from ._lastcalls import LastCalls
+from ._messages import Messages
 from ._ops import ReduceOp, check_op_dtype
 from ._persistent import PersistentCollective
 from ._timeline import write_trace
@@ -98,9 +97,11 @@ class Communicator:
     """
 
     def __init__(self, control: ControlPlane, config: Config | None = None, *,
-                 on_close: Callable[[Communicator], None] | None = None):
+                 on_close: Callable[[Communicator], None] | None = None,
+                 messages: bool = True):
         """`on_close(comm)` runs once the communicator closed (gpuring.init uses it to forget
-        the job's communicator)."""
+        the job's communicator). `messages=False`: no point-to-point messages of NumPy
+        arrays, and no setup for them (a pair's channel, made by one rank at a time)."""
         self._control = control
         self.config = config or Config.from_env()
         self._on_close = on_close
@@ -113,10 +114,14 @@ class Communicator:
         self._shrinks = 0  #: shrink() calls so far (the same on every survivor)
         #: point-to-point messages: a channel per peer
         self._pairs = Pairs(self._path, control, self.config,
-                            lambda group, config: _channel(cls(group, config)))
+                            lambda group, config: _channel(cls(group, config, messages=False)))
         path = self._path
         self._finalizer = weakref.finalize(self, _release, *path.held())
         control.on_peer_failure(weakly(path.on_peer_failure))
+        #: point-to-point messages of NumPy arrays (set up with every rank now)
+        self._messages = Messages(path, control, self.config.transport, self.config.timeout,
+                                  setup=messages)
+        path.watchdog_parts.append(self._messages.parts())  # (closed with the communicator)
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -250,32 +255,49 @@ class Communicator:
         return reduce_scatter_v(self, x, counts, op)
 
     # -- point to point, sub-communicators ----------------------------------------------
-    @public_verb
-    def send(self, x: Any, dst: int) -> None:
-        """Send `x` to rank `dst`, which receives it with `recv(y, src=this rank)` into an
-        array of the same shape and dtype (else CollectiveMismatchError). Messages between
-        two ranks are received in the order they were sent. On NumPy arrays `send` returns
-        once the receiver has the data; on CuPy arrays once queued on the stream. Two ranks
-        that both send to each other first get CollectiveMismatchError; a cycle of sends (a
-        ring shift) needs `sendrecv`. The first message between two ranks sets up their
-        channel (a communicator of the pair with its own buffers, kept until this one
-        closes). See docs/api.md, "Point to point"."""
-        send(self._pairs, x, dst)
+    def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
+        """Start sending `x` (NumPy) to rank `dst` with `tag`; returns a Work at once, whose
+        `wait()` returns once `x` may be changed again. Only the two ranks of a message take
+        part; messages of one pair and tag are received in the order sent. See docs/api.md,
+        "Point to point"."""
+        return _p2p.isend(self._messages, x, dst, tag)
 
-    @public_verb
-    def recv(self, x: Any, src: int) -> Any:
-        """Receive the next message rank `src` sends this rank into `x` (C-contiguous,
-        writable, the sender's shape and dtype) and return `x`. See `send`."""
-        return recv(self._pairs, x, src)
+    def irecv(self, out: Any, src: int | None = None, tag: int = 0) -> Work:
+        """Start receiving into `out` (NumPy, C-contiguous, writable) the next message with
+        `tag` from rank `src` (None: any rank); returns a Work at once, whose `wait()`
+        returns `out` and whose `source`, `tag` and `count` (elements) then say what came.
+        The message must have `out`'s dtype and at most `out.size` elements (else
+        CollectiveMismatchError, on both ranks)."""
+        return _p2p.irecv(self._messages, out, src, tag)
 
-    @public_verb
-    def sendrecv(self, x: Any, dst: int, out: Any, src: int) -> Any:
+    def send(self, x: Any, dst: int, tag: int = 0) -> None:
+        """`isend(x, dst, tag).wait()`: returns once `x` may be changed again (a small message
+        once it lies in the receiver's inbox). CuPy arrays: queued on the stream, tag 0."""
+        _p2p.send(self._messages, self._pairs, x, dst, tag)
+
+    def recv(self, out: Any, src: int | None = None, tag: int = 0) -> Any:
+        """`irecv(out, src, tag).wait()`: the next message with `tag` from `src` (None: any
+        rank) in `out`, which it returns. CuPy arrays: from a rank `src`, with its shape."""
+        return _p2p.recv(self._messages, self._pairs, out, src, tag)
+
+    def sendrecv(self, x: Any, dst: int, out: Any, src: int, tag: int = 0) -> Any:
         """Send `x` to `dst` and receive from `src` into `out` at once, and return `out`;
         neither half waits for the other, so every rank calling
         `sendrecv(x, (rank + 1) % size, out, (rank - 1) % size)` shifts a ring without
         deadlock. `dst == src` exchanges with one peer; `dst == src == rank` copies. `out`
         must not overlap `x`."""
-        return sendrecv(self._pairs, x, dst, out, src)
+        return _p2p.sendrecv(self._messages, self._pairs, x, dst, out, src, tag)
+
+    def group(self) -> contextlib.AbstractContextManager[None]:
+        """`with comm.group(): ...`: the `isend`s and `irecv`s inside start together at its
+        end (NCCL's ncclGroupStart/End), so their order on each rank never matters; wait
+        for their works after it."""
+        return self._messages.group()
+
+    def batch(self, ops: Sequence[Any]) -> list[Work]:
+        """torch's `batch_isend_irecv`: `ops` (each `("isend", x, dst)` or `("irecv", out,
+        src)`, a tag after it optional) posted as one group; their works, in order."""
+        return list(_p2p.batch(self._messages, ops))
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """A new communicator of the ranks that pass the same `color` (an int >= 0), ranked
@@ -545,6 +567,7 @@ class Communicator:
         if self.closed:
             return
         self._close_training()
+        self._messages.leave()
         unraised = self._path.close(close_channels(self._pairs) if self._pairs else None)
         self._finalizer()
         if self._on_close is not None:
@@ -557,9 +580,14 @@ class Communicator:
         failure. CUDA collectives return once queued: their errors reach the host here, in the
         next call, or in `close()`; results read before then are not checked."""
         self._drain_async()
-        pairs = self._pairs
-        self._path.synchronize("synchronize",
-                               lambda: synchronize_channels(pairs) if pairs else None)
+        pairs, messages = self._pairs, self._messages
+
+        def also() -> None:
+            messages.progress_now()
+            if pairs:
+                synchronize_channels(pairs)
+
+        self._path.synchronize("synchronize", also)
 
     # -- training features: async, timeline --------------------------------------------
     def start_timeline(self, path: str | os.PathLike[str]) -> None:

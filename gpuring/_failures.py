@@ -236,6 +236,8 @@ class Path(Protocol):
     config: Config
     life: Lifecycle
     watchdog: Watchdog | None
+    #: devices besides the engines' (the GPU of CuPy messages)
+    devices: list[Device]
 
     @property
     def engines(self) -> Mapping[str, Engines]: ...
@@ -292,6 +294,8 @@ def fail(path: Path, error: GpuringError, *, by_user: bool = False) -> None:
         watchdog.note_failure(error)
     for engine in list(path.engines.values()):
         engine.device.abort(str(error))
+    for device in list(path.devices):
+        device.abort(str(error))
     levels = path.levels
     if levels is not None:
         levels.abort(str(error), job_peer(path, error))
@@ -314,6 +318,8 @@ def give_up(path: Path, error: BaseException, name: str, culprit: int | None = N
         tell_peers(path, error)
     for engine in list(path.engines.values()):
         engine.device.abort(f"rank {path.rank} gave up: {error!r}")
+    for device in list(path.devices):
+        device.abort(f"rank {path.rank} gave up: {error!r}")
     nccl = path.nccl
     if nccl is not None:
         nccl.abort(f"rank {path.rank} gave up: {error!r}")

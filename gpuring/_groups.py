@@ -1,9 +1,10 @@
-"""Sub-communicators (`split`) and point-to-point messages (`send`, `recv`, `sendrecv`).
+"""Sub-communicators (`split`) and the point-to-point messages of CuPy arrays (`send`,
+`recv`, `sendrecv`; NumPy arrays have a message engine of their own, `_messages`).
 
 A sub-communicator is a Communicator of its own over a sub-group of the control plane
-(`ControlPlane.subgroup`): its own sequence numbers, buffers, watchdog and lifetime. Point to
-point rides on the same thing: the first message between two ranks makes the communicator of
-that pair (its name is the pair's, so both ranks make the same one without meeting), and a
+(`ControlPlane.subgroup`): its own sequence numbers, buffers, watchdog and lifetime. CuPy
+messages ride on the same thing: the first message between two ranks makes the communicator
+of that pair (its name is the pair's, so both ranks make the same one without meeting), and a
 message is a broadcast from the sender in it. That gives every message what collectives
 have: both sides agree on its shape and dtype (`CollectiveMismatchError` on both sides, not a
 hang), bounded waits, dead-peer errors; and messages between different pairs never wait for

@@ -86,6 +86,10 @@ class Registry:
                 return reg.ident, offset
         return None
 
+    def memory(self, ident: int, rank: int) -> Memory:
+        """Rank `rank`'s allocation of registration `ident`, mapped here."""
+        return self._by_id[ident].mems[rank]
+
     def placement(self, collective: str, x: Any, out: Any, rank: int) -> Placement | None:
         """Where the call's arrays lie (None: nowhere registered), seen from `rank`."""
         kind = _arrays.device_kind(x)

@@ -27,8 +27,8 @@ from .devices.base import open_peer
 from .devices.host import HostDevice, HostMemory
 from .rendezvous.base import ControlPlane
 
-__all__ = ["StatusBoard", "signature_hash", "outside", "GAVE_UP", "MISMATCH", "LEFT",
-           "TIMED_OUT"]
+__all__ = ["StatusBoard", "signature_hash", "outside", "process_alive", "GAVE_UP", "MISMATCH",
+           "LEFT", "TIMED_OUT"]
 
 _PAGE = 8192
 _PID, _STATE, _SEQ, _SIG_LEN, _REASON_LEN, _CULPRIT, _AGREEING, _DONE = 0, 1, 2, 3, 4, 5, 6, 7
@@ -249,6 +249,11 @@ def _words(page: HostMemory) -> memoryview:
     words = page.i64
     assert words is not None
     return words
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` (of this node) still runs (see `_alive`)."""
+    return _alive(pid)
 
 
 def _alive(pid: int) -> bool:

@@ -71,6 +71,15 @@ class Timeline:
                        "op": getattr(op, "value", str(op)), "rounds": len(rounds)})
 
 
+    def now(self) -> float:
+        """The timeline's clock: microseconds since its start."""
+        return self._now()
+
+    def message(self, name: str, begin: float, nbytes: int, dtype: str) -> None:
+        """Record a message (posted at `begin`, of the clock `now`, complete now) as an
+        event of the collectives' track."""
+        self._add(name, _COLLECTIVES, begin, {"bytes": nbytes, "dtype": dtype})
+
     @contextlib.contextmanager
     def span(self, name: str, x: Any) -> Iterator[None]:
         """Record the block as an event `name` of the collectives' track (a message, whose

@@ -25,7 +25,7 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
     _create_work_from_future,
 )
 
-from . import interop
+from . import _torch_p2p, interop
 from ._communicator import Communicator
 from ._config import Config
 from ._torch_arrays import Reduction, Staged, from_array, readable, reduction, same_dtype
@@ -403,22 +403,15 @@ class GpuringProcessGroup(_ProcessGroup):
 
     # -- point to point --------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:
-        """`tag` is not matched: messages between two ranks arrive in the order sent."""
-        for tensor in tensors:
-            with interop.caller_stream(tensor):
-                self.comm.send(_view(tensor.contiguous()), dstRank)
-        return self._work(tensors)
+        """A non-blocking message per tensor (`_torch_p2p`): tags matched, completed by the
+        work's `wait()`."""
+        return _torch_p2p.send(self.comm, tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:
-        for tensor in tensors:
-            with interop.caller_stream(tensor):
-                into = _Into(tensor)
-                self.comm.recv(into.array, srcRank)
-                into.done()
-        return self._work(tensors)
+        return _torch_p2p.recv(self.comm, tensors, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        raise NotImplementedError("the gpuring backend receives from a named rank only")
+        return _torch_p2p.recv(self.comm, tensors, None, tag)
 
     # -- lifetime --------------------------------------------------------------------------
     def shutdown(self) -> None:

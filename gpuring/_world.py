@@ -17,7 +17,7 @@ from .rendezvous.base import ControlPlane
 
 __all__ = ["init", "current", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "gather", "scatter", "all_to_all", "all_gather_v", "all_to_all_v",
-           "reduce_scatter_v", "send", "recv", "sendrecv", "split",
+           "reduce_scatter_v", "send", "recv", "sendrecv", "isend", "irecv", "split",
            "reduce", "barrier", "synchronize", "all_reduce_async", "all_reduce_many"]
 
 _lock = threading.Lock()
@@ -152,19 +152,29 @@ def reduce_scatter_v(x: Any, counts: Sequence[int], *, op: ReduceOp | str = "sum
     return current().reduce_scatter_v(x, counts, op=op)
 
 
-def send(x: Any, dst: int) -> None:
+def send(x: Any, dst: int, tag: int = 0) -> None:
     """`Communicator.send` on the communicator init() made."""
-    current().send(x, dst)
+    current().send(x, dst, tag)
 
 
-def recv(x: Any, src: int) -> Any:
+def recv(out: Any, src: int | None = None, tag: int = 0) -> Any:
     """`Communicator.recv` on the communicator init() made."""
-    return current().recv(x, src)
+    return current().recv(out, src, tag)
 
 
-def sendrecv(x: Any, dst: int, out: Any, src: int) -> Any:
+def sendrecv(x: Any, dst: int, out: Any, src: int, tag: int = 0) -> Any:
     """`Communicator.sendrecv` on the communicator init() made."""
-    return current().sendrecv(x, dst, out, src)
+    return current().sendrecv(x, dst, out, src, tag)
+
+
+def isend(x: Any, dst: int, tag: int = 0) -> Work:
+    """`Communicator.isend` on the communicator init() made."""
+    return current().isend(x, dst, tag)
+
+
+def irecv(out: Any, src: int | None = None, tag: int = 0) -> Work:
+    """`Communicator.irecv` on the communicator init() made."""
+    return current().irecv(out, src, tag)
 
 
 def split(color: int | None, key: int = 0) -> Communicator | None:

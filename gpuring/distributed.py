@@ -288,7 +288,8 @@ class NCCLBackend:
             self.comm.send(x, peer)
 
     def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
-        """Receive what `peer` sends into out_array (as many elements)."""
+        """Receive what `peer` sends into out_array: the same element count (NumPy arrays:
+        at least as many elements)."""
         peer = _integer(peer, "peer")
         if _sparse.is_sparse(out_array):
             _sparse.recv(self.comm, out_array, peer)

@@ -140,6 +140,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_PORT", int, None, "MASTER_PORT + 1",
             "under torchrun or Slurm (not `gpuring run` or `mpiexec`): the port rank 0 serves "
             "gpuring's control plane on (Slurm without MASTER_PORT: 29500 + job id % 10000)"),
+    Setting("GPURING_MESSAGE_BYTES", parse_size, None, "8M / peers of the node (64K to 1M)",
+            "point-to-point messages of NumPy arrays: the ring each rank keeps in its inbox "
+            "for each peer of its node (at least 16K); messages up to a quarter of it (256K at "
+            "most) go eagerly, larger ones, once received, straight from the sender's memory "
+            "where the kernel allows it (process_vm_readv), else in pieces of a quarter of "
+            "the ring"),
+    Setting("GPURING_MESSAGE_ATTACH", _flag, True, "1",
+            "0: a rank never reads a peer's memory with process_vm_readv (cross-memory "
+            "attach); messages larger than the eager limit then stream through the inbox"),
     Setting("GPURING_FUSION_BYTES", parse_size, 64 << 20, "64M",
             "largest fusion buffer of `all_reduce_many`"),
     Setting("GPURING_TIMELINE", str, None, "unset",

@@ -5,7 +5,10 @@ Quantities (S = the size column in bytes, n ranks, t = time):
 
 * algbw = S / t; busbw = algbw x factor, factor 2(n-1)/n for all_reduce, (n-1)/n for
   reduce_scatter and all_gather (S is the full array: reduce_scatter's input, all_gather's
-  output), 1 for broadcast and reduce.
+  output), 1 for broadcast, reduce and messages.
+* messages: `sendrecv` (nccl-tests' sendrecv_perf: every rank sends S bytes to the next and
+  receives S from the previous in one call) and `pingpong` (OSU's osu_latency: rank 0 sends
+  S to rank 1, which sends them back; t is half the round trip, the other ranks idle).
 * t, as nccl-tests times it: on each rank one untimed call, one barrier, then `-n` calls
   back to back on the host clock until the last completes, divided by `-n`; the ranks' t
   combined by `-a` (default their average). Every system runs through the same loop, and

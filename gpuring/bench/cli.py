@@ -24,7 +24,9 @@ _OPS = ("sum", "prod", "min", "max", "avg")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `gpuring bench`."""
     p.add_argument("collective", nargs="?", default="all_reduce", choices=MEASURED,
-                   help="what to measure (default all_reduce; barrier: its latency)")
+                   help="what to measure (default all_reduce; barrier: its latency; "
+                        "sendrecv: each rank to the next and from the previous; pingpong: "
+                        "rank 0 to rank 1 and back, the time per message)")
     p.add_argument("-b", "--minbytes", default="8", help="smallest size: 8, 4K, 64M, 1G")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2,

@@ -97,6 +97,10 @@ def expected_for_rank(kind: str, op: str, make: Callable[[int], np.ndarray], n: 
         return make(root)
     if kind == "reduce":
         return reference(op, map(make, ranks)) if rank == root else None
+    if kind == "sendrecv":  # from the previous rank
+        return make((rank - 1) % n)
+    if kind == "pingpong":  # rank 0's, there and back
+        return make(0) if rank < 2 else None
     raise ValueError(f"unknown collective {kind!r}")
 
 

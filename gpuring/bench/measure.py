@@ -17,6 +17,7 @@ import numpy as np
 from . import report
 from .data import corrupt, count_wrong, make_input, tolerance
 from .metrics import (
+    MESSAGES_PER_CALL,
     Memory,
     bus_factor,
     copy_repeats,
@@ -136,6 +137,7 @@ class Measurer:
         else:
             times = np.array([time_loop(fn, iters=s.iters, backend=self.backend,
                                         sync=system.sync)])
+        times = times / MESSAGES_PER_CALL.get(kind, 1)  # (a ping-pong's: per message)
         checked = calls[0]
         if s.graph_launches and s.check_iters:  # what is checked is a graph's result (a
             checked = self.backend.graph(calls[0], 1)  # collective may run otherwise there)

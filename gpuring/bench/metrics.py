@@ -5,13 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["COLLECTIVES", "MEASURED", "ROOTED", "REDUCING", "bus_factor", "size_series",
+__all__ = ["COLLECTIVES", "MESSAGES", "MEASURED", "ROOTED", "REDUCING", "MESSAGES_PER_CALL",
+           "bus_factor", "size_series",
            "align_bytes", "plan_count", "memory_traffic", "rank_traffic", "closed_form_traffic",
            "required_traffic", "copy_repeats", "Memory", "group_memories", "shared_floor", "STEADY"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-#: what `gpuring bench` measures: the collectives, and the barrier's latency
-MEASURED = (*COLLECTIVES, "barrier")
+#: messages between ranks: every rank sends to the next and receives from the previous
+#: (nccl-tests' sendrecv_perf), and a ping-pong between ranks 0 and 1 (OSU's osu_latency:
+#: its time is half a round trip)
+MESSAGES = ("sendrecv", "pingpong")
+#: what `gpuring bench` measures: the collectives, the barrier's latency, messages
+MEASURED = (*COLLECTIVES, "barrier", *MESSAGES)
+#: messages one timed call of these makes one after the other (its time is per message)
+MESSAGES_PER_CALL = {"pingpong": 2}
 ROOTED = ("broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 OUT_OF_PLACE = "out-of-place"
@@ -27,7 +34,7 @@ def bus_factor(kind: str, n: int) -> float:
         return 2 * (n - 1) / n
     if kind in ("reduce_scatter", "all_gather"):
         return (n - 1) / n
-    if kind in ROOTED:
+    if kind in ROOTED or kind in MESSAGES:
         return 1.0
     if kind == "barrier":  # nothing moves
         return 0.0
@@ -103,6 +110,10 @@ def closed_form_traffic(kind: str, n: int, size: int, *, one_shot: bool = False)
         return (2 if n == 2 else 4) * size
     if kind == "reduce":
         return 3.0 * size
+    if kind == "sendrecv":  # into the receiver's inbox and out of it: two copies each way
+        return 4.0 * size
+    if kind == "pingpong":  # one message: copied in by the sender, out by the receiver
+        return 2.0 * size
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -157,6 +168,10 @@ def required_traffic(kind: str, n: int, size: int, *, root: int = 0) -> list[flo
         return [2.0 * size if r == root else float(size) for r in range(n)]
     if kind == "barrier":
         return [0.0] * n
+    if kind == "sendrecv":  # its input read, its output written
+        return [2.0 * size] * n
+    if kind == "pingpong":  # one message: read on one rank, written on the other
+        return [float(size) if r < 2 else 0.0 for r in range(n)]
     raise ValueError(f"unknown collective {kind!r}")
 
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..transports.nccl import nccl_id_argument, nccl_id_bytes
-from .metrics import IN_PLACE, OUT_OF_PLACE
-from .systems import Buffers, System, Unsupported
+from .metrics import IN_PLACE, MESSAGES, OUT_OF_PLACE
+from .systems import Buffers, System, Unsupported, message_call
 
 __all__ = ["PEERS", "parse_peers", "select_peers", "PeerUnavailable", "MpiPeer", "NcclPeer",
            "GlooPeer", "all_ranks_ok"]
@@ -51,7 +51,7 @@ class MpiPeer(System):
         reduce_scatter keeps the whole input in the output; broadcast is in place only)."""
         if kind == "broadcast":
             return (IN_PLACE,)
-        if kind in ("reduce_scatter", "barrier"):
+        if kind in ("reduce_scatter", "barrier") or kind in MESSAGES:
             return (OUT_OF_PLACE,)
         return (OUT_OF_PLACE, IN_PLACE)
 
@@ -66,6 +66,13 @@ class MpiPeer(System):
     def _verb(self, kind: str, b: Buffers, op: str, root: int, *,
               blocking: bool) -> Callable[[], Any]:
         c, MPI = self.comm, self.MPI
+        if kind in MESSAGES:
+            if not blocking:
+                raise Unsupported("messages are measured without --overlap")
+            return message_call(
+                kind, b, c.Get_rank(), c.Get_size(), lambda x, dst: c.Send(x, dest=dst),
+                lambda out, src: c.Recv(out, source=src),
+                lambda x, dst, out, src: c.Sendrecv(x, dest=dst, recvbuf=out, source=src))
         if kind == "barrier":
             return c.Barrier if blocking else c.Ibarrier
         if kind not in ("all_gather", "broadcast") and op not in self.ops:
@@ -156,6 +163,8 @@ class NcclPeer(System):  # pragma: no cover - needs GPUs
         """Both placements, as nccl-tests: in place, the pointers alias (all_gather's input
         is out's slot, reduce_scatter's output x's block)."""
         nccl, c = self.nccl, self.comm
+        if kind in MESSAGES:
+            raise Unsupported("messages are not measured on NCCL here")
         if kind == "barrier":
             raise Unsupported("NCCL has no barrier")
         dtype = str(b.x.dtype)
@@ -246,6 +255,8 @@ class GlooPeer(System):
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
         dist = self.dist
+        if kind in MESSAGES:
+            raise Unsupported("messages are not measured on Gloo here")
         if kind == "barrier":
             return dist.barrier
         if str(b.x.dtype) not in self._DTYPES:

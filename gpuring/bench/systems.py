@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .data import poison
-from .metrics import IN_PLACE, OUT_OF_PLACE, REDUCING, STEADY
+from .metrics import IN_PLACE, MESSAGES, OUT_OF_PLACE, REDUCING, STEADY
 from .timing import Backend
 
 __all__ = ["Buffers", "Arena", "make_buffers", "Unsupported", "System", "Gpuring",
@@ -98,7 +98,10 @@ def make_buffers(kind: str, placement: str, source: np.ndarray, *, rank: int, ro
         return array
 
     out: Any | None
-    if kind == "all_gather":
+    if kind in MESSAGES:  # ranks beyond 1 take no part in a ping-pong
+        x = to_device(source)
+        out = None if kind == "pingpong" and rank > 1 else empty(source.size, dtype)
+    elif kind == "all_gather":
         out = empty((n, source.size), dtype)
         x = out[rank] if in_place else to_device(source)
     else:
@@ -121,8 +124,10 @@ class System:
     name = "?"
 
     def placements(self, kind: str) -> tuple[str, ...]:
-        """The placements measured for `kind` (every system runs the barrier once)."""
-        return (OUT_OF_PLACE,) if kind == "barrier" else (OUT_OF_PLACE, IN_PLACE)
+        """The placements measured for `kind` (every system runs the barrier and the
+        messages once)."""
+        return (OUT_OF_PLACE,) if kind == "barrier" or kind in MESSAGES else (
+            OUT_OF_PLACE, IN_PLACE)
 
     def operations(self) -> int | None:
         """Driver calls this system has made so far (None: it does not say)."""
@@ -154,15 +159,17 @@ class Gpuring(System):
     def __init__(self, comm: Any, chunk_bytes: int | None, channels: int | None):
         self.comm = comm
         self.tuning = {"chunk_bytes": chunk_bytes, "channels": channels}
+        self._messages = False  #: the last call made was of messages
 
     def call(self, kind: str, b: Buffers, op: str, root: int) -> Callable[[], object]:
+        self._messages = kind in MESSAGES
         return self._verb(kind, b, op, root, "")
 
     def operations(self) -> int | None:
         return int(self.comm.device_operations)
 
     def schedule(self) -> str | None:
-        return str(self.comm.last_schedule)
+        return "messages" if self._messages else str(self.comm.last_schedule)
 
     def overlap(self, kind: str, b: Buffers, op: str,
                 root: int) -> Callable[[], Callable[[], object]]:
@@ -174,6 +181,11 @@ class Gpuring(System):
         """The call of `kind` + `suffix` (the verb, its `_async` twin or its `_init` form)
         on these buffers, ready to call (for `_init`, called once here: what it made)."""
         comm, t = self.comm, self.tuning
+        if kind in MESSAGES:
+            if suffix:
+                raise Unsupported(f"messages are measured without {suffix} forms")
+            return message_call(kind, b, comm.rank, comm.size, comm.send, comm.recv,
+                                comm.sendrecv)
         if kind == "barrier":
             if suffix == "_async":
                 raise Unsupported("gpuring has no barrier_async")
@@ -196,6 +208,31 @@ class Gpuring(System):
 
     def sync(self) -> None:
         self.comm.barrier()
+
+
+def message_call(kind: str, b: Buffers, rank: int, n: int, send: Callable[..., Any],
+                 recv: Callable[..., Any], sendrecv: Callable[..., Any]) -> Callable[[], Any]:
+    """One call of a message benchmark with these verbs (`send(x, dst)`, `recv(out, src)`,
+    `sendrecv(x, dst, out, src)`): sendrecv, each rank to the next and from the previous; a
+    ping-pong, rank 0 sending `x` to rank 1 and receiving it back, the others idle."""
+    if kind == "sendrecv":
+        right, left = (rank + 1) % n, (rank - 1) % n
+        return lambda: sendrecv(b.x, right, b.out, left)
+    if n < 2:
+        raise Unsupported("a ping-pong needs 2 ranks")
+    if rank == 0:
+        def ping() -> None:
+            send(b.x, 1)
+            recv(b.out, 1)
+
+        return ping
+    if rank == 1:
+        def pong() -> None:
+            recv(b.out, 0)
+            send(b.out, 0)
+
+        return pong
+    return lambda: None
 
 
 class GpuringPersistent(Gpuring):

@@ -12,6 +12,8 @@ What it models, and how:
   undefined behaviour may.
   Files are named after the process (and the `gpuring run` job, whose launcher removes them);
   those of dead processes are removed when the simulator is next imported;
+- host memory a process mapped (a shared-memory file) can be registered (`hostRegister`):
+  kernels and stream memory operations may then touch it at its host address;
 - every stream is a thread that runs its operations in order, started when the first operation
   is queued on it (importing the simulator starts none); events mark a point in a stream;
   `Stream.wait_event` holds a stream, with no timeout, like the GPU does; a stream belongs to
@@ -678,6 +680,8 @@ def get_default_memory_pool() -> _MemoryPool:
 
 
 _host_buffers: dict[int, Any] = {}
+#: host memory registered with `hostRegister`: start -> bytes
+_host_registered: dict[int, int] = {}
 
 
 # ------------------------------------------------------------------------------ runtime
@@ -770,6 +774,22 @@ class _Runtime(types.ModuleType):
             raise CUDARuntimeError("cudaErrorInvalidValue", f"{ptr:#x} is not pinned memory")
 
     @staticmethod
+    def hostRegister(ptr: int, size: int, flags: int) -> None:
+        """Pins host memory the process mapped (a shared-memory file, say): kernels may
+        then touch it at its host address (every device reaches it)."""
+        _context()
+        if builtins.any(p < ptr + size and ptr < p + n for p, n in _host_registered.items()):
+            raise CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered",
+                                   f"{ptr:#x} is registered already")
+        _host_registered[ptr] = size
+
+    @staticmethod
+    def hostUnregister(ptr: int) -> None:
+        if _host_registered.pop(ptr, None) is None:
+            raise CUDARuntimeError("cudaErrorHostMemoryNotRegistered",
+                                   f"{ptr:#x} is not registered")
+
+    @staticmethod
     def ipcGetMemHandle(ptr: int) -> bytes:
         _context()
         alloc = _allocated.get(ptr)
@@ -855,7 +875,8 @@ class Device:
         self.id = runtime.getDevice() if device is None else int(device)
         if not 0 <= self.id < runtime.getDeviceCount():
             raise CUDARuntimeError("cudaErrorInvalidDevice", str(self.id))
-        self.attributes = _Attributes(MultiProcessorCount=_SM_COUNT)
+        self.attributes = _Attributes(MultiProcessorCount=_SM_COUNT,
+                                      CanUseHostPointerForRegisteredMem=1)
         self.compute_capability = _sibling("kernels_host_build").COMPUTE_CAPABILITY
         self.pci_bus_id = f"0000:{0x18 + self.id:02x}:00.0"
 
@@ -927,6 +948,7 @@ def _device_of(address: int) -> int | None:
     ranges = [(a.ptr, a.ptr + a.size, a.device)
               for a in (*_allocated.values(), *_opened.values())]
     ranges += [(p, p + ctypes.sizeof(b), -1) for p, b in _host_buffers.items()]
+    ranges += [(p, p + n, -1) for p, n in _host_registered.items()]
     ranges += list(_array_ranges.values())
     return next((dev for lo, hi, dev in ranges if lo <= address < hi), None)
 

@@ -174,6 +174,20 @@ def test_point_to_point(group, item, named_launches, cuda_platform):
     _check(named_launches, cuda_platform, group, item)
 
 
+GPU_MESSAGES = [cuda_group(("cases_messages:gpu_messages",), 3, form) for form in FORMS] + [
+    cuda_group(("cases_messages:gpu_messages",), 2, SHARED_MEMOPS, tag="one_queue",
+               env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),))]
+
+
+@pytest.mark.parametrize(("group", "item"), params(*GPU_MESSAGES, families=["gpu_messages"]))
+def test_messages_queued_on_the_stream(group, item, named_launches, cuda_platform):
+    """isend/irecv of CuPy arrays queued on the caller's stream, in both flag modes, and
+    with one hardware queue for all streams (CUDA_DEVICE_MAX_CONNECTIONS=1): groups and
+    batches with the receive first at every size, any source, done(), tags in order, driver
+    calls per message."""
+    _check(named_launches, cuda_platform, group, item)
+
+
 @pytest.mark.parametrize(("group", "item"), params(*MATRIX, families=["split"]))
 def test_sub_communicators(group, item, named_launches, cuda_platform):
     _check(named_launches, cuda_platform, group, item)

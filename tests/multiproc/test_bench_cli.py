@@ -103,6 +103,27 @@ def test_the_table_means_what_nccl_tests_columns_mean(collective, tmp_path):
                 size / mine["time_us"] / 1e3 * factor(n))
 
 
+@pytest.mark.parametrize("kind", ["sendrecv", "pingpong"])
+def test_messages_as_nccl_tests_and_osu_measure_them(kind, tmp_path):
+    """sendrecv (every rank to the next, from the previous) on 3 ranks and a ping-pong
+    (rank 0 to rank 1 and back, time per message): one placement, busbw = algbw = size /
+    time, every result checked, the schedule says messages; a wrong result fails the run."""
+    proc = bench([kind, "--ranks", "3", "-b", "8", "-e", "1M", "-f", "32", "-n", "3",
+                  "-w", "1", "-d", "int64", "--device", "cpu", "--json", "r.json"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["wrong_total"] == 0 and doc["settings"]["sizes"] == [8, 256, 8192, 262144]
+    for r in doc["results"]:
+        assert r["placement"] == "out-of-place" and r["count"] == r["size"] // 8
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])
+        assert r["algbw_GBps"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
+        assert r["schedule"] == "messages" and r["wrong"] == 0
+    assert "# Wrong elements    : 0 OK" in proc.stdout
+    wrong = bench([kind, "--ranks", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
+                   "--device", "cpu"], tmp_path, GPURING_BENCH_CORRUPT="1")
+    assert wrong.returncode == 1 and "FAILED" in wrong.stdout, wrong.stdout[-2000:]
+
+
 def test_a_wrong_result_fails_the_run(tmp_path):
     proc = bench(["broadcast", "--ranks", "2", "-b", "1K", "-e", "2K", "-n", "1", "-w", "0",
                   "--device", "cpu"], tmp_path, GPURING_BENCH_CORRUPT="1")
@@ -147,6 +168,24 @@ def test_under_mpiexec_with_the_mpi_peer(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mpi: measured" in proc.stdout
     assert proc.stdout.count(" mpi  out-of-place") == 7
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["pingpong", "sendrecv"])
+def test_messages_under_mpiexec_beside_mpi(kind, tmp_path):
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("mpiexec with mpi4py is not available")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    proc = subprocess.run([exe, "-n", "2", sys.executable, "-m", "gpuring", "bench", kind,
+                           "-b", "8", "-e", "4K", "-f", "8", "-n", "20", "-w", "2",
+                           "--device", "cpu", "--peers", "mpi", "--json", "r.json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mpi: measured" in proc.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    systems = {(r["system"], r["size"]) for r in doc["results"] if r["wrong"] == 0}
+    assert systems == {(s, size) for s in ("gpuring", "mpi") for size in (8, 64, 512, 4096)}
 
 
 def _tune(home: Path) -> None:

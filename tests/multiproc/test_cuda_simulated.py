@@ -41,6 +41,7 @@ from ..gpu.multiproc_cuda import (  # noqa: E402, F401
     test_fusion_and_compression,
     test_gather_scatter_all_to_all,
     test_gpus_without_peer_access_run_on_nccl,
+    test_messages_queued_on_the_stream,
     test_mismatch_raises_on_every_rank,
     test_nccl_refuses_ranks_that_share_a_gpu_alike,
     test_persistent_collectives,

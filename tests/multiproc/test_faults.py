@@ -52,6 +52,36 @@ def test_sigkill_mid_allreduce(n, verb):
     assert glob.glob(f"/dev/shm/gpuring-{job}-*") == []
 
 
+@pytest.mark.parametrize(("launcher", "n", "verb"), [("gpuring", 3, "irecv"),
+                                                     ("gpuring", 2, "send"),
+                                                     ("mpiexec", 4, "irecv")])
+def test_sigkill_while_others_wait_in_irecv(tmp_path, launcher, n, verb):
+    """Rank 1 dies while rank 0 waits in irecv from it (or in a large isend to it) and the
+    others in irecv from any rank: every survivor raises PeerFailureError naming rank 1
+    within seconds (the timeout is 600 s), and nothing is left in /dev/shm."""
+    proc = launch(launcher, n, [WORKER, "kill_irecv", str(tmp_path)],
+                  env={"GPURING_TIMEOUT": "600", "GPURING_JITTER": "0",
+                       "GPURING_TEST_VERB": verb}, timeout=300)
+    out = proc.stdout + proc.stderr
+    got = results(proc.stdout)
+    assert set(got) == set(range(n)) - {1}, out
+    for rank, (name, peer, after) in got.items():
+        assert name == "PeerFailureError" and peer == "1", out
+        assert after < 60, f"rank {rank} took {after} s (timeout is 600 s)"
+    job = re.search(r"JOB (\w+)", proc.stdout).group(1)
+    assert glob.glob(f"/dev/shm/gpuring-{job}-*") == []
+
+
+def test_a_rank_that_closes_while_waited_for_in_recv_fails_it_fast():
+    proc = launch("gpuring", 2, [WORKER, "leave_while_waited_for"],
+                  env={"GPURING_TIMEOUT": "600"}, timeout=300)
+    out = proc.stdout + proc.stderr
+    got = results(proc.stdout)
+    assert set(got) == {1}, out
+    name, peer, after = got[1]
+    assert name == "PeerFailureError" and peer == "0" and after < 60, out
+
+
 def test_sleeper_times_out_the_others():
     proc = launch("gpuring", 3, [WORKER, "sleep"], env={"GPURING_TIMEOUT": "2"}, timeout=120)
     out = proc.stdout + proc.stderr

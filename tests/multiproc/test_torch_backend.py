@@ -53,6 +53,13 @@ def test_every_call_of_the_backend(n):
     torchrun_like(n, "verbs")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_point_to_point_as_torch_users_write_it(n):
+    """batch_isend_irecv with the receive listed first, tags received out of order, recv
+    from any source, a receive into a tensor that is not contiguous, complex tensors."""
+    torchrun_like(n, "p2p")
+
+
 @pytest.mark.parametrize("n", [2])
 def test_ddp_trains_as_with_gloo(n):
     """DistributedDataParallel on "gpuring" and on "gloo" in the same processes: the same

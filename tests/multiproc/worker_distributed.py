@@ -105,6 +105,19 @@ for seed, dtype in enumerate(["float32", "int64", "float64"]):
             got = xp.empty((6, 5), dtype)
             comm.send_recv(xp.array(ins[rank]), got, partner)
             same(got, ins[partner], "send_recv")
+        # any buffer with room: (30,) into (6, 5), and on NumPy arrays into a larger one
+        if rank == 0:
+            comm.send(xp.array(ins[0]).reshape(-1), 1)
+            if device == "cpu":
+                comm.send(xp.array(ins[0]).reshape(-1), 1)
+        elif rank == 1:
+            got = xp.empty((6, 5), dtype)
+            comm.recv(got, 0)
+            same(got, ins[0], "recv of (30,) into (6, 5)")
+            if device == "cpu":
+                larger = xp.zeros((4, 10), dtype)
+                comm.recv(larger, 0)
+                same(larger.reshape(-1)[:30], ins[0].reshape(-1), "recv into a larger buffer")
     comm.barrier()
 avg = xp.empty(3, "float64")
 comm.all_reduce(xp.full(3, float(rank)), avg, op="avg")  # beyond cupyx

@@ -97,6 +97,47 @@ def case_kill(comm: gpuring.Communicator) -> None:
     raise AssertionError("no error although rank 1 was killed")
 
 
+def case_kill_irecv(comm: gpuring.Communicator) -> None:
+    """Rank 1 is SIGKILLed while every other rank waits in irecv: rank 0 for a message from
+    rank 1, the others for one from any rank (GPURING_TEST_VERB=send: rank 0 in a large send
+    to rank 1 instead, which waits for rank 1's receive)."""
+    n = comm.size
+    comm.sendrecv(np.ones(4), (comm.rank + 1) % n, np.zeros(4), (comm.rank - 1) % n)
+    print(f"JOB {comm._control.job_id}", flush=True)
+    if comm.rank == 1:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        time.sleep(120)
+        raise AssertionError("rank 1 outlived its SIGKILL")
+    since = time.monotonic()
+    try:
+        if comm.rank == 0 and os.environ.get("GPURING_TEST_VERB") == "send":
+            comm.isend(np.ones(1 << 22, np.float32), 1).wait()
+        else:
+            comm.irecv(np.zeros(4), 1 if comm.rank == 0 else None).wait()
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        if DIR is not None:
+            exit_when_survivors_reported(comm, dead=1)
+        return
+    raise AssertionError("no error although rank 1 was killed")
+
+
+def case_leave_while_waited_for(comm: gpuring.Communicator) -> None:
+    """Rank 0 closes while rank 1 waits in irecv for a message from it (which never
+    comes): rank 1 raises PeerFailureError naming rank 0 at once, not at the timeout."""
+    comm.sendrecv(np.ones(4), 1 - comm.rank, np.zeros(4), 1 - comm.rank)
+    since = time.monotonic()
+    if comm.rank == 0:
+        comm.close()
+        return
+    try:
+        comm.recv(np.zeros(4), 0)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+        return
+    raise AssertionError("no error although rank 0 left")
+
+
 def case_kill_cuda(comm: gpuring.Communicator) -> None:
     """Rank 1 is SIGKILLed while every rank is inside all_reduces of CuPy arrays. Each
     survivor raises, closes, and then uses its GPU as a program saving a checkpoint would:

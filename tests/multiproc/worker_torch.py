@@ -107,6 +107,50 @@ def verbs() -> None:
             raise AssertionError("no CollectiveMismatchError for another shape")
 
 
+def p2p() -> None:
+    """Point to point as torch users write it: batch_isend_irecv with the receive listed
+    first (a ring shift both ways), isend/irecv with tags received out of order, recv from
+    any source (its return value the sender), a receive into a tensor that is not
+    contiguous, complex tensors."""
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for count, dtype in ((7, torch.float32), (300000, torch.int64), (5, torch.complex64)):
+        mine = ints((count,), 40 + count, torch.float64)
+        x = mine[rank].to(dtype)
+        from_left = torch.zeros(count, dtype=dtype)
+        from_right = torch.zeros(count, dtype=dtype)
+        ops = [dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right),
+               dist.P2POp(dist.isend, x, right), dist.P2POp(dist.isend, x, left)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        same(from_left, mine[left].to(dtype), f"batch_isend_irecv from the left {dtype}")
+        same(from_right, mine[right].to(dtype), f"batch_isend_irecv from the right {dtype}")
+    if rank == 0:  # tags: rank 0 sends tag 1 then tag 2; rank 1 receives tag 2 first
+        works = [dist.isend(torch.full((3,), float(k)), dst=1, tag=k) for k in (1, 2)]
+        for work in works:
+            work.wait()
+    elif rank == 1:
+        second, first = torch.zeros(3), torch.zeros(3)
+        dist.irecv(second, src=0, tag=2).wait()
+        dist.irecv(first, src=0, tag=1).wait()
+        same(second, torch.full((3,), 2.0), "tag 2 received first")
+        same(first, torch.full((3,), 1.0), "tag 1 received second")
+    if rank == 0:  # any source: every other rank sends its rank
+        senders = set()
+        for _ in range(n - 1):
+            got = torch.zeros(2, dtype=torch.int64)
+            sender = dist.recv(got, tag=9)
+            same(got, torch.full((2,), sender, dtype=torch.int64), "recv from any source")
+            senders.add(sender)
+        assert senders == set(range(1, n)), senders
+    else:
+        dist.send(torch.full((2,), rank, dtype=torch.int64), dst=0, tag=9)
+    strided = torch.zeros((4, 2))[:, 0]
+    dist.batch_isend_irecv([dist.P2POp(dist.irecv, strided, left),
+                            dist.P2POp(dist.isend, torch.arange(4.0) + rank, right)])[0].wait()
+    same(strided, torch.arange(4.0) + left, "irecv into a tensor that is not contiguous")
+    dist.barrier()
+
+
 def ddp() -> None:
     gloo = dist.new_group(backend="gloo")
 
@@ -149,6 +193,6 @@ if device == "cuda":  # tensors on this rank's GPU, made current before the grou
     torch.set_default_device("cuda")
 dist.init_process_group("gpuring")
 rank, n = dist.get_rank(), dist.get_world_size()
-{"verbs": verbs, "ddp": ddp}[case]()
+{"verbs": verbs, "ddp": ddp, "p2p": p2p}[case]()
 dist.destroy_process_group()
 print(f"rank {rank}: {case} ok", flush=True)
