@@ -89,7 +89,7 @@ def set_up(control: ControlPlane, transport: str, timeout: float,
     here = [q for q in range(size) if nodes[q] == nodes[rank] and q != rank
             and transport != "mpi"]
     there = [q for q in range(size) if q != rank and q not in here]
-    if control.single_node:
+    if control.single_node and here:  # (not for MPI's lanes alone: as its collectives)
         ensure_watchdog()
     inbox = device = None
     if here:
