@@ -501,6 +501,8 @@ class Messages:
             header, payload = got
             self._record(peer, header, payload)
             lane.skip(header)
+            if header.kind == DATA:  # its room back at once: the sender writes the next
+                lane.release()  # piece while this rank copies out the one after
         lane.release()
         return True
 
