@@ -69,7 +69,7 @@ _LINE = 64  # one counter per cache line: peers that write neighbouring counters
 _PAGE = 4096
 #: bytes of rings per rank shared among its peers, where GPURING_MESSAGE_BYTES sets none
 _BUDGET = 8 << 20
-_SMALLEST, _LARGEST = 64 << 10, 1 << 20
+_SMALLEST, _LARGEST = 64 << 10, 4 << 20
 
 
 class Header(NamedTuple):
@@ -85,7 +85,7 @@ class Header(NamedTuple):
 
 def ring_bytes_for(peers: int, setting: int | None) -> int:
     """Bytes of one ring: `setting` (GPURING_MESSAGE_BYTES) rounded up to 64 bytes, else a
-    budget shared by the `peers` of a node, a power of two from 64 KiB to 1 MiB."""
+    budget shared by the `peers` of a node, a power of two from 64 KiB to 4 MiB."""
     if setting:
         return max(16 << 10, -(-setting // _ALIGN) * _ALIGN)
     share = _BUDGET // max(peers, 1)

@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from . import _cma, _failures, settings
+from . import _cma, _failures
 from ._cuda_messages import CudaArrival, CudaMessages, GpuMessages
 from ._errors import (
     CollectiveMismatchError,
@@ -69,10 +69,9 @@ from ._mailbox import (
     NACK,
     RTS,
     Header,
-    Inbox,
     ShmLane,
-    ring_bytes_for,
 )
+from ._message_lanes import Lanes, Parts, set_up
 from ._message_ops import (
     ATTACHED,
     AWAITING,
@@ -88,16 +87,13 @@ from ._message_ops import (
     dtype_names,
 )
 from ._status import process_alive
-from .devices.base import open_peer
-from .devices.host import SHM_PREFIX, HostDevice, HostMemory
 
 if TYPE_CHECKING:
     from ._registry import Registry
     from ._timeline import Timeline
     from .rendezvous.base import ControlPlane
-    from .transports.mpi_messages import MpiLane, MpiLink
 
-__all__ = ["Messages", "MessagePath", "InboxHandle"]
+__all__ = ["Messages", "MessagePath"]
 
 log = logging.getLogger("gpuring")
 
@@ -111,7 +107,6 @@ _BUSY_CROWDED = 2e-5
 _CHECK_EVERY = 0.02
 #: where a registered array lies, as an RTS record's payload: registration, offset
 _WHERE = struct.Struct("<qq")
-_LARGEST_EAGER = 256 << 10
 _TAGS = TAGS
 _OPEN = State.OPEN
 #: the dtypes messages were checked with so far, by dtype (`_message_ops.dtype_bytes`)
@@ -146,14 +141,6 @@ def _processors() -> int:
         return os.cpu_count() or 1
 
 
-class InboxHandle(NamedTuple):
-    """What a rank tells its peers when the communicator is made: its inbox (None: it has
-    none) and what they read to find out whether they may read its memory directly."""
-
-    inbox: Any
-    probe: _cma.Probe
-
-
 class _Pending(NamedTuple):
     """What a wait waits for: the operation (None: a fast path's, which has none), its name,
     the rank it waits for (None: any) and what has not happened, in words."""
@@ -183,26 +170,6 @@ class _Arrival:
         self.data = data  #: an eager message's bytes, an RTS's payload
 
 
-class _Parts:
-    """The inboxes' memory, the MPI link and the GPU part (once made) of a communicator's
-    messages, closed with it."""
-
-    def __init__(self, device: HostDevice | None, mpi: MpiLink | None):
-        self.device, self.mpi = device, mpi
-        self.gpu: list[CudaMessages] = []
-
-    def close(self) -> None:
-        """Free the GPU part, unmap the inboxes (the peers' records to this rank go with
-        them) and forget the MPI requests. Idempotent."""
-        gpu, self.gpu = self.gpu, []
-        for part in gpu:
-            part.close()
-        if self.mpi is not None:
-            self.mpi.abandon()
-        if self.device is not None:
-            self.device.close()
-
-
 class Messages:
     """The point-to-point messages of one communicator (made with it, on every rank at once:
     the ranks of one node map each other's inboxes then)."""
@@ -214,17 +181,20 @@ class Messages:
         self.rank, self.size = control.rank, control.size
         self.timeout = timeout
         self.lock = threading.RLock()
-        self.lanes: dict[int, ShmLane | MpiLane] = {}
-        self._shm: list[ShmLane] = []  #: the lanes polled for records, in rank order
-        #: each rank's lane where it is a peer of this node (None: itself, or not one)
-        self._near_of: dict[int, ShmLane] = {}
-        self._pids: dict[int, int] = {}  #: the process of each peer of this node
+        found = set_up(control, transport, timeout, path.ensure_watchdog) \
+            if self.size > 1 and setup else Lanes()
+        self.lanes = found.lanes
+        self._shm = found.shm  #: the lanes polled for records, in rank order
+        self._near_of = found.near  #: the lanes of the peers of this node
+        self._pids = found.pids  #: the process of each peer of this node
         #: whether this rank may read each peer's memory directly (`_cma`)
-        self._attach: dict[int, bool] = {}
-        self._unreachable: dict[int, str] = {}  #: why a peer cannot be messaged
-        self._mpi: MpiLink | None = None
-        self._device: HostDevice | None = None
-        self.eager_bytes = 0
+        self._attach = found.attach
+        self._unreachable = found.unreachable  #: why a peer cannot be messaged
+        self._mpi = found.mpi
+        self._device = found.device
+        self.eager_bytes = found.eager_bytes
+        self._ring_bytes = found.ring_bytes
+        self._parts = found.parts
         self._outbox: dict[int, collections.deque[Any]] = collections.defaultdict(
             collections.deque)
         self._busy: dict[int, None] = {}  #: peers whose outbox holds something, in order
@@ -241,90 +211,13 @@ class Messages:
         self.operations = 0  #: operations posted so far (the numbers in their errors)
         self.moves = 0  #: progress passes that moved something (waits measure idleness by it)
         self.transport = transport
-        self._ring_bytes = 0
-        self._parts = _Parts(None, None)
         #: the host's side of CuPy messages (their GPU part is made on first use)
         self.gpu = GpuMessages(self, self._make_gpu)
         #: how long a wait polls without a pause: short where this node's ranks outnumber
         #: its processors (polling would keep the rank waited for from running)
         self.busy_seconds = _BUSY if control.local_size <= _processors() else _BUSY_CROWDED
-        if self.size > 1 and setup:
-            self._setup(transport)
 
-    # -- setup ---------------------------------------------------------------------------
-    def _setup(self, transport: str) -> None:
-        """Map the inboxes of this node's peers (every rank at once)."""
-        control, rank = self.control, self.rank
-        nodes = control.nodes or ("",) * self.size
-        here = [q for q in range(self.size) if nodes[q] == nodes[rank] and q != rank
-                and transport != "mpi"]
-        there = [q for q in range(self.size) if q != rank and q not in here]
-        if control.single_node:
-            self.path.ensure_watchdog()  # the status board: peers that died, gave up, left
-        inbox = device = None
-        if here:
-            try:
-                device = HostDevice(name_prefix=f"{SHM_PREFIX}{control.job_id}-r{rank}-messages-",
-                                    timeout=self.timeout)
-                ring = ring_bytes_for(len(here), settings.get("GPURING_MESSAGE_BYTES"))
-                inbox = Inbox(device, rank, self.size, ring)
-                self._ring_bytes = ring
-                self.eager_bytes = min(ring // 4, _LARGEST_EAGER)
-            except GpuringError as exc:
-                for q in here:
-                    self._unreachable[q] = str(exc)
-        self._device = device
-        self._parts.device = device
-        attach = settings.get("GPURING_MESSAGE_ATTACH")
-        mine = InboxHandle(None if inbox is None or device is None
-                           else device.export(inbox.mem), _cma.probe())
-        handles = control.exchange("setup (message inboxes)", mine, self.timeout)
-        if inbox is not None and device is not None:
-            for q in here:
-                handle = InboxHandle(*handles[q])
-                if handle.inbox is None:
-                    self._unreachable[q] = f"rank {q} has no inbox"
-                    continue
-                theirs = open_peer(device, handle.inbox, q)
-                assert isinstance(theirs, HostMemory)
-                lane = ShmLane(inbox, q, theirs)
-                self.lanes[q] = self._near_of[q] = lane
-                self._shm.append(lane)
-                self._pids[q] = int(handle.inbox[0])
-                why = _cma.refusal(handle.probe) if attach else "GPURING_MESSAGE_ATTACH=0"
-                self._attach[q] = why is None
-                if why is not None:
-                    log.info("gpuring: rank %d stages messages from rank %d larger than %d "
-                             "bytes in pieces: %s", rank, q, self.eager_bytes, why)
-            control.barrier(self.timeout, "setup (message inboxes mapped)")
-            device.seal(inbox.mem)
-        else:
-            control.barrier(self.timeout, "setup (message inboxes mapped)")
-        if there:
-            self._reach_by_mpi(there)
-
-    def _reach_by_mpi(self, peers: list[int]) -> None:
-        from .rendezvous.mpi import MpiControl
-
-        control = self.control
-        if not isinstance(control, MpiControl):
-            for q in peers:
-                self._unreachable[q] = (
-                    f"rank {q} runs on another node ({control.nodes[q]}), and messages "
-                    "between nodes need MPI: start the ranks with mpiexec (mpi4py installed: "
-                    "pip install gpuring[mpi])")
-            return
-        from mpi4py import MPI
-
-        from .transports.mpi_messages import MpiLink
-
-        self._mpi = self._parts.mpi = MpiLink(control.comm, MPI)
-        if not self.eager_bytes:
-            self.eager_bytes = _LARGEST_EAGER
-        for q in peers:
-            self.lanes[q] = self._mpi.lane(q)
-
-    def parts(self) -> _Parts:
+    def parts(self) -> Parts:
         """What closing the communicator closes of its messages (it holds nothing of the
         communicator: its finalizer keeps it)."""
         return self._parts
@@ -609,6 +502,8 @@ class Messages:
             header, payload = got
             self._record(peer, header, payload)
             lane.skip(header)
+            if header.kind == DATA:  # its room back at once: the sender writes the next
+                lane.release()  # piece while this rank copies out the one after
         lane.release()
         return True
 

@@ -140,9 +140,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_PORT", int, None, "MASTER_PORT + 1",
             "under torchrun or Slurm (not `gpuring run` or `mpiexec`): the port rank 0 serves "
             "gpuring's control plane on (Slurm without MASTER_PORT: 29500 + job id % 10000)"),
-    Setting("GPURING_MESSAGE_BYTES", parse_size, None, "8M / peers of the node (64K to 1M)",
+    Setting("GPURING_MESSAGE_BYTES", parse_size, None, "8M / peers of the node (64K to 4M)",
             "point-to-point messages of NumPy arrays: the ring each rank keeps in its inbox "
-            "for each peer of its node (at least 16K); messages up to a quarter of it (256K at "
+            "for each peer of its node (at least 16K); messages up to a quarter of it (1M at "
             "most) go eagerly, larger ones, once received, straight from the sender's memory "
             "where the kernel allows it (process_vm_readv), else in pieces of a quarter of "
             "the ring"),

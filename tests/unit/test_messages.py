@@ -54,7 +54,8 @@ def test_records_wrap_and_room_comes_back_once_released(lanes) -> None:
 
 
 def test_a_record_larger_than_the_room_waits_and_none_is_larger_than_half() -> None:
-    assert ring_bytes_for(1, None) == 1 << 20
+    assert ring_bytes_for(1, None) == 4 << 20
+    assert ring_bytes_for(8, None) == 1 << 20
     assert ring_bytes_for(63, None) == 128 << 10
     assert ring_bytes_for(1000, None) == 64 << 10
     assert ring_bytes_for(3, 100_001) == 100_032
@@ -125,7 +126,7 @@ def test_refusals_name_the_field_on_both_ranks() -> None:
     def body(comm: gpuring.Communicator) -> list[str]:
         found = []
         for send, buffer in ((np.ones(4), np.ones(4, np.int8)), (np.ones(6), np.ones(5)),
-                             (np.ones(100000), np.ones(100000, np.float32))):
+                             (np.ones(300000), np.ones(300000, np.float32))):
             try:
                 if comm.rank == 0:
                     comm.send(send, 1)
@@ -138,7 +139,7 @@ def test_refusals_name_the_field_on_both_ranks() -> None:
                         comm.send(np.zeros(1), 0, tag=9)
             except gpuring.CollectiveMismatchError as exc:
                 found.append(",".join(sorted(exc.differences)))
-                if comm.rank == 0 and send.size == 100000:
+                if comm.rank == 0 and send.size == 300000:
                     comm.recv(np.zeros(1), 1, tag=9)
         return found
 
