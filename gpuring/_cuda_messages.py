@@ -99,7 +99,8 @@ class CudaMessages:
         from .devices.cuda import CudaDevice, CudaMemory
 
         self.rank = control.rank
-        self.device: CudaDevice = CudaDevice(local_rank=control.device_slot, timeout=timeout)
+        self.device: CudaDevice = CudaDevice(local_rank=control.device_slot, timeout=timeout,
+                                             announce=control.rank == 0)
         self._memory = CudaMemory
         self.slot_bytes = max(4096, min(_SLOT_BYTES, ring_bytes))
         runtime = self._runtime()
@@ -266,7 +267,7 @@ class HostEngine(Protocol):
     rank: int
 
     def send_record(self, peer: int, kind: int, msg: int, a: int, b: int, c: int,
-                    dtype: bytes, payload: bytes) -> None: ...
+                    dtype: bytes, payload: bytes, name: str, wait: bool = True) -> None: ...
 
     def refuse(self, peer: int, msg: int, text: str,
                differences: dict[str, dict[int, Any]]) -> None: ...
@@ -315,7 +316,7 @@ class GpuMessages:
         """Reserve `op`'s pieces and send its header."""
         body = self.device.announce(op)
         self._engine.send_record(op.peer, GPU_RTS, op.msg, op.tag, op.count, op.nbytes,
-                                 op.dtype, json.dumps(body).encode())
+                                 op.dtype, json.dumps(body).encode(), op.name)
         return body
 
     def post_send(self, op: Send) -> None:
@@ -443,7 +444,11 @@ class GpuMessages:
                 orderly = False
             device.detach()
         for peer in sorted(self.handles_from):
-            self._engine.send_record(peer, GPU_DETACHED, 0, 0, 0, 0, b"", b"")
+            try:
+                self._engine.send_record(peer, GPU_DETACHED, 0, 0, 0, 0, b"", b"", "close",
+                                         wait=orderly)
+            except Exception:  # (that peer is gone or stalled: it may still map the outbox)
+                orderly = False
         if device is None:
             return
         told = device.announced_to()

@@ -176,9 +176,11 @@ class ShmLane:
         tail = ring - at
         freed = self._mine[self._freed]
         # a WRAP first where the record does not fit before the end, and where the ring is
-        # empty (start over at its beginning, whose cache lines the last records warmed: a
-        # ping-pong keeps reusing them)
-        wrap = tail if at and (length > tail or (freed == sent and length <= at)) else 0
+        # empty and at least half of it lies before `at` (start over at its beginning, whose
+        # cache lines the last records warmed: a ping-pong keeps reusing them). The WRAP's
+        # bytes stay in use until the peer takes it, so the room left is what lies before
+        # `at`: at least half the ring keeps "an empty ring takes any record" true.
+        wrap = tail if at and (length > tail or (freed == sent and at >= ring // 2)) else 0
         if sent + wrap + length - freed > ring:
             return False
         base = self._out_off

@@ -445,13 +445,22 @@ class Messages:
 
     # -- what the CuPy messages ask of this engine (`_cuda_messages.HostEngine`) --------------
     def send_record(self, peer: int, kind: int, msg: int, a: int, b: int, c: int,
-                    dtype: bytes, payload: bytes) -> None:
+                    dtype: bytes, payload: bytes, name: str, wait: bool = True) -> None:
+        """Write a record into `peer`'s ring before returning (`wait`; else it may stay
+        queued here): where the ring is full, make progress until the peer took enough
+        (nothing else would write it once the caller goes on to work that makes no progress
+        here, such as a collective)."""
+        record = (kind, msg, a, b, c, dtype, payload, len(payload))
+        box = self._outbox[peer]
         with self.lock:
-            box = self._outbox[peer]
-            box.append((kind, msg, a, b, c, dtype, payload, len(payload)))
+            box.append(record)
             if len(box) == 1:
                 self._busy[peer] = None
                 self._push(peer)
+            if not wait or not any(item is record for item in box):
+                return
+        self.wait_until(lambda: not any(item is record for item in box), name, peer,
+                        f"rank {peer} took nothing from its full ring from this rank")
 
     def refuse(self, peer: int, msg: int, text: str,
                differences: dict[str, dict[int, Any]]) -> None:

@@ -5,6 +5,7 @@ and an abort that end a wait, a group and what it refuses."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -13,7 +14,7 @@ import pytest
 
 import gpuring
 from gpuring import _cma
-from gpuring._mailbox import DATA, EAGER, HEADER_BYTES, Inbox, ShmLane, ring_bytes_for
+from gpuring._mailbox import DATA, EAGER, GPU_RTS, HEADER_BYTES, Inbox, ShmLane, ring_bytes_for
 from gpuring.devices.host import HostDevice
 
 from .threads_world import run_ranks
@@ -51,6 +52,29 @@ def test_records_wrap_and_room_comes_back_once_released(lanes) -> None:
     receiver.release()
     assert received == sent
     assert sender.sent > 20 * sender.ring  # (it wrapped many times)
+
+
+@pytest.mark.parametrize("offset", [128, 4096, 8192, 12288])
+def test_an_empty_ring_takes_records_for_at_least_half_of_it(lanes, offset) -> None:
+    """Wherever the last record left the writer, an emptied ring takes any record, and then
+    records of at least half the ring more before the reader takes one (a WRAP back to the
+    ring's start only where that keeps half of it)."""
+    sender, receiver = lanes
+    filler = b"x" * (offset - HEADER_BYTES)
+    assert sender.put(EAGER, 0, 0, 0, len(filler), b"uint8", filler)
+    header, _ = receiver.take()
+    receiver.skip(header)
+    receiver.release()  # empty again, the writer `offset` bytes in
+    record = b"y" * (128 - HEADER_BYTES)
+    fitted = 0
+    while sender.put(EAGER, 1, 0, 0, len(record), b"uint8", record):
+        fitted += 1
+    assert fitted * 128 >= sender.ring // 2
+    biggest = b"z" * (sender.ring // 2 - HEADER_BYTES)
+    while (got := receiver.take()) is not None:
+        receiver.skip(got[0])
+    receiver.release()
+    assert sender.put(EAGER, 2, 0, 0, len(biggest), b"uint8", biggest)
 
 
 def test_a_record_larger_than_the_room_waits_and_none_is_larger_than_half() -> None:
@@ -101,6 +125,30 @@ def test_messages_much_larger_than_the_ring_in_every_order(monkeypatch, attach) 
         return counts
 
     assert run_ranks(2, body) == [sizes, sizes]
+
+
+def test_a_header_is_in_the_peers_ring_before_its_send_returns(monkeypatch) -> None:
+    """A CuPy message's header is a record nothing would write once its send returned (the
+    host goes on to other work): where the peer's ring is full, the send makes progress
+    until the peer took enough. Rank 0 posts three rings' worth of headers and enters a
+    barrier; rank 1 waits for every one of them before its own."""
+    monkeypatch.setenv("GPURING_MESSAGE_BYTES", "16K")
+    count = 400  # (128 bytes each)
+    body_bytes = json.dumps({"first": 0, "pieces": 1, "slot_bytes": 4096,
+                             "offset": 0}).encode()
+
+    def body(comm: gpuring.Communicator) -> int:
+        engine = comm._messages
+        if comm.rank == 0:
+            for msg in range(count):
+                engine.send_record(1, GPU_RTS, msg, 0, 1, 4, b"float32", body_bytes, "send")
+        else:
+            engine.wait_until(lambda: len(engine.gpu.arrivals) == count, "recv", 0,
+                              "rank 0's headers did not all come")
+        comm.barrier()
+        return len(engine.gpu.arrivals)
+
+    assert run_ranks(2, body, timeout=10) == [0, count]
 
 
 def test_any_source_and_tags_match_in_posting_order() -> None:
