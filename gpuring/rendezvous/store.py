@@ -167,7 +167,10 @@ class StoreServer:
         """Listen on `host`:`port` (0: a free port; `address` says which)."""
         self.size = size
         self._key = key
-        self._listener = Listener((host, port), family="AF_INET")
+        # every rank connects at once: a short accept queue (multiprocessing's default is 1)
+        # drops their SYNs when the accept thread is late, and the kernel retries only after
+        # 1, 3, 7, 15, 31 s, which can outlast the timeout
+        self._listener = Listener((host, port), family="AF_INET", backlog=max(128, size))
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._lock = threading.Lock()
         #: (rank, generation) -> the connection (a rank that made a new client after a close
