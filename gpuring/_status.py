@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import zlib
 
 from .devices.base import open_peer
@@ -224,15 +225,23 @@ class StatusBoard:
                     found.append((peer, last, int(words[_PID])))
         return found
 
-    def departed(self, peer: int) -> bool:
+    def departed(self, peer: int, grace: float = 0.0) -> bool:
         """Whether `peer`'s process ended after completing every collective it entered (and
-        agreeing on no newer one), without giving up: it left, it did not die mid-call."""
+        agreeing on no newer one), without giving up: it left, it did not die mid-call.
+        `grace`: how long to wait for such a process to end (its connections close while it
+        exits, a moment before it has ended)."""
         if not 0 <= peer < len(self._pages) or peer == self.rank:
             return False
         words = self._pages[peer].i64
         assert words is not None
-        return words[_STATE] == 0 and not _alive(int(words[_PID])) and \
-            self._finished(words) is not None
+        if words[_STATE] != 0 or self._finished(words) is None:
+            return False
+        deadline = time.monotonic() + grace
+        while _alive(int(words[_PID])):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     @staticmethod
     def _finished(words: memoryview) -> int | None:

@@ -32,7 +32,7 @@ from ._torch_arrays import Reduction, Staged, from_array, readable, reduction, s
 from ._torch_errors import c10d_errors
 from ._torch_monitored import monitored_barrier
 from ._torch_sparse import all_reduce_sparse
-from .rendezvous.store import StoreServer, leave_and_stop
+from .rendezvous.launchers import Served, start_server
 from .rendezvous.store_client import StoreClient
 
 __all__ = ["GpuringProcessGroup", "create"]
@@ -49,14 +49,15 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta
     seconds = timeout.total_seconds() if timeout is not None else None
     config = Config.from_env(timeout=seconds)
     server = None
-    if rank == 0:
-        key = secrets.token_bytes(32)
-        server = StoreServer(size, key, "127.0.0.1")
+    if rank == 0:  # (its server in a process of its own: the others' calls do not need this
+        key = secrets.token_bytes(32)  # process once its part is done)
+        server = start_server(size, key, "127.0.0.1", 0, config.timeout,
+                              f"torch.distributed backend {BACKEND!r}")
         host, port = server.address
         store.set(_ADDRESS_KEY, f"{host} {port} {key.hex()} {secrets.token_hex(8)}")
     with contextlib.ExitStack() as undo:  # (the server goes if this rank cannot join)
         if server is not None:
-            undo.callback(server.close)
+            undo.callback(server.process.kill)
         host, port, key_hex, job = store.get(_ADDRESS_KEY).decode().split()
         # one node (the server is on loopback): the group's ranks are its local ranks
         control = StoreClient(rank, size, rank, size, (host, int(port)),
@@ -108,7 +109,7 @@ class GpuringProcessGroup(_ProcessGroup):
     current stream, and its work's future carries the tensors on their devices, so `wait()`
     orders the caller's stream after it without blocking the host."""
 
-    def __init__(self, comm: Communicator, server: StoreServer | None = None,
+    def __init__(self, comm: Communicator, server: Served | None = None,
                  store: Any = None):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
@@ -415,10 +416,15 @@ class GpuringProcessGroup(_ProcessGroup):
 
     # -- lifetime --------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """From destroy_process_group(): close the communicator; group rank 0, which serves
-        the control plane, then waits (at most the timeout) for the others to leave."""
+        """From destroy_process_group(): close the communicator. Group rank 0 started the
+        group's control-plane server: it serves the others until they leave too (rank 0
+        does not wait for them)."""
         server, self._server = self._server, None
-        leave_and_stop(self.comm.close, server, self.comm.config.timeout)
+        try:
+            self.comm.close()
+        finally:
+            if server is not None:
+                server.release()
 
     def abort(self) -> None:
         self.comm.abort("aborted through torch.distributed")

@@ -27,6 +27,9 @@ __all__ = ["Watchdog"]
 log = logging.getLogger("gpuring")
 
 _TICK = 0.05
+#: seconds a peer whose connection closed after its last collective has to end its process
+#: (its connections close while it exits, a moment before it has ended)
+_DEPARTING = 1.0
 
 
 class Watchdog:
@@ -169,8 +172,9 @@ class Watchdog:
     def departed(self, peer: int | None) -> bool:
         """Whether `peer` left after its last collective (its process ended without closing
         its communicator, every collective it entered completed): a notice of its end fails
-        nothing by itself, only a collective after its last one (`_check`)."""
-        return peer is not None and self.board.departed(peer)
+        nothing by itself, only a collective after its last one (`_check`). The notice may
+        come while that process is still exiting: it has a second to end."""
+        return peer is not None and self.board.departed(peer, grace=_DEPARTING)
 
     def leaving(self) -> None:
         """Tell peers this rank closed its communicator (or, if it failed and has not said

@@ -43,7 +43,8 @@ from .base import host_name
 from .store import ENV_KEY
 from .store_client import StoreClient, waiting_line
 
-__all__ = ["Job", "from_environment", "first_host", "job_key", "meet", "serve"]
+__all__ = ["Job", "Served", "from_environment", "first_host", "job_key", "meet", "serve",
+           "start_server"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Job:
 #: the servers this process started, by address: each serves for the process's life, as
 #: `gpuring run` serves its job (a communicator made again after a close, and
 #: sub-communicators that outlive theirs, meet on it), and after it while ranks are connected
-_serving: dict[tuple[str, int], _Served] = {}
+_serving: dict[tuple[str, int], Served] = {}
 _serving_lock = threading.Lock()
 
 
@@ -153,10 +154,10 @@ def loopback(host: str) -> bool:
 def serve(size: int, key: bytes, host: str, port: int, timeout: float,
           who: str) -> tuple[str, int]:
     """Serve the control plane of a job of `size` ranks on host:port for this process,
-    unless a server it started does already: in a process of its own
-    (`server_process`), which serves as long as this process lives and, after it, as long
-    as any rank is connected (so this rank may leave first). Waits at most `timeout` s for
-    it to listen. Returns where it listens (port 0: a free port, which it tells)."""
+    unless a server it started does already (`start_server`: in a process of its own, which
+    serves as long as this process lives and, after it, as long as any rank is connected, so
+    this rank may leave first). Returns where it listens (port 0: a free port, which it
+    tells)."""
     with _serving_lock:
         running = _serving.get((host, port))
         if running is not None and running.process.poll() is None:
@@ -164,38 +165,56 @@ def serve(size: int, key: bytes, host: str, port: int, timeout: float,
                 raise ValueError(f"{who}: this process serves a job of {running.size} ranks "
                                  f"on {host}:{port}, not {size}")
             return running.address
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gpuring.rendezvous.server_process"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            close_fds=True, env=_server_env())
-        assert process.stdin is not None and process.stdout is not None
-        # what it logs (a connection refused) goes to this process's stderr while this
-        # process lives: holding that stderr itself would keep whoever reads it waiting
-        threading.Thread(target=_forward, args=(process.stderr,), daemon=True).start()
-        # (stdin stays open: the server sees it end the moment this process ends)
-        process.stdin.write(json.dumps({"size": size, "host": host, "port": port,
-                                        "key": key.hex(), "parent": os.getpid()}) + "\n")
-        process.stdin.flush()
-        answer = _first_line(process, timeout).split()
-        if answer[:1] != ["ready"] or len(answer) != 3:
-            process.kill()
-            process.wait()
-            said = " ".join(answer).removeprefix("error: ") or "its server did not start"
-            raise OSError(f"{who}: rank 0 cannot serve the control plane on {host}:{port} "
-                          f"({said})")
-        served = _Served(size, process, (answer[1], int(answer[2])))
+        served = start_server(size, key, host, port, timeout, who)
         _serving[host, port] = served
         return served.address
 
 
+def start_server(size: int, key: bytes, host: str, port: int, timeout: float,
+                 who: str) -> Served:
+    """A new control-plane server for a job of `size` ranks on host:port (`server_process`),
+    serving until this process ends or `Served.release()` says it left, and then as long as
+    any rank is still connected. Waits at most `timeout` s for it to listen."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuring.rendezvous.server_process"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        close_fds=True, env=_server_env())
+    assert process.stdin is not None and process.stdout is not None
+    # what it logs (a connection refused) goes to this process's stderr while this
+    # process lives: holding that stderr itself would keep whoever reads it waiting
+    threading.Thread(target=_forward, args=(process.stderr,), daemon=True).start()
+    # (stdin stays open: the server sees it end the moment this process ends, or releases it)
+    process.stdin.write(json.dumps({"size": size, "host": host, "port": port,
+                                    "key": key.hex(), "parent": os.getpid()}) + "\n")
+    process.stdin.flush()
+    answer = _first_line(process, timeout).split()
+    if answer[:1] != ["ready"] or len(answer) != 3:
+        process.kill()
+        process.wait()
+        said = " ".join(answer).removeprefix("error: ") or "its server did not start"
+        raise OSError(f"{who}: rank 0 cannot serve the control plane on {host}:{port} "
+                      f"({said})")
+    return Served(size, process, (answer[1], int(answer[2])))
+
+
 @dataclass(frozen=True)
-class _Served:
+class Served:
     """A server process this process started, for a job of `size` ranks."""
 
     size: int
     process: subprocess.Popen[str]
     #: where it listens
     address: tuple[str, int]
+
+    def release(self) -> None:
+        """This process is done with the job: the server takes no new rank and ends once
+        the connected ones have gone (it does not wait for them). Idempotent."""
+        stdin = self.process.stdin
+        if stdin is not None and not stdin.closed:
+            try:
+                stdin.close()
+            except OSError:  # (it ended already)
+                pass
 
 
 def _server_env() -> dict[str, str]:

@@ -19,7 +19,6 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import (  # type: ignore[attr-defined]
     Connection,
     Listener,
@@ -28,7 +27,7 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]
 )
 from typing import Any, NamedTuple
 
-__all__ = ["StoreServer", "leave_and_stop", "ENV_ADDR", "ENV_KEY", "ENV_JOB"]
+__all__ = ["StoreServer", "ENV_ADDR", "ENV_KEY", "ENV_JOB"]
 
 log = logging.getLogger("gpuring.rendezvous")
 
@@ -358,13 +357,3 @@ class StoreServer:
             self._conns.clear()
 
 
-def leave_and_stop(close: Callable[[], None], server: StoreServer | None,
-                   timeout: float) -> None:
-    """Close this rank's side (`close`); then, where this rank's process serves the control
-    plane (`server`), wait (at most `timeout` s) for the other ranks to leave, and stop."""
-    try:
-        close()
-    finally:
-        if server is not None:
-            server.wait_until_alone(timeout)
-            server.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -185,6 +186,51 @@ def ddp() -> None:
             same(g, p, "ddp parameters alike on every rank")
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: it ended, unreaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def leave() -> None:
+    """Rank 0 ends its process right after its last call (`os._exit`: no destroy, as a
+    multiprocessing child ends); the others make that call once it is gone and get its data.
+    The group's control-plane server, which rank 0 started in a process of its own, serves
+    them until they destroy the group, and then ends."""
+    server = dist.distributed_c10d._get_default_group()._server  # (rank 0's)
+    pids = [torch.zeros(2, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(pids, torch.tensor([os.getpid(), server.process.pid if rank == 0 else 0]))
+    rank0, served_by = (int(p) for p in pids[0])
+    data = torch.from_numpy(np.random.default_rng(7).standard_normal(1000))
+    x = data.clone() if rank == 0 else torch.zeros_like(data)
+    dist.broadcast(x, 0)  # (agreed with every rank: the next one needs nothing of them)
+    x = data * 2 if rank == 0 else torch.zeros_like(data)
+    if rank == 0:
+        dist.broadcast(x, 0)
+        print(f"rank {rank}: {case} ok", flush=True)
+        os._exit(0)
+    until(lambda: not running(rank0), "rank 0's process did not end")
+    time.sleep(0.5)
+    assert running(served_by), "the group's server ended with rank 0's process"
+    dist.broadcast(x, 0)
+    same(x, data * 2, "broadcast after rank 0 ended")
+    dist.destroy_process_group()
+    until(lambda: not running(served_by), "the group's server outlived every rank's leaving")
+    print(f"rank {rank}: {case} ok", flush=True)
+    sys.exit(0)
+
+
 case = sys.argv[1]
 device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 if device == "cuda":  # tensors on this rank's GPU, made current before the group, as usual
@@ -193,6 +239,6 @@ if device == "cuda":  # tensors on this rank's GPU, made current before the grou
     torch.set_default_device("cuda")
 dist.init_process_group("gpuring")
 rank, n = dist.get_rank(), dist.get_world_size()
-{"verbs": verbs, "ddp": ddp, "p2p": p2p}[case]()
+{"verbs": verbs, "ddp": ddp, "p2p": p2p, "leave": leave}[case]()
 dist.destroy_process_group()
 print(f"rank {rank}: {case} ok", flush=True)
