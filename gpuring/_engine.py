@@ -438,6 +438,12 @@ class Engine:
             raise self._timeout_error(exc, name, collective_seq) from None
         except FlagWaitAborted as exc:
             raise self._aborted_error(exc, name, collective_seq) from None
+        except PeerFailureError as exc:  # (a peer's memory the device could not reach)
+            if exc.collective is not None:
+                raise
+            raise PeerFailureError(f"{name} #{collective_seq} on rank {self.rank}: {exc}",
+                                   peer=exc.peer, collective=name, seq=collective_seq,
+                                   job_peer=exc.job_peer) from None
 
     def _publish(self, in_mem: Memory | None, out_mem: Memory | None) -> None:
         """Write where this rank's input and output lie into its ADDRESS words (on the inline

@@ -144,11 +144,13 @@ def _attaches(engine: Engine, name: str, count: int, itemsize: int, channels: in
               algorithm: str, least: int, n: int) -> bool:
     """Whether collective `name` on plain arrays reaches its peers' arrays where they lie:
     one of `ATTACH_KINDS` with an input of at least `least` bytes (0: never), on one channel,
-    in a schedule that has a registered form (not the ring), where every rank may
+    two-shot or as the communicator picks (not the ring; nor one-shot, which is wrong in
+    place: a prepared all_reduce serves calls in place and not alike), where every rank may
     (`Engine.attach_refused`; the first such call on a communicator says why not, once).
     The same on every rank: it depends on the agreed call, settings and engine only."""
     if name not in ATTACH_KINDS or not 0 < least <= count * itemsize or channels != 1 \
-            or algorithm == "ring" or (name == "reduce_scatter" and count % n):
+            or algorithm not in ("auto", "two_shot") \
+            or (name == "reduce_scatter" and count % n):
         return False
     if engine.attach_refused is not None:
         if not engine.attach_told:

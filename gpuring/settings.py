@@ -150,12 +150,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "0: a rank never reads a peer's memory with process_vm_readv (cross-memory "
             "attach); messages larger than the eager limit then stream through the inbox"),
     Setting("GPURING_ATTACH_BYTES", parse_size, 1 << 20, "1M",
-            "NumPy all_reduce, reduce_scatter and all_gather of plain arrays on ranks of one "
-            "node with inputs of at least this many bytes: each rank reads and writes its "
-            "peers' arrays where they lie, with process_vm_readv/process_vm_writev "
-            "(cross-memory attach), instead of staging them through the shared buffers; "
-            "where the kernel refuses it between any two ranks (probed when the "
-            "communicator is made; said once in the log), or 0: never"),
+            "NumPy all_reduce (above `GPURING_ONE_SHOT_BYTES` too), reduce_scatter and "
+            "all_gather of plain arrays on ranks of one node, with inputs of at least this "
+            "many bytes, on one channel (ring not asked for): each rank reads and writes its "
+            "peers' arrays where they lie with process_vm_readv/process_vm_writev "
+            "(cross-memory attach), as over registered memory (2 x size through memory, the "
+            "rank-order fold's bits), instead of staging them through the shared buffers; "
+            "where the kernel refuses it between any two ranks (probed when the communicator "
+            "is made; said once in the log, at INFO level) they stage; 0: never"),
     Setting("GPURING_FUSION_BYTES", parse_size, 64 << 20, "64M",
             "largest fusion buffer of `all_reduce_many`"),
     Setting("GPURING_TIMELINE", str, None, "unset",
