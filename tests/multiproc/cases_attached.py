@@ -18,7 +18,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def _threshold(plan: Plan) -> int:
-    return parse_size(plan.env.get("GPURING_ATTACH_BYTES", "1M"))
+    return parse_size(plan.env.get("GPURING_ATTACH_BYTES", "4M"))
 
 
 def _schedule(c: ItemChecker, plan: Plan, kind: str, nbytes: int, what: str) -> None:
