@@ -43,7 +43,9 @@ def write(span: Span, data: np.ndarray) -> None:
 
 
 def _failed(mem: AttachedMemory, what: str, exc: OSError) -> PeerFailureError:
-    why = "its process is gone" if exc.errno == errno.ESRCH else \
-        f"the kernel refused: {exc.strerror or exc}"
-    return PeerFailureError(f"rank {mem.peer}'s array could not be {what} directly ({why})",
-                            peer=mem.peer)
+    if exc.errno == errno.ESRCH:
+        text = f"rank {mem.peer} (pid {mem.pid}) is gone: its array could not be {what} directly"
+    else:
+        text = (f"rank {mem.peer}'s array could not be {what} directly (the kernel refused: "
+                f"{exc.strerror or exc})")
+    return PeerFailureError(text, peer=mem.peer)
