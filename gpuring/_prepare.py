@@ -146,7 +146,8 @@ def _attaches(engine: Engine, name: str, count: int, itemsize: int, channels: in
     one of `ATTACH_KINDS` with an input of at least `least` bytes (0: never), on one channel,
     two-shot or as the communicator picks (not the ring; nor one-shot, which is wrong in
     place: a prepared all_reduce serves calls in place and not alike), where every rank may
-    (`Engine.attach_refused`; the first such call on a communicator says why not, once).
+    (`Engine.attach_refused`; the first such call on a communicator says why not, once, on
+    rank 0).
     The same on every rank: it depends on the agreed call, settings and engine only."""
     if name not in ATTACH_KINDS or not 0 < least <= count * itemsize or channels != 1 \
             or algorithm not in ("auto", "two_shot") \
@@ -155,9 +156,10 @@ def _attaches(engine: Engine, name: str, count: int, itemsize: int, channels: in
     if engine.attach_refused is not None:
         if not engine.attach_told:
             engine.attach_told = True
-            log.info("gpuring: rank %d stages NumPy collectives of %d bytes and more through "
-                     "the shared buffers: its ranks may not reach each other's arrays by "
-                     "cross-memory attach (%s)", engine.rank, least, engine.attach_refused)
+            if engine.rank == 0:  # (once: every rank knows the same reason)
+                log.info("gpuring: collectives of plain arrays of %d bytes and more stage "
+                         "through the shared buffers: the ranks may not reach each other's "
+                         "arrays by cross-memory attach (%s)", least, engine.attach_refused)
         return False
     return True
 
