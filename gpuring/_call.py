@@ -84,6 +84,9 @@ class Signature(NamedTuple):
     one_shot_bytes: int | None = None
     #: the largest collective run fused (GPURING_FUSED_BYTES)
     fused_bytes: int | None = None
+    #: the smallest input of a collective on plain arrays that reaches the peers' arrays by
+    #: cross-memory attach (GPURING_ATTACH_BYTES)
+    attach_bytes: int | None = None
     buffer_bytes: int | None = None
     verify: bool | None = None
     #: the schedule (`plan_collective`'s `algorithm`, as the communicator resolved it)

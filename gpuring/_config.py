@@ -16,6 +16,7 @@ __all__ = ["Config", "parse_size"]
 _FROM = {"timeout": "GPURING_TIMEOUT", "chunk_bytes": "GPURING_CHUNK_BYTES",
          "channels": "GPURING_CHANNELS", "buffer_bytes": "GPURING_BUFFER_BYTES",
          "one_shot_bytes": "GPURING_ONE_SHOT_BYTES", "fused_bytes": "GPURING_FUSED_BYTES",
+         "attach_bytes": "GPURING_ATTACH_BYTES",
          "stall_warning_s": "GPURING_STALL_WARNING",
          "verify": "GPURING_VERIFY", "transport": "GPURING_TRANSPORT",
          "algorithm": "GPURING_ALGORITHM", "deterministic": "GPURING_DETERMINISTIC",
@@ -39,6 +40,7 @@ class Config:
     buffer_bytes: int | None = _default("buffer_bytes")
     one_shot_bytes: int = _default("one_shot_bytes")
     fused_bytes: int = _default("fused_bytes")
+    attach_bytes: int = _default("attach_bytes")
     stall_warning_s: float = _default("stall_warning_s")
     verify: bool = _default("verify")
     transport: str = _default("transport")
@@ -77,6 +79,8 @@ class Config:
         if self.deterministic and self.algorithm == "ring":
             raise ValueError("deterministic mode folds in rank order, which the ring does not: "
                              "leave algorithm 'auto' or choose 'two_shot' or 'one_shot'")
+        if self.attach_bytes < 0:
+            raise ValueError(f"attach_bytes must be 0 (never) or more, got {self.attach_bytes}")
         if self.trace_entries < 0:
             raise ValueError(f"trace_entries must be 0 (off) or more, got {self.trace_entries}")
         if self.buffer_bytes is not None and self.buffer_bytes < 4096:

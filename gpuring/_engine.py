@@ -6,8 +6,9 @@ per device owns that device's communication buffer, the peers' mapped buffers an
 
 Buffer layout of every rank (the same on all ranks, n ranks):
 
-    [inbox: DONE[q] for every rank q, READY[c][q] per channel c and rank q | the device's
-     region for one-operation all_reduces (if it has them) | half 0: RS, AG | half 1: RS, AG]
+    [inbox: DONE[q] for every rank q, READY[c][q] per channel c and rank q, ADDRESS[2] | the
+     device's region for one-operation all_reduces (if it has them) | half 0: RS, AG |
+     half 1: RS, AG]
 
 Flags live with the rank that waits on them: the inbox holds exactly the words this rank's
 streams wait on, and a producer writes into its readers' inboxes through their mapped
@@ -23,6 +24,14 @@ reading that half from two rounds ago (the write-after-read hazard across rounds
 waits are left out where they are known to hold: when the round before, on the same (inline)
 stream, waited for a piece of every other rank, each of them had started that round, so had
 finished the one before it (each rank runs its rounds in order).
+
+A collective whose peers reach each other's arrays where they lie, by cross-memory attach
+(`attached`: every rank may, `Capabilities.attach_refused`), runs a registered round over
+them (`RoundPlan.registered`) as over registered memory: each rank writes where its input
+and output lie into its ADDRESS words before the round signals that it entered, and its
+peers read them there, once they saw that signal, at each access (`Device.attach`). A rank
+writes them again only at its next such collective, after every peer that reads it said it
+finished: they never change under a reader.
 
 A small collective on a device that offers it (`Capabilities.fused_bytes`) is one operation on the
 caller's stream instead (`Device.prepare_fused`, prepared once): no round, no event to
@@ -78,6 +87,7 @@ class Launch:
 
     __slots__ = (
         "_per_round",
+        "attached",
         "channel_runners",
         "collective",
         "divisor",
@@ -98,11 +108,14 @@ class Launch:
     def __init__(self, engine: Engine, rounds: tuple[RoundPlan, ...], dtype: str,
                  itemsize: int, op: ReduceOp, inline: bool, fused: bool = False,
                  collective: str = "all_reduce", root: int = 0,
-                 peers: tuple[PeerArrays, ...] = ()):
+                 peers: tuple[PeerArrays, ...] = (), attached: bool = False):
         self.engine = engine
         #: every rank's registered input and output, mapped here, which registered rounds
         #: read (`RoundPlan.registered`); empty for collectives on plain arrays
         self.peers = peers
+        #: `peers` are the ranks' plain arrays, reached by cross-memory attach: each run
+        #: publishes where this rank's lie first (see the module's docstring)
+        self.attached = attached
         #: the collective runs as one operation on the caller's stream, not in rounds: `fused_op`
         #: (set by `Engine.prepare`)
         self.fused = fused
@@ -139,7 +152,8 @@ class Launch:
         if self._per_round is None:
             self._per_round = tuple(Launch(self.engine, (plan,), self.dtype, self.itemsize,
                                            self.op, self.inline, collective=self.collective,
-                                           root=self.root, peers=self.peers)
+                                           root=self.root, peers=self.peers,
+                                           attached=self.attached)
                                     for plan in self.rounds)
         return self._per_round
 
@@ -173,9 +187,10 @@ class Engine:
         #: the caller's stream that last captured a one-kernel collective
         self._captured_on: Stream | None = None
         self._inline = device.create_stream(inline=True)
-        # the inbox: DONE per rank, READY per channel and rank; then the device's region for
-        # one-operation all_reduces; data starts on a new page
-        self._flag_bytes = -(-8 * self.size * (1 + MAX_CHANNELS) // _PAGE) * _PAGE
+        # the inbox: DONE per rank, READY per channel and rank, this rank's ADDRESS words;
+        # then the device's region for one-operation all_reduces; data starts on a new page
+        self._address_offset = 8 * self.size * (1 + MAX_CHANNELS)
+        self._flag_bytes = -(-(self._address_offset + 16) // _PAGE) * _PAGE
         region = (device.fused_region_bytes(fused_limit)
                   if 1 < self.size <= device.fused_max_ranks else 0)
         self._data_offset = self._flag_bytes + -(-region // _PAGE) * _PAGE
@@ -185,9 +200,21 @@ class Engine:
             local if r == self.rank else open_peer(device, h, r) for r, h in enumerate(handles)]
         capabilities = device.capabilities(handles)
         # (the barrier after mapping, with rank 0's ring order for every rank: each rank's
-        # device chose one from what it sees, which need not be alike everywhere)
-        rings = control.exchange("setup (buffers mapped)", capabilities.ring, timeout)
+        # device chose one from what it sees, which need not be alike everywhere; and
+        # whether every rank may reach its peers' arrays by cross-memory attach)
+        refused = capabilities.attach_refused if capabilities.attach else \
+            f"{type(device).__name__} reaches no peer's array where it lies"
+        said = control.exchange("setup (buffers mapped)", (capabilities.ring, refused),
+                                timeout)
+        rings = [ring for ring, _ in said]
         device.seal(local)
+        self._handles = tuple(handles)
+        #: why the ranks do not reach each other's arrays by cross-memory attach (the first
+        #: rank that may not, and why; the same on every rank), or None: they do
+        self.attach_refused: str | None = next(
+            (f"rank {r}: {why}" for r, (_, why) in enumerate(said) if why is not None), None)
+        #: whether a call said so in the log already (or need not: the device has none)
+        self.attach_told = not capabilities.attach
         #: the largest input (bytes) of a collective that runs as one operation (0: none)
         self.fused_bytes = min(capabilities.fused_bytes, fused_limit) if region else 0
         #: the collectives that run as one operation, and those a CUDA graph can record
@@ -203,6 +230,20 @@ class Engine:
         self._done_from = [Flag(local, self._done_offset(q)) for q in range(self.size)]
         self._done_to = [Flag(mem, self._done_offset(self.rank)) for mem in self._mems]
 
+    def attached_peers(self, nbytes: int) -> tuple[PeerArrays, ...]:
+        """Every rank's input and output of `nbytes` in a collective on plain arrays, reached
+        by cross-memory attach (this rank's own are the call's arguments: left out)."""
+        if self.attach_refused is not None:
+            raise GpuringError(f"the ranks reach no peer's array: {self.attach_refused}")
+
+        def array(q: int, word: int) -> Span:
+            mem = self.device.attach(q, self._handles[q], self._mems[q],
+                                     self._address_offset + word, nbytes)
+            return Span(mem, 0, nbytes)
+
+        return tuple(PeerArrays(None, None) if q == self.rank else
+                     PeerArrays(array(q, 0), array(q, 8)) for q in range(self.size))
+
     def _done_offset(self, producer: int) -> int:
         return 8 * producer
 
@@ -216,18 +257,22 @@ class Engine:
 
     def prepare(self, rounds: tuple[RoundPlan, ...], *, dtype: str, itemsize: int,
                 op: ReduceOp, inline: bool, fused: bool = False, collective: str = "all_reduce",
-                root: int = 0, nbytes: int = 0, peers: tuple[PeerArrays, ...] = ()) -> Launch:
+                root: int = 0, nbytes: int = 0, peers: tuple[PeerArrays, ...] = (),
+                attached: bool = False) -> Launch:
         """`rounds` of `collective` ready to run on this engine (`inline`: on one stream, in
         the calling thread where the device can; `fused`: one of `fused_kinds` with an input
         of `nbytes`, at most `fused_bytes`, run as one operation instead of `rounds`; `peers`:
-        every rank's registered arrays, which registered rounds read)."""
+        every rank's registered arrays, which registered rounds read, or, `attached`, its
+        plain arrays (`attached_peers`; inline only))."""
+        if attached and not (inline and peers and not fused):
+            raise ValueError("a collective on attached arrays runs inline, on their peers")
         if fused and (collective not in self.fused_kinds or not 0 < nbytes <= self.fused_bytes):
             raise ValueError(f"this engine runs no {collective} of {nbytes} bytes as one "
                              "operation")
         if any(plan.registered for plan in rounds) and len(peers) != self.size:
             raise ValueError("a registered round needs every rank's arrays")
         launch = Launch(self, rounds, dtype, itemsize, op, inline, fused, collective, root,
-                        peers)
+                        peers, attached)
         if fused:
             launch.fused_op = self.device.prepare_fused(
                 collective, self._regions, self.rank, root, dtype, op, launch.divisor, nbytes)
@@ -351,6 +396,8 @@ class Engine:
             if launch.inline:  # one stream (in this thread where the device can): latency path
                 for event in waits_for(self._inline):
                     self._inline.wait_event(event)
+                if launch.attached:  # where this call's arrays lie, before it enters
+                    self._publish(in_mem, out_mem)
                 runners = launch.runners
                 for r, hears_all in enumerate(launch.hears_all):
                     self._seq += 1
@@ -391,6 +438,21 @@ class Engine:
             raise self._timeout_error(exc, name, collective_seq) from None
         except FlagWaitAborted as exc:
             raise self._aborted_error(exc, name, collective_seq) from None
+        except PeerFailureError as exc:  # (a peer's memory the device could not reach)
+            if exc.collective is not None:
+                raise
+            raise PeerFailureError(f"{name} #{collective_seq} on rank {self.rank}: {exc}",
+                                   peer=exc.peer, collective=name, seq=collective_seq,
+                                   job_peer=exc.job_peer) from None
+
+    def _publish(self, in_mem: Memory | None, out_mem: Memory | None) -> None:
+        """Write where this rank's input and output lie into its ADDRESS words (on the inline
+        stream: after the collectives before, before the rounds' signals)."""
+        local, device = self._mems[self.rank], self.device
+        for k, mem in enumerate((in_mem, out_mem if out_mem is not None else in_mem)):
+            if mem is not None:
+                self._inline.write_flag(Flag(local, self._address_offset + 8 * k),
+                                        device.address(mem))
 
     def _finish(self, used: list[Stream]) -> Event | None:
         """Blocking devices: wait for the streams (the first error wins, a timeout before an

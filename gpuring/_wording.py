@@ -54,6 +54,7 @@ _TUNING = ("algorithm", "chunk_bytes", "channels", "registered", "form")
 _SETTINGS = {"deterministic": "GPURING_DETERMINISTIC", "transport": "GPURING_TRANSPORT",
              "tuning": "GPURING_TUNING", "one_shot_bytes": "GPURING_ONE_SHOT_BYTES",
              "fused_bytes": "GPURING_FUSED_BYTES", "buffer_bytes": "GPURING_BUFFER_BYTES",
+             "attach_bytes": "GPURING_ATTACH_BYTES",
              "verify": "GPURING_VERIFY"}
 #: how the first rank's value of a field is said ("{who}" the ranks, "{v}" the value), and
 #: then the others' ("{v}")

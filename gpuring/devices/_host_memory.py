@@ -1,5 +1,6 @@
 """Host memory for the host device: shared-memory mappings (`HostMemory`, with 64-bit flag
-words) and borrowed NumPy arrays (`HostArray`)."""
+words), borrowed NumPy arrays (`HostArray`), and a peer process's array that only
+cross-memory attach reaches (`AttachedMemory`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from ._streams import Flag, Memory
 
-__all__ = ["HostMemory", "HostArray", "check_local", "unlink_quietly"]
+__all__ = ["HostMemory", "HostArray", "AttachedMemory", "check_local", "unlink_quietly"]
 
 
 class HostMemory(Memory):
@@ -68,6 +69,24 @@ class HostArray(Memory):
 
     def view(self, offset: int, nbytes: int, dtype: str) -> np.ndarray:
         return self.u8[offset:offset + nbytes].view(dtype)
+
+
+class AttachedMemory(Memory):
+    """An array of peer `peer`'s process `pid`, neither shared nor mapped here: read and
+    written with `process_vm_readv`/`process_vm_writev` (`gpuring._cma`). It is another array
+    at every call: the peer publishes where this call's lies in a word of its buffer, which
+    is mapped here (`words[index]`), before it signals that it entered the collective."""
+
+    __slots__ = ("index", "nbytes", "peer", "pid", "words")
+
+    def __init__(self, peer: int, pid: int, words: memoryview, index: int, nbytes: int):
+        self.peer, self.pid, self.words, self.index, self.nbytes = (
+            peer, pid, words, index, nbytes)
+
+    @property
+    def address(self) -> int:
+        """Where the peer's array of the call in progress starts, in its process."""
+        return int(self.words[self.index])
 
 
 def check_local(flag: Flag) -> None:

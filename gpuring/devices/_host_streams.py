@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._ops import ReduceOp
+from . import _host_attach
 from ._host_memory import check_local
 from ._streams import Event, Flag, Span, Stream
 
@@ -87,7 +88,13 @@ class _StreamBase(Stream):
 
     def _do_copy(self, dst: Span, src: Span) -> None:
         self.jitter()
+        if _host_attach.attached(dst):  # into a peer's array (from one of this process)
+            _host_attach.write(dst, _local(src, "u1"))
+            return
         d = dst.mem.u8[dst.offset:dst.offset + dst.nbytes]  # type: ignore[attr-defined]
+        if _host_attach.attached(src):
+            _host_attach.read(src, d)
+            return
         s = src.mem.u8[src.offset:src.offset + src.nbytes]  # type: ignore[attr-defined]
         np.copyto(d, s)
 
@@ -95,8 +102,7 @@ class _StreamBase(Stream):
                    divisor: int) -> None:
         self.jitter()
         d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
-        x = a.mem.view(a.offset, a.nbytes, dtype)  # type: ignore[attr-defined]
-        y = b.mem.view(b.offset, b.nbytes, dtype)  # type: ignore[attr-defined]
+        x, y = _local(a, dtype), _local(b, dtype)
         if divisor == 1:
             UFUNCS[op](x, y, out=d)
         else:
@@ -106,8 +112,7 @@ class _StreamBase(Stream):
                      divisor: int) -> None:
         self.jitter()
         d = dst.mem.view(dst.offset, dst.nbytes, dtype)  # type: ignore[attr-defined]
-        fold_into(d, [s.mem.view(s.offset, s.nbytes, dtype)  # type: ignore[attr-defined]
-                       for s in srcs], op, divisor)
+        fold_into(d, [_local(s, dtype) for s in srcs], op, divisor)
 
     def _do_wait(self, flag: Flag, value: int, tag: Any) -> None:
         self.jitter()
@@ -116,6 +121,16 @@ class _StreamBase(Stream):
     def _do_write(self, flag: Flag, value: int) -> None:
         self.jitter()
         flag.mem.i64[flag.offset >> 3] = value  # type: ignore[attr-defined]
+
+
+def _local(span: Span, dtype: str) -> np.ndarray:
+    """`span` as an array of `dtype`: a view of it, or, for a peer's array that only
+    cross-memory attach reaches, a copy of it read now."""
+    if _host_attach.attached(span):
+        got = np.empty(span.nbytes, np.uint8)
+        _host_attach.read(span, got)
+        return got.view(dtype)
+    return span.mem.view(span.offset, span.nbytes, dtype)  # type: ignore[attr-defined]
 
 
 def fold_into(d: np.ndarray, xs: Sequence[np.ndarray], op: ReduceOp, divisor: int) -> None:
@@ -166,6 +181,19 @@ def average_into(d: np.ndarray, x: np.ndarray, y: np.ndarray, divisor: int) -> N
 
 class InlineStream(_StreamBase):
     """Runs each operation at once in the calling thread; errors raise from the call."""
+
+    def __init__(self, device: StreamOwner):
+        super().__init__(device)
+        self._scratch: dict[int, np.ndarray] = {}
+
+    def scratch(self, slot: int, nbytes: int) -> np.ndarray:
+        """`nbytes` of this stream's scratch memory number `slot` (uint8): where its compiled
+        steps read a peer's piece before they reduce it (a step runs at a time, so steps
+        share them: at most one per source of a reduction)."""
+        held = self._scratch.get(slot)
+        if held is None or held.nbytes < nbytes:
+            held = self._scratch[slot] = np.empty(nbytes, np.uint8)
+        return held[:nbytes]
 
     def copy(self, dst: Span, src: Span) -> None:
         self._do_copy(dst, src)

@@ -64,6 +64,11 @@ class Capabilities(NamedTuple):
     #: the ranks in the order the ring and the chains visit them (following the fastest
     #: links between the ranks' processors); empty: rank order
     ring: tuple[int, ...] = ()
+    #: the device reaches its peers' arrays where they lie, by cross-memory attach (`attach`)
+    attach: bool = False
+    #: why this rank may not, where the device does (None: it may). Each rank's own (the
+    #: engine agrees on it)
+    attach_refused: str | None = None
 
 
 class FusedOp(abc.ABC):
@@ -142,6 +147,18 @@ class Device(abc.ABC):
         and the agreed settings only. Default: in rounds, in pieces of
         `default_chunk_bytes`."""
         return Capabilities()
+
+    def attach(self, peer: int, handle: Any, mapped: Memory, word: int, nbytes: int) -> Memory:
+        """Peer `peer`'s array of `nbytes` in a collective, where its process holds it
+        (memory that no peer mapped), reached by cross-memory attach: `handle` is the peer's
+        `export` handle of its buffer, `mapped` that buffer mapped here, where the peer
+        publishes the array's address at every call in the 64-bit word at byte `word`. Only
+        devices whose `capabilities` allow it (`Capabilities.attach_refused` None)."""
+        raise GpuringError(f"{type(self).__name__} reaches no peer's array where it lies")
+
+    def address(self, mem: Memory) -> int:
+        """Where the wrapped array `mem` (`wrap`) lies, as `attach`'s peers read it."""
+        raise GpuringError(f"{type(self).__name__} reaches no peer's array where it lies")
 
     def capturing(self) -> bool:
         """Whether the caller's current stream records work into a graph instead of running

@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import settings
+from .. import _cma, settings
 from .._errors import GpuringError
 from .._ops import ReduceOp
-from ._host_memory import HostArray, HostMemory, check_local, unlink_quietly
+from . import _host_attach
+from ._host_memory import AttachedMemory, HostArray, HostMemory, check_local, unlink_quietly
 from ._host_streams import UFUNCS, InlineStream, ThreadStream, average_into, fold_into
 from ._program import CopyI, Instruction, ReduceI, ReduceNI, Runner, WaitI
 from ._streams import Arg, Flag, FlagWaitAborted, FlagWaitTimeout, Memory, Span, Stream
-from .base import Device
+from .base import Capabilities, Device
 
 if TYPE_CHECKING:
     from ..rendezvous.base import ControlPlane
@@ -104,11 +105,13 @@ class HostDevice(Device):
         return mem
 
     def export(self, mem: Memory) -> Any:
+        """(this process, the file, its size, what a peer reads to find out whether it may
+        reach this process's memory by cross-memory attach: `_cma.Probe`)."""
         assert isinstance(mem, HostMemory) and mem.path is not None
-        return (os.getpid(), mem.path, mem.nbytes)
+        return (os.getpid(), mem.path, mem.nbytes, tuple(_cma.probe()))
 
     def open(self, handle: Any) -> HostMemory:
-        _, path, nbytes = handle
+        path, nbytes = handle[1], handle[2]
         for mem in self._owned:  # our own allocation: use it directly
             if mem.path == path:
                 return mem
@@ -122,6 +125,31 @@ class HostDevice(Device):
         mem = HostMemory(np.frombuffer(mapping, np.uint8), mapping=mapping, path=path)
         self._opened[path] = mem
         return mem
+
+    def capabilities(self, handles: Any) -> Capabilities:
+        """The defaults, and whether this process may read and write every peer's memory by
+        cross-memory attach (probed here, once per peer)."""
+        refused = None
+        for handle in handles:
+            if handle[0] == os.getpid() or refused is not None:
+                continue  # (this rank's own)
+            why = _cma.refusal(_cma.Probe(*handle[3]), writes=True)
+            if why is not None:
+                refused = f"{why} (process {handle[0]})"
+        return Capabilities(attach=True, attach_refused=refused)
+
+    def attach(self, peer: int, handle: Any, mapped: Memory, word: int,
+               nbytes: int) -> AttachedMemory:
+        """Peer `peer`'s array of `nbytes` (its export `handle`, its buffer `mapped` here),
+        which it publishes at every call as the address in the word at byte `word` of that
+        buffer."""
+        assert isinstance(mapped, HostMemory) and mapped.i64 is not None
+        return AttachedMemory(peer, int(handle[0]), mapped.i64, word >> 3, nbytes)
+
+    def address(self, mem: Memory) -> int:
+        """Where a wrapped array (`wrap`) starts in this process."""
+        assert isinstance(mem, HostArray)
+        return int(mem.flat.ctypes.data)
 
     def seal(self, mem: Memory) -> None:
         assert isinstance(mem, HostMemory)
@@ -157,7 +185,7 @@ class HostDevice(Device):
 
     def _step(self, ins: Instruction, dtype: str, op: ReduceOp,
               stream: InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
-        step = self._bare_step(ins, dtype, op)
+        step = self._bare_step(ins, dtype, op, stream)
         if not self.jitter:
             return step
         jitter = stream.jitter
@@ -168,14 +196,25 @@ class HostDevice(Device):
 
         return jittered
 
-    def _bare_step(self, ins: Instruction, dtype: str,
-                   op: ReduceOp) -> Callable[[tuple[Any, Any], int], Any]:
+    def _bare_step(self, ins: Instruction, dtype: str, op: ReduceOp,
+                   stream: InlineStream) -> Callable[[tuple[Any, Any], int], Any]:
         itemsize = np.dtype(dtype).itemsize
 
-        def view(o: Span | Arg) -> Callable[[tuple[Any, Any]], np.ndarray]:
+        def view(o: Span | Arg, slot: int = 0) -> Callable[[tuple[Any, Any]], np.ndarray]:
             """Every span of a collective holds its dtype: input and output arguments are
             sliced in elements (HostArray.flat; the whole of it when the span starts at 0 and
-            covers it), buffers viewed once here."""
+            covers it), buffers viewed once here; a peer's array that only cross-memory
+            attach reaches is read into the stream's scratch `slot` at each run."""
+            if _host_attach.attached(o):
+                assert isinstance(o, Span)
+                scratch = stream.scratch(slot, o.nbytes)
+                typed = scratch.view(dtype)
+
+                def read(mems: tuple[Any, Any]) -> np.ndarray:
+                    _host_attach.read(o, scratch)
+                    return typed
+
+                return read
             if isinstance(o, Arg):
                 which, lo, hi = o.which, o.offset // itemsize, (o.offset + o.nbytes) // itemsize
 
@@ -187,6 +226,22 @@ class HostDevice(Device):
             fixed = o.mem.view(o.offset, o.nbytes, dtype)  # type: ignore[attr-defined]
             return lambda mems: fixed
 
+        if isinstance(ins, CopyI) and _host_attach.attached(ins.dst):
+            into, local = ins.dst, view(ins.src)
+            assert isinstance(into, Span)
+
+            def send(mems: tuple[Any, Any], seq: int) -> None:
+                _host_attach.write(into, local(mems))
+
+            return send
+        if isinstance(ins, CopyI) and _host_attach.attached(ins.src):
+            source, target = ins.src, view(ins.dst)
+            assert isinstance(source, Span)
+
+            def fetch(mems: tuple[Any, Any], seq: int) -> None:
+                _host_attach.read(source, target(mems))
+
+            return fetch
         if isinstance(ins, CopyI):
             dst, src = view(ins.dst), view(ins.src)
 
@@ -195,7 +250,7 @@ class HostDevice(Device):
 
             return copy
         if isinstance(ins, ReduceI):
-            d, a, b = view(ins.dst), view(ins.a), view(ins.b)
+            d, a, b = view(ins.dst), view(ins.a, 0), view(ins.b, 1)
             divisor = ins.divisor
             ufunc = UFUNCS[op]
 
@@ -207,7 +262,8 @@ class HostDevice(Device):
 
             return reduce
         if isinstance(ins, ReduceNI):
-            return self._fold_step(ins, view(ins.dst), [view(o) for o in ins.srcs], op)
+            return self._fold_step(ins, view(ins.dst),
+                                   [view(o, k) for k, o in enumerate(ins.srcs)], op)
         words = ins.flag.mem.i64  # type: ignore[attr-defined]
         index, rel, shift = ins.flag.offset >> 3, ins.rel, ins.shift
         if isinstance(ins, WaitI):

@@ -57,7 +57,7 @@ from reference import (  # noqa: E402
 __all__ = ["COMPLEX", "DTYPES", "FLOATS", "INTS", "OPS", "Checker", "Item",
            "ItemChecker", "Plan", "Reduction", "dev", "deterministic_fold", "expect_mismatches",
            "host", "main", "moved_blocks", "rank_order_fold", "run_case", "shape_name",
-           "use_nonblocking_host_device"]
+           "use_attach_refusing_host_device", "use_nonblocking_host_device"]
 
 INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 FLOATS = ["float16", "float32", "float64"]
@@ -374,6 +374,8 @@ def main() -> None:
     stderr = _Stderr(os.path.join(outdir, f"stderr-pid{os.getpid()}.txt"))
     if os.environ.get("GPURING_TEST_NONBLOCKING") == "1":
         use_nonblocking_host_device()
+    if os.environ.get("GPURING_TEST_ATTACH_REFUSED"):
+        use_attach_refusing_host_device(int(os.environ["GPURING_TEST_ATTACH_REFUSED"]))
     xp: Any = np
     if device == "cuda":
         import cupy
@@ -454,6 +456,24 @@ def use_nonblocking_host_device() -> None:
             event.wait(self)
 
     devices.KINDS["cpu"] = lambda: NonBlockingHostDevice
+
+
+def use_attach_refusing_host_device(refusing: int) -> None:
+    """Rank `refusing` finds, as a kernel that forbids it would say, that it may not reach
+    its peers' memory by cross-memory attach: every rank stages its collectives instead."""
+    from gpuring import devices
+    from gpuring.devices.host import HostDevice
+
+    class RefusingHostDevice(HostDevice):
+        def capabilities(self, handles):  # type: ignore[no-untyped-def]
+            found = super().capabilities(handles)
+            me = [r for r, h in enumerate(handles) if h[0] == os.getpid()]
+            if me == [refusing]:
+                found = found._replace(attach_refused="process_vm_readv refused (Operation "
+                                                      "not permitted), for the test")
+            return found
+
+    devices.KINDS["cpu"] = lambda: RefusingHostDevice
 
 
 def run_case(cases: Mapping[str, Callable[[Checker], None]]) -> None:

@@ -11,6 +11,7 @@ _EXCHANGE = "cases_exchange"
 _MESSAGES = "cases_messages"
 _REGISTERED = "cases_registered"
 _COMMUNICATORS = "cases_communicators"
+_ATTACHED = "cases_attached"
 
 
 def _qualified(*families: str) -> tuple[str, ...]:
@@ -21,7 +22,7 @@ def _qualified(*families: str) -> tuple[str, ...]:
              "registered": _REGISTERED, "split": _COMMUNICATORS, "mismatch": _COMMUNICATORS,
              "module_api": _COMMUNICATORS, "nodes": _COMMUNICATORS,
              "nodes_without_mpi": _COMMUNICATORS, "close_and_again": _COMMUNICATORS,
-             "tuned": _COMMUNICATORS}
+             "tuned": _COMMUNICATORS, "attached": _ATTACHED}
     return tuple(f"{where[f]}:{f}" for f in families)
 
 
@@ -41,6 +42,12 @@ FAMILIES: dict[tuple[str, int, str], tuple[str, ...]] = {
     ("gpuring", 2, "deterministic-buffer16K"): ("deterministic",),
     ("gpuring", 3, "deterministic-buffer256K"): ("deterministic",),
     ("gpuring", 3, "deterministic"): ("registered",),
+    ("gpuring", 2, "attach64K"): ("attached",),
+    ("gpuring", 3, "attach64K-jitter"): ("attached",),
+    ("gpuring", 4, "attach64K"): ("attached",),
+    ("gpuring", 3, "attach64K-refused_on_rank1"): ("attached",),
+    ("gpuring", 3, "attach64K-deterministic"): ("attached",),
+    ("mpiexec", 2, "attach64K"): ("attached",),
     ("mpiexec", 2, ""): ("dtypes_ops", "back_to_back", "mismatch", "registered", "exchange",
                          "again"),
     ("mpiexec", 3, ""): ("mismatch", "module_api", "p2p", "messages", "split"),
@@ -65,6 +72,12 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...] | None]] = {
     "mpi_transport": ({"GPURING_TRANSPORT": "mpi"}, None),
     "staged_messages": ({"GPURING_MESSAGE_ATTACH": "0", "GPURING_MESSAGE_BYTES": "16K"},
                         None),
+    "attach64K": ({"GPURING_ATTACH_BYTES": "64K"}, None),
+    "attach64K-jitter": ({"GPURING_ATTACH_BYTES": "64K", "GPURING_JITTER": "1"}, None),
+    "attach64K-refused_on_rank1": ({"GPURING_ATTACH_BYTES": "64K",
+                                    "GPURING_TEST_ATTACH_REFUSED": "1"}, None),
+    "attach64K-deterministic": ({"GPURING_ATTACH_BYTES": "64K",
+                                 "GPURING_DETERMINISTIC": "1"}, None),
     "nodes_abab": ({}, ("a", "b", "a", "b")),
     "nodes_aabb-deterministic-buffer256K": ({"GPURING_DETERMINISTIC": "1",
                                              "GPURING_BUFFER_BYTES": "256K"},
@@ -72,7 +85,7 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...] | None]] = {
 }
 
 #: the launches `pytest -m "not slow"` keeps: one rank, and two under `gpuring run`
-QUICK = {("gpuring", 1, ""), ("gpuring", 2, "")}
+QUICK = {("gpuring", 1, ""), ("gpuring", 2, ""), ("gpuring", 2, "attach64K")}
 
 
 def on_host(n: int, launcher: str = "gpuring", variant: str = "") -> Group:

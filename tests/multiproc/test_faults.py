@@ -31,10 +31,12 @@ def results(stdout: str) -> dict[int, tuple[str, str, float]]:
 
 @pytest.mark.parametrize(("n", "verb"), [(3, "all_reduce"), (4, "all_reduce"),
                                          (3, "all_to_all"), (3, "sendrecv"),
-                                         (4, "split")])
+                                         (4, "split"), (2, "attached"), (3, "attached")])
 def test_sigkill_mid_allreduce(n, verb):
     """Rank 1 dies inside large collectives: every survivor raises PeerFailureError naming
-    it within seconds (the timeout is 600 s), and nothing is left in /dev/shm."""
+    it within seconds (the timeout is 600 s), and nothing is left in /dev/shm (attached: in
+    all_reduces that read and write the peers' arrays where they lie, as a survivor's read of
+    the dead rank's memory fails, or its wait for the dead rank's signal)."""
     proc = launch("gpuring", n, [WORKER, "kill"], env={"GPURING_TIMEOUT": "600",
                                                        "GPURING_JITTER": "0",
                                                        "GPURING_TEST_VERB": verb}, timeout=300)

@@ -67,7 +67,8 @@ def exit_when_survivors_reported(comm: gpuring.Communicator, dead: int) -> None:
 def case_kill(comm: gpuring.Communicator) -> None:
     """Rank 1 is SIGKILLed while every rank is inside large collectives: all_reduces, or the
     verb GPURING_TEST_VERB names (all_to_all, gather, scatter, sendrecv: a ring shift,
-    split: all_reduces of a sub-communicator of every rank)."""
+    split: all_reduces of a sub-communicator of every rank, attached: all_reduces that read
+    and write the peers' arrays by cross-memory attach)."""
     n = comm.size
     x = np.random.default_rng(comm.rank).standard_normal(n * (2 << 20)).astype(np.float32)
     verb = os.environ.get("GPURING_TEST_VERB", "all_reduce")
@@ -79,9 +80,12 @@ def case_kill(comm: gpuring.Communicator) -> None:
              "scatter": lambda: comm.scatter(x.reshape(n, -1), root=0),
              "sendrecv": lambda: comm.sendrecv(x, (comm.rank + 1) % n, out,
                                                (comm.rank - 1) % n),
-             "split": lambda: sub.all_reduce(x)}  # type: ignore[union-attr]
+             "split": lambda: sub.all_reduce(x),  # type: ignore[union-attr]
+             "attached": lambda: comm.all_reduce(x)}
     call = calls[verb]
     call()  # everyone set up
+    if verb == "attached" and comm.last_schedule != "attached two_shot":
+        raise AssertionError(f"the all_reduce ran {comm.last_schedule!r}, not attached")
     print(f"JOB {comm._control.job_id}", flush=True)
     if comm.rank == 1:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
