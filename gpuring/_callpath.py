@@ -274,7 +274,7 @@ class CallPath:
                 ring.pop()
                 if dropped is not None:
                     ring.appendleft(dropped)
-        return dataclasses.replace(prepared, what=what[:2] + (prepared.schedule,) + what[3:])
+        return dataclasses.replace(prepared, what=(*what[:2], prepared.schedule, *what[3:]))
 
     def _forget_prepared(self) -> None:
         """Drop every prepared call, and those calls keep (a new generation)."""
