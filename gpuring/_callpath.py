@@ -107,7 +107,7 @@ class CallPath:
         that comes again (`LastCalls`), or a persistent collective's, holds its prepared
         call: it runs as it is while the prepared calls of this generation stand (forgetting
         them happens on every rank at once, so every rank prepares it anew alike). The
-        flight recorder keeps it: a slot of the ring, its end time, whether it failed."""
+        flight recorder keeps it: an entry of the ring, its end time, whether it failed."""
         if self.life.state is not State.OPEN:
             self._refuse(call)
         if call.x is None:
