@@ -6,15 +6,17 @@ in the same processes, taking turns.
     python bench/recorder_cost.py --alone      (a world of one, in thread CPU time)
 
 For 8 B, 256 B and 4 KiB (float32, sum) two kinds of call: `out=` given (the call that comes
-again: `LastCalls` keeps its checks and its recorder's description) and a new output each
-call (`comm.all_reduce(x)`: checked and described anew every time). Each round times
-`--iters` back-to-back calls with the recorder on, then off (`comm._path.ring` set to None,
-the only thing that turns it off), or off then on (the order alternates), as the median of 3
-repetitions of the per-call mean; the line gives the median over the rounds of each and of
-their difference (on - off, per round). Rank 0 also counts the Python bytecode instructions
-run in gpuring's frames per call but the devices' (whose flag waits spin as long as the peer
-takes), with the recorder on and off (a tracer: not timed, the same on a busy machine or a
-quiet one). Each line is rank 0's view.
+again: `LastCalls` keeps its checks) and a new output each call (`comm.all_reduce(x)`: checked
+anew every time). Either way the recorder's entry holds the prepared call, described when it
+was prepared. Each round times `--iters` back-to-back calls with the recorder on, then off
+(`comm._path.ring` set to None, the only thing that turns it off), or off then on (the order
+alternates), as the median of 3 repetitions of the per-call mean; the line gives the median
+over the rounds of each and of their difference (on - off, per round), and "best" the
+difference of the best repetitions (the lowest per-call mean of all rounds with it on, less
+that with it off: a busy machine only adds time, so the best ones are the least disturbed).
+Rank 0 also counts the Python bytecode instructions run in gpuring's frames per call but the
+devices' (whose flag waits spin as long as the peer takes), with the recorder on and off (a
+tracer: not timed, the same on a busy machine or a quiet one). Each line is rank 0's view.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ if TYPE_CHECKING:
 
 
 def per_call_us(comm: gpuring.Communicator, fn: Callable[[], object], iters: int,
-                clock: Callable[[], float] = time.perf_counter) -> float:
+                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The per-call mean of `iters` calls, 3 times."""
     reps = []
     for _ in range(3):
         comm.barrier()
@@ -45,7 +48,7 @@ def per_call_us(comm: gpuring.Communicator, fn: Callable[[], object], iters: int
         for _ in range(iters):
             fn()
         reps.append((clock() - t0) / iters * 1e6)
-    return statistics.median(reps)
+    return reps
 
 
 def opcodes(fn: Callable[[], object], calls: int = 50) -> float:
@@ -97,7 +100,7 @@ def main() -> None:
               f"{args.rounds} rounds; python {sys.version.split()[0]}, numpy {np.__version__}, "
               f"{ring.capacity} entries per communicator")
         print(f"{'bytes':>6} {'call':>8} {'on us':>7} {'off us':>7} {'on-off':>7} "
-              f"{'opcodes on':>10} {'off':>5}")
+              f"{'opcodes on':>10} {'off':>5} {'best':>6}")
     for nbytes in (8, 256, 4096):
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(x)
@@ -113,12 +116,15 @@ def main() -> None:
             for _ in range(args.iters // 5):  # warm-up, with the recorder on
                 fn()
             on, off, diff = [], [], []
+            best = {True: float("inf"), False: float("inf")}
             for i in range(args.rounds):
                 order = (ring, None) if i % 2 == 0 else (None, ring)
                 times = {}
                 for setting in order:
                     path.ring = setting
-                    times[setting is not None] = per_call_us(comm, fn, args.iters, clock)
+                    reps = per_call_us(comm, fn, args.iters, clock)
+                    times[setting is not None] = statistics.median(reps)
+                    best[setting is not None] = min(best[setting is not None], *reps)
                 path.ring = ring
                 on.append(times[True])
                 off.append(times[False])
@@ -131,7 +137,8 @@ def main() -> None:
             if comm.rank == 0:
                 print(f"{nbytes:>6} {kind:>8} {statistics.median(on):7.2f} "
                       f"{statistics.median(off):7.2f} {statistics.median(diff):7.2f} "
-                      f"{counted[True]:10.0f} {counted[False]:5.0f}", flush=True)
+                      f"{counted[True]:10.0f} {counted[False]:5.0f} "
+                      f"{best[True] - best[False]:6.2f}", flush=True)
     comm.close()
 
 

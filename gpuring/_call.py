@@ -47,16 +47,13 @@ class Call:
     #: prepared calls it belongs to (`CallPath.generation`: a stale one is looked up anew)
     prepared: PreparedCall | None = None
     generation: int = -1
-    #: what the flight recorder keeps of it (`_recorder.What`'s fields, as a plain tuple),
-    #: once its first run made it
-    what: tuple[Any, ...] | None = None
 
     def with_arrays(self, x: Any, out: Any) -> Call:
         """This call on other arrays of the same layout and placement (what it worked out
         kept)."""
         return Call(self.collective, x, out, self.op, self.root, self.chunk_bytes,
                     self.channels, self.in_place, self.algorithm, self.known_key, self.bound,
-                    self.placement, self.prepared, self.generation, self.what)
+                    self.placement, self.prepared, self.generation)
 
     def key(self) -> tuple[Any, ...]:
         """What picks the prepared call: everything that shapes its plan."""
@@ -151,3 +148,6 @@ class PreparedCall:
     #: what the ranks agree on at every call (the route in two levels across nodes, which
     #: has no status board to compare a call that comes again), else None
     signature: Signature | None = None
+    #: what the flight recorder shows of each call it runs (`_recorder.What`'s fields, as a
+    #: plain tuple): the call it was prepared for, described then (its site included)
+    what: tuple[Any, ...] | None = None

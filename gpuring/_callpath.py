@@ -6,6 +6,7 @@ when something fails on the way is `_failures`'.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import zlib
@@ -28,7 +29,7 @@ from ._errors import (
 from ._failures import Lifecycle, Outcome, State, Unraised, in_context, weakly
 from ._hierarchy import Layout, Levels
 from ._prepare import prepare
-from ._recorder import END, FAILED, SEQ, WHAT, Ring, Standing, clock, describe
+from ._recorder import BEFORE, END, FAILED, WHAT, Ring, Standing, clock, describe
 from ._registry import Registry
 from ._route import Facts
 from ._timeline import Timeline
@@ -108,7 +109,7 @@ class CallPath:
         that comes again (`LastCalls`), or a persistent collective's, holds its prepared
         call: it runs as it is while the prepared calls of this generation stand (forgetting
         them happens on every rank at once, so every rank prepares it anew alike). The
-        flight recorder keeps it: a slot of the ring, its end time, whether it failed."""
+        flight recorder keeps it: an entry of the ring, its end time, whether it failed."""
         if self.life.state is not State.OPEN:
             self._refuse(call)
         if call.x is None:
@@ -118,13 +119,9 @@ class CallPath:
             if prepared is None or call.generation != self.generation:
                 prepared = self._prepared(call)
             ring, entry = self.ring, None
-            if ring is not None:  # (a call that comes again keeps its description; a new
-                seq = self.seq + 1  # one takes its kind's first call's)
-                what = call.what
-                if what is None:
-                    what = call.what = ring.kind(prepared, call.key(), call.out)
-                entry = [seq, what, clock(), 0.0, ""]
-                ring.slots[seq % ring.capacity] = entry
+            if ring is not None:  # (the prepared call holds the description)
+                entry = [self.seq, prepared, clock(), 0.0, ""]
+                ring.append(entry)
             try:  # (costs nothing where nothing fails)
                 launch = prepared.launch
                 if launch is not None and (prepared.captured is not launch or
@@ -165,12 +162,10 @@ class CallPath:
         if ring is None or self.life.state is State.CLOSED:
             self.life.check(call.collective, seq)
             return
-        held = ring.slots[seq % ring.capacity]
-        if held is not None and held[SEQ] == seq:  # recorded (and written) already
+        if ring and ring[-1][BEFORE] == self.seq:  # recorded (and written) already
             self.life.check(call.collective, seq)
             return
-        what = call.what or describe(call.key(), call.out, "")
-        ring.slots[seq % ring.capacity] = [seq, what, clock(), 0.0, "refused"]
+        ring.append([self.seq, describe(call.key(), call.out, ""), clock(), 0.0, "refused"])
         try:
             self.life.check(call.collective, seq)
         except GpuringError as exc:
@@ -254,28 +249,34 @@ class CallPath:
                 self._forget_prepared()
             self.prepared[key] = prepared
         if prepared is not call.prepared:  # (operands of another launch, maybe another
-            call.prepared, call.bound, call.what = prepared, None, None  # schedule)
+            call.prepared, call.bound = prepared, None  # schedule)
         call.generation = self.generation
         return prepared
 
     def _prepare_recorded(self, call: Call) -> PreparedCall:
-        """`prepare(call)`, shown meanwhile in the flight recorder as collective `seq + 1`
+        """`prepare(call)`, with the call's description for the flight recorder
+        (`PreparedCall.what`: made now, recorder on or off, so that a ring turned on later
+        has it). Where the recorder is on, the call shows meanwhile as collective `seq + 1`
         (its ranks agree on it: a rank that stalls there shows where), then as it was (the
         run that follows records the call), or as failed where preparing it failed."""
-        ring, seq = self.ring, self.seq + 1
+        ring = self.ring
+        what = describe(call.key(), call.out, "")
         if ring is None:
-            return prepare(self, call)
-        slot = seq % ring.capacity
-        held = ring.slots[slot]
-        entry = [seq, describe(call.key(), call.out, ""), clock(), 0.0, ""]
-        ring.slots[slot] = entry
-        try:
             prepared = prepare(self, call)
-        except BaseException:
-            entry[FAILED] = "failed"
-            raise
-        ring.slots[slot] = held
-        return prepared
+        else:
+            dropped = ring[0] if len(ring) == ring.capacity else None
+            entry = [self.seq, what, clock(), 0.0, ""]
+            ring.append(entry)
+            try:
+                prepared = prepare(self, call)
+            except BaseException:
+                entry[FAILED] = "failed"
+                raise
+            if ring and ring[-1] is entry:  # (under the lock: nothing was appended since)
+                ring.pop()
+                if dropped is not None:
+                    ring.appendleft(dropped)
+        return dataclasses.replace(prepared, what=(*what[:2], prepared.schedule, *what[3:]))
 
     def _forget_prepared(self) -> None:
         """Drop every prepared call, and those calls keep (a new generation)."""
@@ -581,8 +582,8 @@ class CallPath:
     def _entry_failed(self, seq: int) -> None:
         """The flight recorder's entry of collective `seq` (where it holds one) failed."""
         ring = self.ring
-        entry = None if ring is None else ring.slots[seq % ring.capacity]
-        if entry is not None and entry[SEQ] == seq:
+        entry = ring[-1] if ring else None  # (the newest: the call being prepared)
+        if entry is not None and entry[BEFORE] == seq - 1:
             entry[FAILED] = "failed"
 
     def dump_trace(self, reason: str) -> str | None:

@@ -1,13 +1,15 @@
 """The flight recorder: each communicator's last collectives, kept by every rank in a ring,
 and written as JSON when something goes wrong (docs/faults.md, "The flight recorder").
 
-Per collective the call path writes one slot, `Ring.slots[seq % capacity] = [seq, what,
-start, 0.0, ""]` (`what`: the call's `What`, made once per checked call and kept on it),
-and the end time when the call returns: a list built, one store, two clock reads. Where the
-call raises, its last field says "failed" (or "refused": the communicator had failed before
-the call, which never ran). Nothing else is done per call: the state of each other entry
-(running, queued, done, failed) is worked out when a dump is written, from the
-communicator's lifecycle (`Standing`).
+Per collective the call path appends one entry to the communicator's `Ring`, `[before,
+prepared, start, 0.0, ""]` (`before`: the collectives this rank started before it, its number
+less one; `prepared`: the `PreparedCall` that runs it, which holds the description of the call
+it was prepared for, made once when it was prepared), and writes the end time when the call
+returns: a list built, an append, two clock reads. Where the call raises, its description
+becomes the call's own and its last field says "failed" (or "refused": the communicator had
+failed before the call, which never ran). Nothing else is done per call: the words of each
+entry (verb, shapes, site) are worked out when a dump is written, and so is its state
+(running, queued, done, failed), from the communicator's lifecycle (`Standing`).
 
 A dump holds every live communicator of the process, one file per rank of the job
 (`trace_file`), written on a failure, a timeout, an abort, `Communicator.dump_trace()` and
@@ -25,23 +27,25 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from types import CodeType
 from typing import Any, NamedTuple, Protocol
 
 from . import settings
 from ._wording import REDUCING, ROOTED
 
-__all__ = ["FORMAT", "VERSION", "What", "fields", "Ring", "Standing", "Recorded",
-           "describe",
-           "register", "dump", "trace_dir", "trace_file", "clock", "SEQ", "WHAT",
+__all__ = ["FORMAT", "VERSION", "What", "Described", "fields", "Ring", "Standing", "Recorded",
+           "describe", "register", "dump", "trace_dir", "trace_file", "clock", "BEFORE", "WHAT",
            "START", "END", "FAILED"]
 
 #: the dump's format and version (docs/faults.md describes version 1)
 FORMAT = "gpuring-flight-recorder"
 VERSION = 1
 
-#: the fields of a slot (FAILED: "" while the call has not raised, else its state)
-SEQ, WHAT, START, END, FAILED = range(5)
+#: the fields of an entry (BEFORE: the collectives started before it, so its number less one;
+#: WHAT: a `What`, or what holds one, `Described`; END: 0.0 while the call has not returned;
+#: FAILED: "" while the call has not raised, else its state)
+BEFORE, WHAT, START, END, FAILED = range(5)
 
 #: the clock of the start and end times (`time.monotonic`: one clock for every process of a
 #: node); a dump writes them as Unix times
@@ -66,8 +70,23 @@ class What(NamedTuple):
     lasti: int
 
 
-def fields(what: tuple[Any, ...]) -> dict[str, Any]:
-    """An entry's fields of a dump, but its number, state and times (`what`: a `What`)."""
+class Described(Protocol):
+    """What an entry may hold instead of its `What` (a `PreparedCall`: the description of the
+    call it was prepared for)."""
+
+    @property
+    def what(self) -> tuple[Any, ...] | None: ...
+
+
+def fields(what: tuple[Any, ...] | Described) -> dict[str, Any]:
+    """An entry's fields of a dump, but its number, state and times (`what`: a `What`, or
+    what holds one)."""
+    if not isinstance(what, tuple):
+        held = what.what
+        if held is None:  # (not described: not prepared by a call path)
+            return {"verb": None, "shapes": [], "dtype": None, "op": None, "root": None,
+                    "schedule": "", "site": ""}
+        what = held
     key, out_shape, schedule, code, lasti = what
     verb = key[0]
     if len(key) == 1:  # a barrier
@@ -114,35 +133,27 @@ def _site(code: CodeType | None, lasti: int) -> str:
     return f"{code.co_filename}:{line if line is not None else code.co_firstlineno}"
 
 
-class Ring:
-    """A communicator's last `capacity` collectives: slots indexed by sequence number; and
-    the description of each kind of call it ran (`kinds`: id of its `PreparedCall` -> that
-    prepared call and the `What` of its first call), which a new call of that kind takes
-    rather than walk the stack anew."""
+class Ring(deque[list[Any]]):
+    """A communicator's last `capacity` collectives: the entries, oldest first (appending one
+    to a full ring drops the oldest). A call whose number comes again (one refused before it
+    ran) has its newest entry shown."""
 
-    __slots__ = ("capacity", "kinds", "slots")
+    __slots__ = ()
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.slots: list[list[Any] | None] = [None] * capacity
-        self.kinds: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+        super().__init__((), capacity)
 
-    def kind(self, prepared: Any, key: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
-        """The `What` of a call of the kind `prepared` runs: the first one's (described now,
-        where it is the first; `key` and `out`: the call's). Called by the call path."""
-        held = self.kinds.get(id(prepared))
-        if held is None or held[0] is not prepared:
-            if len(self.kinds) > 4096:  # bounded: forgetting costs a walk of the stack
-                self.kinds.clear()
-            held = self.kinds[id(prepared)] = (prepared, describe(key, out, prepared.schedule,
-                                                                  3))
-        return held[1]
+    @property
+    def capacity(self) -> int:
+        return self.maxlen or 0
 
     def entries(self) -> list[list[Any]]:
-        """The slots written so far, oldest first (copies: the caller's thread may write
-        meanwhile)."""
-        return sorted((list(s) for s in list(self.slots) if s is not None),
-                      key=lambda s: s[SEQ])
+        """The entries, by number, the newest of each number (copies: the caller's thread
+        may write meanwhile)."""
+        newest: dict[int, list[Any]] = {}
+        for entry in list(self):  # (one copy, under the interpreter's lock)
+            newest[entry[BEFORE]] = entry
+        return [list(newest[before]) for before in sorted(newest)]
 
 
 class Standing(NamedTuple):
@@ -183,7 +194,7 @@ class Recorded(Protocol):
 
 
 def _state(entry: list[Any], standing: Standing, newest: int) -> str:
-    seq = entry[SEQ]
+    seq = entry[BEFORE] + 1
     if entry[FAILED]:
         return str(entry[FAILED])
     broken = standing.broken
@@ -211,7 +222,7 @@ def _communicator(recorded: Recorded, offset: float) -> dict[str, Any] | None:
     if standing.state == "closed" and standing.failure is None:
         return None  # (closed in order: nothing to tell)
     entries = ring.entries()
-    newest = entries[-1][SEQ] if entries else 0
+    newest = entries[-1][BEFORE] + 1 if entries else 0
     failure = standing.failure
     return {
         "group": standing.group,
@@ -224,7 +235,7 @@ def _communicator(recorded: Recorded, offset: float) -> dict[str, Any] | None:
             "type": _error_name(failure), "message": str(failure),
             "blames": standing.blames},
         "entries": [{
-            "seq": entry[SEQ],
+            "seq": entry[BEFORE] + 1,
             **fields(entry[WHAT]),
             "state": _state(entry, standing, newest),
             "start": round(entry[START] + offset, 6),

@@ -8,6 +8,7 @@ import secrets
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .._errors import CollectiveTimeoutError, GpuringError, PeerFailureError
@@ -21,6 +22,10 @@ _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
 
 #: seconds between two polls of a wait's watches (`ControlPlane.watch`)
 _WATCH_EVERY = 0.05
+
+#: the tag of the messages that open an exchange (`MpiControl.allgather`: each rank's size to
+#: each other rank); outside the tags a sub-group's meeting uses on the same communicator
+_SIZE_TAG = 3
 
 
 def launched_by_mpi() -> bool:
@@ -152,6 +157,9 @@ class MpiControl(ControlPlane):
         self._closed = False
         self._interrupted: str | None = None
         self._abandoned: list[Any] = []
+        self._step = 0  #: exchanges started (`allgather`)
+        #: the persistent requests that open an exchange (`_size_requests`), made on first use
+        self._sizes: _Sizes | None = None
 
     def subgroup(self, members: tuple[int, ...], name: str) -> MpiGroup:
         return MpiGroup(self, members, name)
@@ -163,10 +171,18 @@ class MpiControl(ControlPlane):
              buffers: tuple[Any, ...] = ()) -> None:
         """Poll `request` until done; on a timeout or interrupt keep `buffers` alive for good,
         since MPI may still write them."""
+        self._poll(request.Test, request, timeout, f"MPI {what}", buffers)
+
+    def _poll(self, done: Callable[[], bool], request: Any, timeout: float | None, what: str,
+              buffers: tuple[Any, ...], missing: Callable[[], list[int]] | None = None
+              ) -> None:
+        """Call `done()` until it says the `request` (or requests) completed; on a timeout or
+        interrupt keep them and `buffers` alive for good, since MPI may still write them. A
+        timeout names the ranks `missing()` lists, where it is given and lists some."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-6
         watched = time.monotonic()
-        while not request.Test():
+        while not done():
             if self._watches and time.monotonic() > watched + _WATCH_EVERY:
                 watched = time.monotonic()
                 for check in self._watches:
@@ -182,27 +198,52 @@ class MpiControl(ControlPlane):
                 self._abandoned.append((request, buffers))
                 raise heard
             if deadline is not None and time.monotonic() > deadline:
+                absent = [] if missing is None else missing()
                 self._abandoned.append((request, buffers))
                 raise CollectiveTimeoutError(
-                    f"MPI {what} timed out after {timeout} s on rank {self.rank}: "
-                    f"some rank did not take part")
+                    f"{what} timed out after {timeout} s on rank {self.rank}: "
+                    f"{_who(absent)} did not take part", peer=absent[0] if absent else None)
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
     def allgather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        """Each rank first sends its data's size to each other rank (point to point, so
+        that a rank that waits knows whose sizes came: a timeout names the ranks that did
+        not take part), then the data goes in one MPI allgatherv."""
         import numpy as np
 
         MPI = self._MPI
+        self._step += 1
+        what = f"control-plane exchange #{self._step}"
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
-        sizes = np.zeros(self.size, np.int64)
-        mine = np.array([data.size], np.int64)
-        self.wait(self.comm.Iallgather(mine, sizes), timeout, "allgather", (mine, sizes))
-        gathered = np.empty(int(sizes.sum()), np.uint8)
-        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        request = self.comm.Iallgatherv(data, [gathered, sizes, displs, MPI.BYTE])
-        self.wait(request, timeout, "allgather", (data, gathered, sizes, displs))
-        return [pickle.loads(gathered[displs[r]:displs[r] + sizes[r]].tobytes())
+        sizes = self._sizes if self._sizes is not None else self._size_requests()
+        sizes.mine[0] = data.size
+        if sizes.requests:
+            self._sizes = None  # (until they complete: a failed wait leaves them to MPI)
+            MPI.Prequest.Startall(sizes.requests)
+            self._poll(lambda: bool(MPI.Request.Testall(sizes.requests)), sizes.requests,
+                       timeout, what, (sizes.mine, sizes.heard), sizes.missing)
+            self._sizes = sizes
+        sizes.heard[self.rank] = data.size
+        heard = sizes.heard.copy()
+        gathered = np.empty(int(heard.sum()), np.uint8)
+        displs = np.concatenate(([0], np.cumsum(heard)[:-1]))
+        request = self.comm.Iallgatherv(data, [gathered, heard, displs, MPI.BYTE])
+        self._poll(request.Test, request, timeout, what, (data, gathered, heard, displs))
+        return [pickle.loads(gathered[displs[r]:displs[r] + heard[r]].tobytes())
                 for r in range(self.size)]
+
+    def _size_requests(self) -> _Sizes:
+        """The persistent requests that send this rank's size to each other rank and
+        receive theirs (made once, and anew after a wait that did not complete them)."""
+        import numpy as np
+
+        mine, heard = np.zeros(1, np.int64), np.zeros(self.size, np.int64)
+        peers = [r for r in range(self.size) if r != self.rank]
+        receives = [self.comm.Recv_init(heard[r:r + 1], source=r, tag=_SIZE_TAG)
+                    for r in peers]
+        sends = [self.comm.Send_init(mine, dest=r, tag=_SIZE_TAG) for r in peers]
+        return _Sizes(mine, heard, peers, receives, receives + sends)
 
     def _notice_error(self, notice: Notice) -> GpuringError:
         """The error of a failure notice, naming ranks of this group where they are in it:
@@ -238,7 +279,34 @@ class MpiControl(ControlPlane):
             self._closed = True
             if self._own_alarm:
                 self._alarm.close()
+            if self._sizes is not None:  # (inactive: the last exchange completed them)
+                for request in self._sizes.requests:
+                    request.Free()
             self.comm.Free()
+
+
+class _Sizes(NamedTuple):
+    """The persistent requests that open an exchange (`MpiControl._size_requests`)."""
+
+    #: this rank's size, and every rank's as received (this rank's own set after)
+    mine: Any
+    heard: Any
+    #: the other ranks, and the receive from each, in that order
+    peers: list[int]
+    receives: list[Any]
+    #: the receives and the sends
+    requests: list[Any]
+
+    def missing(self) -> list[int]:
+        """The ranks whose size has not come (after a wait for them timed out)."""
+        return [peer for peer, receive in zip(self.peers, self.receives, strict=True)
+                if not receive.Test()]
+
+
+def _who(ranks: list[int]) -> str:
+    """Ranks, in words, as a timeout names the ranks that did not take part."""
+    return "some rank" if not ranks else f"rank {ranks[0]}" if len(ranks) == 1 else \
+        f"ranks {ranks}"
 
 
 class MpiGroup(MpiControl):

@@ -369,21 +369,41 @@ def test_a_control_plane_timeout_fails_the_late_rank_too(launcher, tmp_path):
     assert proc.returncode == 0, out
     got = dir_results(tmp_path)
     assert set(got) == {0, 1, 2}, out
-    exchange = "control-plane exchange" if launcher == "gpuring" else "MPI allgather"
-    # the launcher's control plane knows who did not take part, and the errors name it
-    waited = " waiting for rank 1" if launcher == "gpuring" else ""
-    peer = "1" if launcher == "gpuring" else "None"
+    # the control plane (the launcher's, or MPI's) knows who did not take part, and the
+    # errors name it
     for rank in (0, 2):  # its own timeout, or the other's if that one said so first
-        assert f"RESULT {rank} CollectiveTimeoutError peer={peer} " in got[rank], out
-        assert f":: all_reduce #2 on rank {rank}: {exchange} " in got[rank] or (
-            f":: all_reduce #2 on rank {rank}: rank {2 - rank} timed out{waited}: "
+        assert f"RESULT {rank} CollectiveTimeoutError peer=1 " in got[rank], out
+        assert f":: all_reduce #2 on rank {rank}: control-plane exchange " in got[rank] or (
+            f":: all_reduce #2 on rank {rank}: rank {2 - rank} timed out waiting for rank 1: "
             in got[rank]), out
-        if launcher == "gpuring":
-            assert "rank 1 did not take part" in got[rank], out
+        assert "rank 1 did not take part" in got[rank], out
     assert "RESULT 1 CollectiveTimeoutError " in got[1], out
-    assert re.search(rf"all_reduce #2 on rank 1: rank [02] timed out{waited}: all_reduce #2: ",
+    assert re.search(r"all_reduce #2 on rank 1: rank [02] timed out waiting for rank 1: "
+                     r"all_reduce #2: ",
                      got[1]), out
     assert after(got[1]) < 1.5, out  # told, not timed out itself (the timeout is 2 s)
+
+
+@pytest.mark.parametrize("launcher", ["gpuring", MPIEXEC])
+def test_a_rank_missing_from_the_first_call_is_named(launcher, tmp_path):
+    """Rank 2 enters its first all_reduce only once the others timed out waiting for it
+    there (in the control plane's exchange that sets the call up: under mpiexec, MPI's).
+    They raise CollectiveTimeoutError naming the collective and rank 2 (`.peer` too), alike
+    under both launchers; rank 2 raises at once, told."""
+    proc = launch(launcher, 3, [WORKER, "first_call_stall", str(tmp_path)],
+                  env={"GPURING_TIMEOUT": "3"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    got = dir_results(tmp_path)
+    assert set(got) == {0, 1, 2}, out
+    for rank in (0, 1):  # its own timeout, or the other's where that one said so first
+        assert re.search(rf"RESULT {rank} (CollectiveTimeoutError|PeerFailureError) peer=2 ",
+                         got[rank]), out
+        assert f":: all_reduce #1 on rank {rank}: " in got[rank], out
+        assert "control-plane exchange #1 timed out after 3.0 s on rank " in got[rank], out
+        assert "rank 2 did not take part" in got[rank], out
+    assert re.search(r"RESULT 2 (CollectiveTimeoutError|PeerFailureError) ", got[2]), out
+    assert after(got[2]) < 2.5, out  # told, not timed out itself (the timeout is 3 s)
 
 
 def test_a_lost_launcher_fails_the_exchanges(tmp_path):

@@ -511,6 +511,24 @@ def case_agree_timeout(comm: gpuring.Communicator) -> None:
         wait_for("result-1")  # rank 1 must not need us gone to find out
 
 
+def case_first_call_stall(comm: gpuring.Communicator) -> None:
+    """Rank 2 makes its first collective only once the others gave up waiting for it there
+    (GPURING_TIMEOUT small: they time out while the ranks set the call up); it must raise too,
+    at once (told), and nobody may hang."""
+    x = np.random.default_rng(comm.rank).standard_normal(1000)
+    if comm.rank == 2:
+        wait_for(*(f"result-{r}" for r in range(comm.size) if r != 2))
+    since = time.monotonic()
+    try:
+        got = comm.all_reduce(x)
+    except gpuring.GpuringError as exc:
+        report(comm, exc, since)
+    else:
+        raise AssertionError(f"rank {comm.rank} got {got[:3]} from a call that timed out")
+    if comm.rank != 2:
+        wait_for("result-2")  # rank 2 must not need us gone to find out
+
+
 def case_launcher_lost(comm: gpuring.Communicator) -> None:
     """The test SIGKILLs `gpuring run` while ranks 0 and 2 wait in a control-plane exchange
     for rank 1, which calls only once they raised. Every rank must raise a clear error."""

@@ -175,8 +175,8 @@ def test_the_state_of_each_entry_comes_from_the_lifecycle(trace_dir: Path, case:
     ring = Ring(8)
     gpu = case.startswith("GPU")
     for seq in (1, 2, 3):
-        ring.slots[seq] = [seq, _what("all_reduce"), 10.0 + seq, 10.5 + seq if (
-            seq < 3 or gpu) else 0.0, ""]
+        ring.append([seq - 1, _what("all_reduce"), 10.0 + seq, 10.5 + seq if (
+            seq < 3 or gpu) else 0.0, ""])
     failed = "failed" in case
     standing = Standing(
         group="job1", job_ranks=(0,), rank=0, seq=3,
@@ -249,5 +249,47 @@ def test_a_kind_of_call_takes_its_first_calls_site_but_a_refused_one_its_own(
         assert [(e["seq"], e["state"], e["site"]) for e in entries] == [
             (1, "done", f"{HERE}:{first}"), (2, "done", f"{HERE}:{first}"),
             (3, "refused", f"{HERE}:{refused}")]
+    finally:
+        comm.close()
+
+
+def test_a_call_prepared_with_the_recorder_off_is_described_once_it_is_on(
+        trace_dir: Path) -> None:
+    """The description is made when a call is prepared, recorder on or off: a ring turned
+    on later shows the calls prepared before, with the line of the call that prepared them."""
+    comm = Communicator(SingleProcess(), Config(trace_entries=0))
+    try:
+        x = np.ones((2, 2), np.float32)
+        line = sys._getframe().f_lineno + 1
+        comm.all_reduce(x, op="min")
+        comm._path.ring = Ring(8)  # (as a recorder on from the start would be, registered)
+        _recorder.register(comm._path)
+        comm.all_reduce(x, op="min")
+        (entry,) = _entries(comm.dump_trace() or "", comm._control.job_id)
+        assert (entry["seq"], entry["verb"], entry["op"], entry["shapes"], entry["site"]) == (
+            2, "all_reduce", "min", [[2, 2], [2, 2]], f"{HERE}:{line}")
+    finally:
+        comm.close()
+
+
+def test_a_persistent_collective_shows_where_it_was_made_and_keeps_the_ring_full(
+        trace_dir: Path) -> None:
+    """Preparing a call shows it in the ring meanwhile, then leaves the ring as it was (a
+    full ring keeps its oldest entry); its runs show the line that made it."""
+    comm = Communicator(SingleProcess(), Config(trace_entries=3))
+    try:
+        for _ in range(3):
+            comm.all_reduce(np.ones(3))
+        x = np.ones(5)
+        line = sys._getframe().f_lineno + 1
+        op = comm.all_reduce_init(x, out=np.empty_like(x))
+        entries = _entries(comm.dump_trace() or "", comm._control.job_id)
+        assert [e["seq"] for e in entries] == [1, 2, 3]
+        op()
+        op()
+        entries = _entries(comm.dump_trace() or "", comm._control.job_id)
+        assert [(e["seq"], e["state"], e["shapes"]) for e in entries] == [
+            (3, "done", [[3], [3]]), (4, "done", [[5], [5]]), (5, "done", [[5], [5]])]
+        assert entries[-1]["site"] == f"{HERE}:{line}"
     finally:
         comm.close()
