@@ -188,6 +188,8 @@ def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
         raise ValueError(f"{name}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{name}: out must be C-contiguous")
+    if not getattr(out.flags, "writeable", True):  # (NumPy's; CuPy's arrays are writable)
+        raise ValueError(f"{name}: out is read-only")
     if out is not x and _arrays.may_overlap(out, x):
         if in_place is None or not in_place(out):
             how = f"pass {hint} to work in place, or " if hint else "pass "

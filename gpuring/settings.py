@@ -149,16 +149,18 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GPURING_MESSAGE_ATTACH", _flag, True, "1",
             "0: a rank never reads a peer's memory with process_vm_readv (cross-memory "
             "attach); messages larger than the eager limit then stream through the inbox"),
-    Setting("GPURING_ATTACH_BYTES", parse_size, 4 << 20, "4M",
-            "NumPy all_reduce (above `GPURING_ONE_SHOT_BYTES` too), reduce_scatter and "
-            "all_gather of plain arrays on ranks of one node, with inputs of at least this "
-            "many bytes, on one channel (ring not asked for): each rank reads and writes its "
-            "peers' arrays where they lie with process_vm_readv/process_vm_writev "
-            "(cross-memory attach), as over registered memory (2 x size through memory, the "
-            "rank-order fold's bits), instead of staging them through the shared buffers; "
-            "where the kernel refuses it between any two ranks (probed when the communicator "
-            "is made; said once in the log, at INFO level) they stage; 0: never. Below 4M, "
-            "on a 2-core VM, the ring staged in cache was faster "
+    Setting("GPURING_ATTACH_BYTES", parse_size, 0, "0 (off)",
+            "where set (e.g. 4M), NumPy all_reduce (above `GPURING_ONE_SHOT_BYTES` too), "
+            "reduce_scatter and all_gather of plain arrays on ranks of one node, with inputs "
+            "of at least this many bytes, on one channel (ring not asked for): each rank reads "
+            "and writes its peers' arrays where they lie with "
+            "process_vm_readv/process_vm_writev (cross-memory attach), as over registered "
+            "memory (2 x size through memory, the rank-order fold's bits), instead of staging "
+            "them through the shared buffers; where the kernel refuses it between any two "
+            "ranks (probed when the communicator is made; said once in the log, at INFO "
+            "level) they stage. Off by default: a rank whose call fails (an abort, a timeout) "
+            "returns while a peer may still be writing into its arrays, which it may free or "
+            "reuse then. 4M: below it, on a 2-core VM, the ring staged in cache was faster "
             "(bench/results/cpu-plain-cma-vs-mpi.txt)"),
     Setting("GPURING_FUSION_BYTES", parse_size, 64 << 20, "64M",
             "largest fusion buffer of `all_reduce_many`"),

@@ -102,6 +102,8 @@ def problem(name: str, x: Any, *, op: Any = "sum", out: Any = None, root: Any = 
             return "out has the wrong shape"
         if not out.flags.c_contiguous:
             return "out is not C-contiguous"
+        if not out.flags.writeable:
+            return "out is read-only"
         if np.shares_memory(out, x) and not in_place_form(name, x, out):
             return "out overlaps x"
     return None
@@ -276,6 +278,11 @@ def test_messages_say_what_to_do(comm):
         comm.all_reduce([1, 2, 3])
     with pytest.raises(TypeError, match="not supported"):
         comm.all_reduce(np.ones(3, bool))
+    frozen = np.zeros(4, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.all_reduce(x, out=frozen)
+    assert not frozen.any()
 
 
 def test_algorithms_are_checked(comm):
