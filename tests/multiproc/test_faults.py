@@ -397,7 +397,8 @@ def test_a_rank_missing_from_the_first_call_is_named(launcher, tmp_path):
         assert re.search(rf"RESULT {rank} (CollectiveTimeoutError|PeerFailureError) peer=2 ",
                          got[rank]), out
         assert f":: all_reduce #1 on rank {rank}: " in got[rank], out
-        assert "control-plane exchange #1 timed out after 3.0 s on rank " in got[rank], out
+        assert re.search(r"control-plane exchange #\d+ timed out after 3.0 s on rank ",
+                         got[rank]), out  # (#1 and those setting the call up: any of them)
         assert "rank 2 did not take part" in got[rank], out
     assert re.search(r"RESULT 2 (CollectiveTimeoutError|PeerFailureError) ", got[2]), out
     assert after(got[2]) < 2.5, out  # told, not timed out itself (the timeout is 3 s)
