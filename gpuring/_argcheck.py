@@ -188,7 +188,7 @@ def output_array(out: Any, x: Any, shape: tuple[int, ...], name: str,
         raise ValueError(f"{name}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{name}: out must be C-contiguous")
-    if not getattr(out.flags, "writeable", True):  # (NumPy's; CuPy's arrays are writable)
+    if not _arrays.is_cupy(out) and not out.flags.writeable:  # (CuPy's are writable)
         raise ValueError(f"{name}: out is read-only")
     if out is not x and _arrays.may_overlap(out, x):
         if in_place is None or not in_place(out):
