@@ -806,11 +806,25 @@ class Messages:
             with self.lock:  # what it sent before it went is taken first
                 if ready():
                     return True
-            peer_gone, why = gone[0]
+            peer_gone, why = self._first_gone(gone)
             self._give_up(pending, PeerFailureError(
                 f"{name} on rank {self.rank}: {why} while this rank waited for it",
                 peer=peer_gone))
         return False
+
+    def _first_gone(self, gone: list[tuple[int, str]]) -> tuple[int, str]:
+        """Of the peers gone while a wait from any rank waited, the root cause the status
+        board names (a peer that gave up because of another, and then ended, names that
+        one); else the first."""
+        watchdog = self.path.watchdog
+        trouble = None if watchdog is None or len(gone) < 2 else watchdog.board.troubled_peer()
+        if trouble is not None:
+            why = dict(gone)
+            peer, _, _, culprit = trouble
+            for q in (culprit, peer):
+                if q in why:
+                    return q, why[q]
+        return gone[0]
 
     def _control_notice(self) -> GpuringError | None:
         if self._mpi is None:
