@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import gpuring
 import gpuring.torch
+from gpuring._status import process_alive
 
 
 def ints(shape, seed, dtype=torch.float32):
@@ -186,16 +187,6 @@ def ddp() -> None:
             same(g, p, "ddp parameters alike on every rank")
 
 
-def running(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not: it ended, unreaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
-
-
 def until(condition, what: str) -> None:
     deadline = time.monotonic() + 60
     while not condition():
@@ -220,13 +211,13 @@ def leave() -> None:
         dist.broadcast(x, 0)
         print(f"rank {rank}: {case} ok", flush=True)
         os._exit(0)
-    until(lambda: not running(rank0), "rank 0's process did not end")
+    until(lambda: not process_alive(rank0), "rank 0's process did not end")
     time.sleep(0.5)
-    assert running(served_by), "the group's server ended with rank 0's process"
+    assert process_alive(served_by), "the group's server ended with rank 0's process"
     dist.broadcast(x, 0)
     same(x, data * 2, "broadcast after rank 0 ended")
     dist.destroy_process_group()
-    until(lambda: not running(served_by), "the group's server outlived every rank's leaving")
+    until(lambda: not process_alive(served_by), "the group's server outlived every rank's leaving")
     print(f"rank {rank}: {case} ok", flush=True)
     sys.exit(0)
 
